@@ -1,0 +1,1 @@
+//! In-process loopback transport of reshard (the embedded default).

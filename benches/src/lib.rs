@@ -1,0 +1,1 @@
+//! Benchmarks and the report command of reshard.

@@ -1,0 +1,1 @@
+//! The conformance suite every reshard transport backend must pass.

@@ -1,0 +1,1 @@
+//! Configuration (placeholder; filled in by the config work).

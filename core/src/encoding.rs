@@ -1,0 +1,1 @@
+//! Shard-table wire encoding (placeholder; filled in by the encoding work).

@@ -1,0 +1,288 @@
+//! The one public error type of reshard: a kind, a message, context (tensor, owner, byte range,
+//! backend) and a retryable flag. Tests assert [`ErrorKind`], never message text.
+
+use std::fmt;
+use std::ops::Range;
+
+/// What went wrong, as a stable, matchable kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Encoded shard table or metadata could not be decoded (truncated, wrong version, bad value).
+    Decode,
+    /// A shard table is internally invalid (box outside shape, zero extent, duplicate names...).
+    InvalidTable,
+    /// Two publishers disagree on a tensor's dtype or global shape.
+    InconsistentTensor,
+    /// Offers with the same box carry different digests: they are not replicas.
+    ReplicaDivergence,
+    /// A wanted box is not (fully) offered by any publisher.
+    MissingCoverage,
+    /// Distinct offers partially overlap inside a wanted box (would read bytes twice).
+    OverlappingOffers,
+    /// A receiver layout cannot be built (TP does not divide an extent, bad strides...).
+    Layout,
+    /// A read or registration falls outside a registered memory region.
+    OutOfBounds,
+    /// A read names an owner whose metadata was never loaded.
+    PeerUnknown,
+    /// The transport failed to move bytes.
+    Transport,
+    /// The operation was aborted.
+    Aborted,
+    /// Installed bytes do not match the publisher's digest.
+    Verification,
+    /// A guard (throughput ceiling, coverage floor) refused the update.
+    Guard,
+    /// Configuration is invalid (unknown key, unknown transport kind...).
+    Config,
+    /// The backend does not support what was asked.
+    Unsupported,
+    /// A bug or broken invariant inside reshard.
+    Internal,
+}
+
+impl ErrorKind {
+    /// A short snake_case name, stable for JSON output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Decode => "decode",
+            ErrorKind::InvalidTable => "invalid_table",
+            ErrorKind::InconsistentTensor => "inconsistent_tensor",
+            ErrorKind::ReplicaDivergence => "replica_divergence",
+            ErrorKind::MissingCoverage => "missing_coverage",
+            ErrorKind::OverlappingOffers => "overlapping_offers",
+            ErrorKind::Layout => "layout",
+            ErrorKind::OutOfBounds => "out_of_bounds",
+            ErrorKind::PeerUnknown => "peer_unknown",
+            ErrorKind::Transport => "transport",
+            ErrorKind::Aborted => "aborted",
+            ErrorKind::Verification => "verification",
+            ErrorKind::Guard => "guard",
+            ErrorKind::Config => "config",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where an error happened: every field is optional and filled in by whoever knows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ErrorContext {
+    /// Tensor (global name) involved.
+    pub tensor: Option<String>,
+    /// Publisher rank / owner involved.
+    pub owner: Option<u32>,
+    /// Byte range involved (in the owner's region, or the local buffer).
+    pub range: Option<Range<u64>>,
+    /// Backend (transport scheme) that reported it.
+    pub backend: Option<String>,
+}
+
+/// Structured facts for the domain errors that users act on, beyond kind and context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorDetail {
+    /// Two publishers disagree on one tensor.
+    InconsistentTensor {
+        /// Tensor name.
+        tensor: String,
+        /// First publisher rank.
+        rank_a: u32,
+        /// Second publisher rank.
+        rank_b: u32,
+        /// What differs ("dtype bf16 vs f32", "shape [4, 8] vs [4, 16]").
+        what: String,
+    },
+    /// Same box, different digests.
+    ReplicaDivergence {
+        /// Tensor name.
+        tensor: String,
+        /// The shared box.
+        tensor_box: crate::model::TensorBox,
+        /// The two owners whose digests differ.
+        owners: (u32, u32),
+        /// Hex prefixes of the two digests.
+        digest_prefixes: (String, String),
+    },
+    /// A wanted box (or part of it) that nobody offers.
+    MissingCoverage {
+        /// Tensor name.
+        tensor: String,
+        /// A box of the tensor that is wanted and not offered.
+        missing: crate::model::TensorBox,
+    },
+}
+
+/// The public error of every reshard crate.
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    context: ErrorContext,
+    detail: Option<Box<ErrorDetail>>,
+    retryable: bool,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+/// Result alias using [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A new error of `kind` with a human message.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error {
+            kind,
+            message: message.into(),
+            context: ErrorContext::default(),
+            detail: None,
+            retryable: false,
+            source: None,
+        }
+    }
+
+    /// The kind, for matching.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message without context.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The context collected so far.
+    pub fn context(&self) -> &ErrorContext {
+        &self.context
+    }
+
+    /// Structured facts, for the errors that have them.
+    pub fn detail(&self) -> Option<&ErrorDetail> {
+        self.detail.as_deref()
+    }
+
+    /// Attaches structured facts.
+    pub fn with_detail(mut self, detail: ErrorDetail) -> Self {
+        self.detail = Some(Box::new(detail));
+        self
+    }
+
+    /// Whether retrying the same operation may succeed.
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// Names the tensor (keeps an existing one).
+    pub fn with_tensor(mut self, tensor: impl Into<String>) -> Self {
+        if self.context.tensor.is_none() {
+            self.context.tensor = Some(tensor.into());
+        }
+        self
+    }
+
+    /// Names the owner (keeps an existing one).
+    pub fn with_owner(mut self, owner: u32) -> Self {
+        if self.context.owner.is_none() {
+            self.context.owner = Some(owner);
+        }
+        self
+    }
+
+    /// Names the byte range (keeps an existing one).
+    pub fn with_range(mut self, range: Range<u64>) -> Self {
+        if self.context.range.is_none() {
+            self.context.range = Some(range);
+        }
+        self
+    }
+
+    /// Names the backend (keeps an existing one).
+    pub fn with_backend(mut self, backend: impl Into<String>) -> Self {
+        if self.context.backend.is_none() {
+            self.context.backend = Some(backend.into());
+        }
+        self
+    }
+
+    /// Marks the error retryable or not.
+    pub fn set_retryable(mut self, retryable: bool) -> Self {
+        self.retryable = retryable;
+        self
+    }
+
+    /// Attaches an underlying cause (keeps native status codes of backends).
+    pub fn with_source(
+        mut self,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind, self.message)?;
+        let c = &self.context;
+        if let Some(t) = &c.tensor {
+            write!(f, " [tensor {t}]")?;
+        }
+        if let Some(o) = c.owner {
+            write!(f, " [owner {o}]")?;
+        }
+        if let Some(r) = &c.range {
+            write!(f, " [bytes {}..{}]", r.start, r.end)?;
+        }
+        if let Some(b) = &c.backend {
+            write!(f, " [backend {b}]")?;
+        }
+        if self.retryable {
+            f.write_str(" (retryable)")?;
+        }
+        if let Some(s) = &self.source {
+            write!(f, ": {s}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_is_kept_and_not_overwritten() {
+        let e = Error::new(ErrorKind::Transport, "boom")
+            .with_owner(3)
+            .with_owner(4)
+            .with_tensor("w")
+            .with_range(10..20)
+            .with_backend("loopback")
+            .set_retryable(true);
+        assert_eq!(e.kind(), ErrorKind::Transport);
+        assert_eq!(e.context().owner, Some(3));
+        assert_eq!(e.context().range, Some(10..20));
+        assert!(e.is_retryable());
+        let s = e.to_string();
+        assert!(s.contains("owner 3") && s.contains("tensor w") && s.contains("10..20"));
+    }
+}

@@ -1,0 +1,147 @@
+//! A receiver's wanted layout: its parameters and the copies that fill them (DESIGN §2).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::model::{DType, TensorBox};
+
+/// One box of a source tensor and where it lands inside a parameter.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WantedCopy {
+    /// Source tensor's global name.
+    pub tensor: String,
+    /// Box of the source tensor, in global coordinates.
+    pub src_box: TensorBox,
+    /// Byte offset in the parameter of the box's first element.
+    pub dst_offset: u64,
+    /// Element strides in the parameter, one per box dimension.
+    pub dst_strides: Vec<u64>,
+}
+
+/// One receiver parameter (a contiguous buffer) and the copies that fill it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamSpec {
+    /// Engine-side parameter name (e.g. `...qkv_proj.weight`).
+    pub name: String,
+    /// Element type; every source must match it (no conversions).
+    pub dtype: DType,
+    /// Shape of the parameter.
+    pub shape: Vec<u64>,
+    /// Copies filling it.
+    pub copies: Vec<WantedCopy>,
+}
+
+impl ParamSpec {
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size()
+    }
+}
+
+/// Everything one receiver rank wants.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WantedLayout {
+    /// Receiver rank (used by owner spreading, and in reports).
+    pub receiver_rank: u32,
+    /// Parameters, in engine order.
+    pub params: Vec<ParamSpec>,
+}
+
+impl WantedLayout {
+    /// Number of copies across all parameters.
+    pub fn copies(&self) -> usize {
+        self.params.iter().map(|p| p.copies.len()).sum()
+    }
+
+    /// Total parameter bytes.
+    pub fn bytes(&self) -> u64 {
+        self.params.iter().map(|p| p.bytes()).sum()
+    }
+
+    /// Checks every copy stays inside its parameter; errors name parameter and tensor.
+    pub fn validate(&self) -> Result<()> {
+        for p in &self.params {
+            let pbytes = p
+                .shape
+                .iter()
+                .try_fold(p.dtype.size(), |a, &x| a.checked_mul(x))
+                .ok_or_else(|| {
+                    Error::new(ErrorKind::Layout, format!("parameter {} overflows u64", p.name))
+                })?;
+            for c in &p.copies {
+                let err = |m: String| Error::new(ErrorKind::Layout, m).with_tensor(&c.tensor);
+                if c.dst_strides.len() != c.src_box.rank() || c.src_box.offset.len() != c.src_box.rank() {
+                    return Err(err(format!(
+                        "copy into {} has {} strides for a rank-{} box",
+                        p.name,
+                        c.dst_strides.len(),
+                        c.src_box.rank()
+                    )));
+                }
+                if c.src_box.extent.contains(&0) {
+                    return Err(err(format!("copy into {} has a zero extent", p.name)));
+                }
+                let last = c
+                    .src_box
+                    .extent
+                    .iter()
+                    .zip(&c.dst_strides)
+                    .try_fold(0u64, |a, (&e, &s)| (e - 1).checked_mul(s).and_then(|v| a.checked_add(v)))
+                    .and_then(|v| v.checked_add(1))
+                    .and_then(|v| v.checked_mul(p.dtype.size()))
+                    .and_then(|v| v.checked_add(c.dst_offset));
+                match last {
+                    Some(end) if end <= pbytes => {}
+                    _ => {
+                        return Err(err(format!(
+                            "copy of box {} lands outside parameter {} ({} bytes)",
+                            c.src_box, p.name, pbytes
+                        )))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Row-major element strides of a shape.
+pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
+    let mut s = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strides_are_row_major() {
+        assert_eq!(row_major_strides(&[2, 3, 4]), vec![12, 4, 1]);
+        assert_eq!(row_major_strides(&[5]), vec![1]);
+    }
+
+    #[test]
+    fn copy_outside_param_is_a_layout_error() {
+        let l = WantedLayout {
+            receiver_rank: 0,
+            params: vec![ParamSpec {
+                name: "p".into(),
+                dtype: DType::Bf16,
+                shape: vec![4, 4],
+                copies: vec![WantedCopy {
+                    tensor: "w".into(),
+                    src_box: TensorBox::new(vec![0, 0], vec![4, 4]),
+                    dst_offset: 2,
+                    dst_strides: vec![4, 1],
+                }],
+            }],
+        };
+        let e = l.validate().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Layout);
+        assert_eq!(e.context().tensor.as_deref(), Some("w"));
+    }
+}

@@ -1,0 +1,28 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod digest;
+pub mod encoding;
+pub mod error;
+pub mod layout;
+pub mod memory;
+pub mod merge;
+pub mod model;
+pub mod plan;
+pub mod registry;
+pub mod transport;
+
+pub use digest::Digest;
+pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, Result};
+pub use layout::{ParamSpec, WantedCopy, WantedLayout};
+pub use memory::{HostBuffer, MemoryBlock};
+pub use merge::{dedup, merge, DedupOptions, DedupReport, MergedOffer, MergedTable, MergedTensor};
+pub use model::{
+    DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable, TensorBox,
+    TensorSpec,
+};
+pub use plan::{Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer};
+pub use transport::{
+    Capability, InFlight, PreparedBatch, ReadBatch, ReadDesc, Registration, Transport, WireReport,
+};

@@ -1,0 +1,370 @@
+//! Merging many publishers' shard tables, and replica dedup: one owner per byte-identical offer
+//! (DESIGN §3).
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::digest::{Digest, Fingerprinter};
+use crate::error::{Error, ErrorDetail, ErrorKind, Result};
+use crate::model::{OfferLocation, OwnerId, ShardTable, TensorBox, TensorSpec};
+
+/// One offer after merge: the owner is explicit because offers of many tables are mixed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergedOffer {
+    /// Publisher rank that holds the bytes.
+    pub owner: OwnerId,
+    /// Box of the tensor.
+    pub tensor_box: TensorBox,
+    /// Where the bytes live in the owner's memory.
+    pub location: OfferLocation,
+    /// Digest of the bytes, if published.
+    pub digest: Option<Digest>,
+}
+
+/// A tensor with every offer any publisher made of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergedTensor {
+    /// Global spec, identical across publishers.
+    pub spec: TensorSpec,
+    /// Offers, ordered by owner then publication order.
+    pub offers: Vec<MergedOffer>,
+}
+
+/// All publishers' offers, grouped per tensor.
+#[derive(Debug, Clone, Default)]
+pub struct MergedTable {
+    /// Tensors in order of first appearance (tables taken in rank order).
+    pub tensors: Vec<MergedTensor>,
+    index: HashMap<String, usize>,
+    /// Distinct training steps seen (normally exactly one).
+    pub steps: Vec<u64>,
+    /// Number of tables merged.
+    pub publishers: usize,
+}
+
+impl MergedTable {
+    /// Looks a tensor up by name.
+    pub fn get(&self, name: &str) -> Option<&MergedTensor> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// Index of a tensor by name.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// Total number of offers.
+    pub fn offer_count(&self) -> usize {
+        self.tensors.iter().map(|t| t.offers.len()).sum()
+    }
+
+    /// Fingerprint of everything the plan depends on (names, shapes, boxes, owners, locations),
+    /// and nothing it does not (digests, step): equal fingerprints mean the cached plan holds.
+    pub fn geometry_fingerprint(&self) -> u64 {
+        let mut f = Fingerprinter::new();
+        for t in &self.tensors {
+            f.str(&t.spec.name).u64(t.spec.dtype.code() as u64);
+            f.u64(t.spec.shape.len() as u64);
+            for &s in &t.spec.shape {
+                f.u64(s);
+            }
+            f.u64(t.offers.len() as u64);
+            for o in &t.offers {
+                f.u64(o.owner as u64)
+                    .u64(o.location.region)
+                    .u64(o.location.offset);
+                for d in 0..o.tensor_box.rank() {
+                    f.u64(o.tensor_box.offset[d]).u64(o.tensor_box.extent[d]);
+                }
+            }
+        }
+        f.finish()
+    }
+
+    fn push_tensor(&mut self, t: MergedTensor) {
+        self.index.insert(t.spec.name.clone(), self.tensors.len());
+        self.tensors.push(t);
+    }
+}
+
+/// Merges tables: validates each, checks every tensor's dtype and shape agree across publishers,
+/// and concatenates offers per tensor. Tables are taken in rank order, so the result does not
+/// depend on the order they arrived in.
+pub fn merge(tables: &[ShardTable]) -> Result<MergedTable> {
+    let mut order: Vec<&ShardTable> = tables.iter().collect();
+    order.sort_by_key(|t| t.publisher.rank);
+    for w in order.windows(2) {
+        if w[0].publisher.rank == w[1].publisher.rank {
+            return Err(Error::new(
+                ErrorKind::InvalidTable,
+                format!("two tables claim publisher rank {}", w[0].publisher.rank),
+            )
+            .with_owner(w[0].publisher.rank));
+        }
+    }
+    let mut merged = MergedTable {
+        publishers: tables.len(),
+        ..Default::default()
+    };
+    // First rank that declared each tensor, for error messages.
+    let mut first_rank: Vec<OwnerId> = Vec::new();
+    for table in order {
+        table.validate()?;
+        let rank = table.publisher.rank;
+        if !merged.steps.contains(&table.step) {
+            merged.steps.push(table.step);
+        }
+        let mut local: HashMap<&str, usize> = HashMap::with_capacity(table.tensors.len());
+        for spec in &table.tensors {
+            let idx = match merged.position(&spec.name) {
+                Some(i) => {
+                    let have = &merged.tensors[i].spec;
+                    if let Some(what) = difference(have, spec) {
+                        let rank_a = first_rank[i];
+                        return Err(Error::new(
+                            ErrorKind::InconsistentTensor,
+                            format!("ranks {rank_a} and {rank} disagree: {what}"),
+                        )
+                        .with_tensor(&spec.name)
+                        .with_owner(rank)
+                        .with_detail(ErrorDetail::InconsistentTensor {
+                            tensor: spec.name.clone(),
+                            rank_a,
+                            rank_b: rank,
+                            what,
+                        }));
+                    }
+                    i
+                }
+                None => {
+                    first_rank.push(rank);
+                    merged.push_tensor(MergedTensor {
+                        spec: spec.clone(),
+                        offers: Vec::new(),
+                    });
+                    merged.tensors.len() - 1
+                }
+            };
+            local.insert(spec.name.as_str(), idx);
+        }
+        for offer in &table.offers {
+            // validate() guarantees the name is declared.
+            let idx = local[offer.tensor.as_str()];
+            merged.tensors[idx].offers.push(MergedOffer {
+                owner: rank,
+                tensor_box: offer.tensor_box.clone(),
+                location: offer.location,
+                digest: offer.digest,
+            });
+        }
+    }
+    Ok(merged)
+}
+
+fn difference(a: &TensorSpec, b: &TensorSpec) -> Option<String> {
+    if a.dtype != b.dtype {
+        return Some(format!("dtype {} vs {}", a.dtype, b.dtype));
+    }
+    if a.shape != b.shape {
+        return Some(format!("shape {:?} vs {:?}", a.shape, b.shape));
+    }
+    None
+}
+
+/// How dedup picks the owner among replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DedupOptions {
+    /// Spread owners across replicas: the receiver rank modulo the replica count picks one.
+    /// Off by default (measured slower where single legs saturate the fabric).
+    pub spread_receiver_rank: Option<u32>,
+}
+
+/// What dedup did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct DedupReport {
+    /// Offers before dedup.
+    pub offers_in: u64,
+    /// Offers kept.
+    pub kept: u64,
+    /// Offers dropped as replicas.
+    pub dropped: u64,
+    /// Bytes of the dropped offers.
+    pub duplicate_bytes: u64,
+}
+
+/// Collapses offers of the same tensor with an identical box into one, choosing the owner
+/// deterministically (lowest rank, or spread by receiver rank). Offers whose digests are both
+/// present and differ are not replicas: that is a naming bug and fails with `ReplicaDivergence`.
+pub fn dedup(merged: &MergedTable, opts: DedupOptions) -> Result<(MergedTable, DedupReport)> {
+    let mut out = MergedTable {
+        publishers: merged.publishers,
+        steps: merged.steps.clone(),
+        ..Default::default()
+    };
+    let mut report = DedupReport::default();
+    for t in &merged.tensors {
+        report.offers_in += t.offers.len() as u64;
+        let mut order: Vec<usize> = (0..t.offers.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (x, y) = (&t.offers[a], &t.offers[b]);
+            x.tensor_box
+                .cmp(&y.tensor_box)
+                .then(x.owner.cmp(&y.owner))
+                .then(a.cmp(&b))
+        });
+        let mut kept = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let first = &t.offers[order[i]];
+            let mut j = i + 1;
+            while j < order.len() && t.offers[order[j]].tensor_box == first.tensor_box {
+                j += 1;
+            }
+            let group: Vec<&MergedOffer> = order[i..j].iter().map(|&k| &t.offers[k]).collect();
+            check_replicas(&t.spec, &group)?;
+            let pick = match opts.spread_receiver_rank {
+                Some(r) => r as usize % group.len(),
+                None => 0,
+            };
+            kept.push((order[i + pick], group[pick].clone()));
+            let bytes = first.tensor_box.elements() * t.spec.dtype.size();
+            report.dropped += (group.len() - 1) as u64;
+            report.duplicate_bytes += bytes * (group.len() - 1) as u64;
+            i = j;
+        }
+        // Keep the published order among survivors, so plans follow publication order.
+        kept.sort_by_key(|(k, _)| *k);
+        report.kept += kept.len() as u64;
+        out.push_tensor(MergedTensor {
+            spec: t.spec.clone(),
+            offers: kept.into_iter().map(|(_, o)| o).collect(),
+        });
+    }
+    Ok((out, report))
+}
+
+fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
+    let mut with_digest = group.iter().filter_map(|o| o.digest.map(|d| (o.owner, d)));
+    let Some((owner_a, da)) = with_digest.next() else {
+        return Ok(());
+    };
+    for (owner_b, db) in with_digest {
+        if db != da {
+            let b = &group[0].tensor_box;
+            return Err(Error::new(
+                ErrorKind::ReplicaDivergence,
+                format!(
+                    "offers of box {b} by owners {owner_a} and {owner_b} have different digests \
+                     ({}.. vs {}..): they are not replicas (two publishers using one name?)",
+                    da.prefix(12),
+                    db.prefix(12)
+                ),
+            )
+            .with_tensor(&spec.name)
+            .with_owner(owner_b)
+            .with_detail(ErrorDetail::ReplicaDivergence {
+                tensor: spec.name.clone(),
+                tensor_box: b.clone(),
+                owners: (owner_a, owner_b),
+                digest_prefixes: (da.prefix(12), db.prefix(12)),
+            }));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{DType, MemoryKind, ShardOffer};
+
+    fn table(rank: u32, shape: Vec<u64>, boxes: &[(u64, u64)], digest: Option<Digest>) -> ShardTable {
+        let mut t = ShardTable::new(rank, format!("agent{rank}"), 7);
+        t.tensors.push(TensorSpec::new("w", DType::Bf16, shape.clone()));
+        for (k, &(off, ext)) in boxes.iter().enumerate() {
+            let mut o = vec![0; shape.len()];
+            let mut e = shape.clone();
+            o[0] = off;
+            e[0] = ext;
+            t.offers.push(ShardOffer {
+                tensor: "w".into(),
+                tensor_box: TensorBox::new(o, e),
+                location: OfferLocation {
+                    region: 1,
+                    offset: k as u64 * 1024,
+                    memory: MemoryKind::Dram,
+                },
+                digest,
+            });
+        }
+        t
+    }
+
+    #[test]
+    fn merge_rejects_inconsistent_shapes_naming_both_ranks() {
+        let e = merge(&[table(0, vec![4, 4], &[(0, 4)], None), table(3, vec![4, 8], &[(0, 4)], None)])
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InconsistentTensor);
+        match e.detail() {
+            Some(ErrorDetail::InconsistentTensor { tensor, rank_a, rank_b, .. }) => {
+                assert_eq!((tensor.as_str(), *rank_a, *rank_b), ("w", 0, 3));
+            }
+            other => panic!("unexpected detail {other:?}"),
+        }
+    }
+
+    #[test]
+    fn dedup_keeps_lowest_owner_and_reports() {
+        let tables: Vec<_> = (0..8).rev().map(|r| table(r, vec![4, 4], &[(0, 2), (2, 2)], None)).collect();
+        let m = merge(&tables).unwrap();
+        let (d, rep) = dedup(&m, DedupOptions::default()).unwrap();
+        assert_eq!(rep.offers_in, 16);
+        assert_eq!(rep.kept, 2);
+        assert_eq!(rep.dropped, 14);
+        assert_eq!(rep.duplicate_bytes, 14 * 2 * 4 * 2);
+        assert!(d.get("w").unwrap().offers.iter().all(|o| o.owner == 0));
+    }
+
+    #[test]
+    fn dedup_spreading_is_deterministic_by_receiver_rank() {
+        let tables: Vec<_> = (0..4).map(|r| table(r, vec![4], &[(0, 4)], None)).collect();
+        let m = merge(&tables).unwrap();
+        let opts = DedupOptions { spread_receiver_rank: Some(6) };
+        let (d, _) = dedup(&m, opts).unwrap();
+        assert_eq!(d.get("w").unwrap().offers[0].owner, 2);
+    }
+
+    #[test]
+    fn divergent_replicas_fail_naming_tensor_box_and_owners() {
+        let a = table(0, vec![4], &[(0, 4)], Some(Digest::of(b"a")));
+        let b = table(5, vec![4], &[(0, 4)], Some(Digest::of(b"b")));
+        let e = dedup(&merge(&[a, b]).unwrap(), DedupOptions::default()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ReplicaDivergence);
+        match e.detail() {
+            Some(ErrorDetail::ReplicaDivergence { tensor, owners, .. }) => {
+                assert_eq!(tensor, "w");
+                assert_eq!(*owners, (0, 5));
+            }
+            other => panic!("unexpected detail {other:?}"),
+        }
+    }
+
+    #[test]
+    fn partial_overlaps_are_not_duplicates() {
+        let a = table(0, vec![8], &[(0, 4)], None);
+        let b = table(1, vec![8], &[(2, 6)], None);
+        let (d, rep) = dedup(&merge(&[a, b]).unwrap(), DedupOptions::default()).unwrap();
+        assert_eq!(rep.dropped, 0);
+        assert_eq!(d.get("w").unwrap().offers.len(), 2);
+    }
+
+    #[test]
+    fn geometry_fingerprint_ignores_digests() {
+        let a = merge(&[table(0, vec![8], &[(0, 8)], Some(Digest::of(b"x")))]).unwrap();
+        let b = merge(&[table(0, vec![8], &[(0, 8)], Some(Digest::of(b"y")))]).unwrap();
+        let c = merge(&[table(0, vec![8], &[(0, 4)], None)]).unwrap();
+        assert_eq!(a.geometry_fingerprint(), b.geometry_fingerprint());
+        assert_ne!(a.geometry_fingerprint(), c.geometry_fingerprint());
+    }
+}

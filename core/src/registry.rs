@@ -1,0 +1,1 @@
+//! Transport registry (placeholder; filled in by the registry work).

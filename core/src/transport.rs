@@ -1,0 +1,238 @@
+//! The transport abstraction every backend implements: register memory, exchange metadata,
+//! prepare a batch of reads once (the descriptor cache), post all owners' reads, then wait or
+//! abort.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::memory::MemoryBlock;
+use crate::model::{MemoryKind, OwnerId};
+
+/// What a backend can do; tests and the runtime consult this, never the backend's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capability {
+    /// One-sided READ from a peer's registered memory.
+    pub one_sided_read: bool,
+    /// One-sided WRITE into a peer's registered memory.
+    pub one_sided_write: bool,
+    /// Can register and move device (VRAM) memory.
+    pub vram: bool,
+    /// Peers may live in other processes or hosts.
+    pub cross_process: bool,
+    /// Largest number of reads one post accepts, if limited.
+    pub max_reads_per_post: Option<usize>,
+}
+
+/// RAII handle of a registered memory region; dropping it deregisters the region.
+pub struct Registration {
+    id: u64,
+    len: u64,
+    kind: MemoryKind,
+    release: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl Registration {
+    /// Builds a handle; `release` runs once on drop and must not panic.
+    pub fn new(
+        id: u64,
+        len: u64,
+        kind: MemoryKind,
+        release: impl FnOnce() + Send + Sync + 'static,
+    ) -> Self {
+        Registration {
+            id,
+            len,
+            kind,
+            release: Some(Box::new(release)),
+        }
+    }
+
+    /// Region id: what offers put in `OfferLocation::region`, and reads name as local region.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Length of the region in bytes (reads are checked against it).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True when the region has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Memory kind of the region.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(f) = self.release.take() {
+            f();
+        }
+    }
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Registration(id {}, {} bytes, {})",
+            self.id, self.len, self.kind
+        )
+    }
+}
+
+/// One read: `len` bytes from an owner's region into a local registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReadDesc {
+    /// Publisher that holds the source bytes.
+    pub owner: OwnerId,
+    /// Region id in the owner's registrations.
+    pub remote_region: u64,
+    /// Byte offset in that region.
+    pub remote_offset: u64,
+    /// Local region id (from a [`Registration`] of this transport).
+    pub local_region: u64,
+    /// Byte offset in the local region.
+    pub local_offset: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+/// Every read of one update, in plan order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadBatch {
+    /// The reads.
+    pub reads: Vec<ReadDesc>,
+}
+
+impl ReadBatch {
+    /// Total bytes moved.
+    pub fn bytes(&self) -> u64 {
+        self.reads.iter().map(|r| r.len).sum()
+    }
+
+    /// Distinct owners, ascending.
+    pub fn owners(&self) -> Vec<OwnerId> {
+        let mut o: Vec<_> = self.reads.iter().map(|r| r.owner).collect();
+        o.sort_unstable();
+        o.dedup();
+        o
+    }
+}
+
+/// A batch checked and translated by a backend once, reusable for every update: this is the
+/// descriptor cache. It keeps the original batch for wrappers (recording, fault injection).
+pub struct PreparedBatch {
+    batch: Arc<ReadBatch>,
+    backend: &'static str,
+    state: Box<dyn Any + Send + Sync>,
+}
+
+impl PreparedBatch {
+    /// Wraps backend state for `batch`.
+    pub fn new(
+        batch: Arc<ReadBatch>,
+        backend: &'static str,
+        state: impl Any + Send + Sync,
+    ) -> Self {
+        PreparedBatch {
+            batch,
+            backend,
+            state: Box::new(state),
+        }
+    }
+
+    /// The reads this batch moves.
+    pub fn batch(&self) -> &Arc<ReadBatch> {
+        &self.batch
+    }
+
+    /// Name of the backend that prepared it.
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// The backend's own state, if it is of type `T`.
+    pub fn state<T: Any>(&self) -> Option<&T> {
+        self.state.downcast_ref()
+    }
+}
+
+impl fmt::Debug for PreparedBatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "PreparedBatch({}, {} reads)",
+            self.backend,
+            self.batch.reads.len()
+        )
+    }
+}
+
+/// What one completed batch moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WireReport {
+    /// Reads completed.
+    pub reads: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// A posted batch: every owner's reads are already in flight.
+#[async_trait]
+pub trait InFlight: Send {
+    /// Waits for every read; the first failure is returned naming its owner and byte range.
+    async fn wait(self: Box<Self>) -> Result<WireReport>;
+    /// Stops what has not run yet and waits until nothing touches the buffers any more.
+    async fn abort(self: Box<Self>);
+}
+
+/// A backend that moves bytes from publishers' registered memory into local memory.
+///
+/// # Contract
+/// - `register` keeps the block alive until the returned handle drops; reads outside a
+///   registered region are a typed `OutOfBounds` error, never undefined behaviour.
+/// - `prepare` validates every read (peer known, both ranges inside registered regions) and
+///   translates the batch once; the result is reused by every `post` until any registration
+///   or peer changes, which [`Transport::epoch`] reports.
+/// - `post` starts every owner's reads before it returns; nothing is awaited per owner.
+/// - Errors name owner, byte range and backend; `retryable` says whether trying again may help.
+#[async_trait]
+pub trait Transport: Send + Sync + fmt::Debug {
+    /// Scheme of the backend ("loopback", "ucx", "nixl").
+    fn name(&self) -> &'static str;
+
+    /// This endpoint's agent name.
+    fn agent(&self) -> &str;
+
+    /// What the backend can do.
+    fn capabilities(&self) -> Capability;
+
+    /// Changes whenever a local registration or a loaded peer changes: prepared batches made
+    /// under another epoch must be rebuilt.
+    fn epoch(&self) -> u64;
+
+    /// Registers memory for reading from (publisher) or writing into (receiver).
+    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration>;
+
+    /// Serialises what a peer needs to read this endpoint's registered regions.
+    async fn export_metadata(&self) -> Result<Bytes>;
+
+    /// Loads a peer's metadata under the publisher rank its offers use.
+    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()>;
+
+    /// Validates and translates a batch once.
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch>;
+
+    /// Posts every read of a prepared batch, all owners before any wait.
+    async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>>;
+}

@@ -1,0 +1,1 @@
+//! Pure, synchronous fused range planner and model presets of reshard.

@@ -1,0 +1,1 @@
+//! Receiver runtime and synthetic publishers of reshard.
