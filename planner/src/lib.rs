@@ -1,1 +1,7 @@
-//! Pure, synchronous fused range planner and model presets of reshard.
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+pub mod layouts;
+pub mod plan;
+pub mod presets;
+pub mod topology;

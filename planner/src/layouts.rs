@@ -1,0 +1,1 @@
+//! layouts (in progress)

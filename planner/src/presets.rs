@@ -1,0 +1,1 @@
+//! presets (in progress)

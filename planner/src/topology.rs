@@ -1,0 +1,1 @@
+//! topology (in progress)
