@@ -1,1 +1,137 @@
-fn main() {}
+//! `reshard`: plan a refit, run one, or list the model presets.
+
+mod plan_cmd;
+mod refit_cmd;
+mod transports;
+
+use clap::{Args, Parser, Subcommand};
+use std::process::ExitCode;
+
+use reshard_planner::presets::{preset, ModelConfig};
+use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
+
+/// Moves model weights from trainer shards to inference ranks, byte-exact.
+#[derive(Parser)]
+#[command(name = "reshard", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build the fused range plan of every receiver rank and print its statistics.
+    Plan(plan_cmd::PlanArgs),
+    /// Run a refit end to end: warm-up plus N measured updates, verified byte-exact.
+    Refit(refit_cmd::RefitArgs),
+    /// List the model presets.
+    Presets(PresetsArgs),
+}
+
+/// Model and topology flags shared by `plan` and `refit`.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model preset (see `reshard presets`).
+    #[arg(long, default_value = "qwen3-30b-a3b")]
+    pub preset: String,
+    /// Publisher topology, e.g. `ep=8,dp=8` or `tp=4,dp=2` (keys tp, ep, dp, pp).
+    #[arg(long, default_value = "ep=8,dp=8")]
+    pub publishers: String,
+    /// Receiver topology, e.g. `tp=2`.
+    #[arg(long, default_value = "tp=2")]
+    pub receivers: String,
+    /// Keep only the first N layers.
+    #[arg(long)]
+    pub layers: Option<u64>,
+    /// Keep only the first N experts per layer (MoE presets).
+    #[arg(long)]
+    pub experts: Option<u64>,
+    /// Override the vocabulary size.
+    #[arg(long)]
+    pub vocab: Option<u64>,
+}
+
+impl ModelArgs {
+    /// Resolves the preset with overrides and parses both topologies.
+    pub fn resolve(&self) -> reshard_core::Result<(ModelConfig, PublisherTopology, ReceiverTopology)> {
+        let model = preset(&self.preset)?.with_overrides(self.layers, self.experts, self.vocab)?;
+        Ok((model, self.publishers.parse()?, self.receivers.parse()?))
+    }
+}
+
+#[derive(Args)]
+struct PresetsArgs {
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn presets(args: PresetsArgs) -> reshard_core::Result<Outcome> {
+    let all = reshard_planner::presets::presets();
+    if args.json {
+        let v: Vec<_> = all
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "name": p.name,
+                    "description": p.description,
+                    "source": p.source,
+                    "tensors": p.config.tensors().len(),
+                    "bytes": p.config.total_bytes(),
+                    "layers": p.config.layers,
+                    "experts": p.config.moe.as_ref().map(|m| m.experts),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(Outcome(true));
+    }
+    println!("{:<16} {:>8} {:>10}  description", "preset", "tensors", "GiB");
+    for p in &all {
+        println!(
+            "{:<16} {:>8} {:>10.2}  {}",
+            p.name,
+            p.config.tensors().len(),
+            p.config.total_bytes() as f64 / (1u64 << 30) as f64,
+            p.description
+        );
+        println!("{:<16} {:>8} {:>10}  source: {}", "", "", "", p.source);
+    }
+    Ok(Outcome(true))
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RESHARD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(a) => plan_cmd::run(a),
+        Command::Presets(a) => presets(a),
+        Command::Refit(a) => refit_cmd::run(a),
+    };
+    match result {
+        Ok(code) => code.into(),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// What a subcommand returns on success: 0, or 1 when it ran but found a failure.
+pub struct Outcome(pub bool);
+
+impl From<Outcome> for ExitCode {
+    fn from(o: Outcome) -> Self {
+        if o.0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }
+    }
+}

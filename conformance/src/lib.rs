@@ -1,1 +1,41 @@
-//! The conformance suite every reshard transport backend must pass.
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+pub mod checks;
+pub mod fixtures;
+pub mod wrappers;
+
+pub use fixtures::Harness;
+
+/// Makes one `#[tokio::test]` per conformance check, each with a fresh harness from `$make`.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@each $make;
+            install_byte_exact_dense_tp4_to_tp2,
+            install_byte_exact_dense_tp2_to_tp4,
+            install_byte_exact_moe_ep8_dp8_to_tp2,
+            install_byte_exact_gqa_kv_heads_below_publisher_tp,
+            row_parallel_full_pulls_are_byte_exact,
+            executed_reads_equal_the_plan,
+            descriptors_are_reused_across_updates,
+            successive_steps_install_new_weights,
+            missing_coverage_is_typed_and_names_tensor_and_box,
+            divergent_replica_digests_fail,
+            corrupted_source_bytes_fail_verification,
+            transport_failing_mid_batch_leaves_live_weights,
+            read_outside_registered_region_is_typed,
+            throughput_ceiling_guard_refuses_install,
+            abort_stops_a_posted_batch,
+        );
+    };
+    (@each $make:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                let harness = $make;
+                $crate::checks::$check(&harness).await;
+            }
+        )*
+    };
+}

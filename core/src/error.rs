@@ -8,6 +8,8 @@ use std::ops::Range;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ErrorKind {
+    /// An argument is invalid (unknown tensor, bad size, ...).
+    InvalidInput,
     /// Encoded shard table or metadata could not be decoded (truncated, wrong version, bad value).
     Decode,
     /// A shard table is internally invalid (box outside shape, zero extent, duplicate names...).
@@ -46,6 +48,7 @@ impl ErrorKind {
     /// A short snake_case name, stable for JSON output.
     pub fn as_str(self) -> &'static str {
         match self {
+            ErrorKind::InvalidInput => "invalid_input",
             ErrorKind::Decode => "decode",
             ErrorKind::InvalidTable => "invalid_table",
             ErrorKind::InconsistentTensor => "inconsistent_tensor",

@@ -200,7 +200,9 @@ pub trait InFlight: Send {
 ///
 /// # Contract
 /// - `register` keeps the block alive until the returned handle drops; reads outside a
-///   registered region are a typed `OutOfBounds` error, never undefined behaviour.
+///   registered region are a typed `OutOfBounds` error, never undefined behaviour. Region ids
+///   are assigned 1, 2, 3, ... in registration order per endpoint, so the same registrations
+///   give the same ids (and the same plan fingerprint) on every backend.
 /// - `prepare` validates every read (peer known, both ranges inside registered regions) and
 ///   translates the batch once; the result is reused by every `post` until any registration
 ///   or peer changes, which [`Transport::epoch`] reports.

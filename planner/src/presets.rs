@@ -1,1 +1,328 @@
-//! presets (in progress)
+//! Model presets: the architectures reshard plans for, and the HF-canonical tensors each one has.
+//!
+//! A preset is only geometry (names, dtypes, shapes); synthetic publishers derive bytes from it,
+//! and `reshard plan` needs nothing else. Overrides scale a preset down so a byte-moving refit fits
+//! on one machine.
+
+use serde::Serialize;
+
+use reshard_core::{DType, Error, ErrorKind, Result, TensorSpec};
+
+/// Mixture-of-experts shape of every MLP block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MoeConfig {
+    /// Routed experts per layer.
+    pub experts: u64,
+    /// Intermediate size of one expert's MLP.
+    pub expert_intermediate: u64,
+}
+
+/// The architecture facts reshard needs: enough to name and shape every tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModelConfig {
+    /// Preset name (or a user-chosen label).
+    pub name: String,
+    /// Decoder layers.
+    pub layers: u64,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads (GQA groups).
+    pub kv_heads: u64,
+    /// Size of one attention head.
+    pub head_dim: u64,
+    /// Dense MLP intermediate size; unused when `moe` is set.
+    pub intermediate: u64,
+    /// Mixture-of-experts MLP, when every layer is MoE.
+    pub moe: Option<MoeConfig>,
+    /// Vocabulary size (rows of the embedding and of `lm_head`).
+    pub vocab: u64,
+    /// Whether `lm_head` shares the embedding (then it is not a separate tensor).
+    pub tied_embeddings: bool,
+    /// Whether attention has per-head `q_norm` / `k_norm` (Qwen3).
+    pub qk_norm: bool,
+    /// Element type of every tensor.
+    pub dtype: DType,
+}
+
+/// A named, documented model configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Preset {
+    /// Name used by `--preset`.
+    pub name: &'static str,
+    /// One-line description.
+    pub description: &'static str,
+    /// Where the numbers come from.
+    pub source: &'static str,
+    /// The configuration.
+    pub config: ModelConfig,
+}
+
+/// Every preset, in a stable order.
+pub fn presets() -> Vec<Preset> {
+    vec![
+        Preset {
+            name: "qwen3-30b-a3b",
+            description: "Qwen3-30B-A3B: 48 MoE layers, 128 experts, GQA 32/4, BF16 (DESIGN §8)",
+            source: "config.json of Qwen/Qwen3-30B-A3B on its Hugging Face model card \
+                     (hidden_size 2048, num_hidden_layers 48, num_experts 128, \
+                     moe_intermediate_size 768, num_attention_heads 32, num_key_value_heads 4, \
+                     head_dim 128, vocab_size 151936, tie_word_embeddings false)",
+            config: ModelConfig {
+                name: "qwen3-30b-a3b".into(),
+                layers: 48,
+                hidden: 2048,
+                heads: 32,
+                kv_heads: 4,
+                head_dim: 128,
+                // Dense intermediate of the config (6144) is never used: every layer is MoE
+                // (decoder_sparse_step 1, no mlp_only_layers).
+                intermediate: 6144,
+                moe: Some(MoeConfig {
+                    experts: 128,
+                    expert_intermediate: 768,
+                }),
+                vocab: 151_936,
+                tied_embeddings: false,
+                qk_norm: true,
+                dtype: DType::Bf16,
+            },
+        },
+        Preset {
+            name: "llama-3-8b",
+            description: "Llama-3-8B: 32 dense layers, GQA 32/8, BF16",
+            source: "config.json of meta-llama/Meta-Llama-3-8B on its Hugging Face model card \
+                     (hidden_size 4096, num_hidden_layers 32, num_attention_heads 32, \
+                     num_key_value_heads 8, intermediate_size 14336, vocab_size 128256, \
+                     tie_word_embeddings false; head_dim = 4096 / 32)",
+            config: ModelConfig {
+                name: "llama-3-8b".into(),
+                layers: 32,
+                hidden: 4096,
+                heads: 32,
+                kv_heads: 8,
+                head_dim: 128,
+                intermediate: 14_336,
+                moe: None,
+                vocab: 128_256,
+                tied_embeddings: false,
+                qk_norm: false,
+                dtype: DType::Bf16,
+            },
+        },
+    ]
+}
+
+/// The configuration of a preset by name; an unknown name is a `Config` error listing the names.
+pub fn preset(name: &str) -> Result<ModelConfig> {
+    let all = presets();
+    if let Some(p) = all.iter().find(|p| p.name == name) {
+        return Ok(p.config.clone());
+    }
+    let names: Vec<&str> = all.iter().map(|p| p.name).collect();
+    Err(Error::new(
+        ErrorKind::Config,
+        format!("unknown preset {name:?}; available: {}", names.join(", ")),
+    ))
+}
+
+/// Name of a decoder layer's tensor: `model.layers.{layer}.{suffix}`.
+pub fn layer_tensor(layer: u64, suffix: &str) -> String {
+    format!("model.layers.{layer}.{suffix}")
+}
+
+/// Name of one expert's tensor: `model.layers.{layer}.mlp.experts.{expert}.{proj}.weight`.
+pub fn expert_tensor(layer: u64, expert: u64, proj: &str) -> String {
+    format!("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight")
+}
+
+impl ModelConfig {
+    /// Scales the model down: fewer layers, fewer experts or a smaller vocabulary. Overrides only
+    /// shrink (a larger model than the preset is not the preset any more); zero, growth, or
+    /// experts on a dense model are `Config` errors.
+    pub fn with_overrides(
+        mut self,
+        layers: Option<u64>,
+        experts: Option<u64>,
+        vocab: Option<u64>,
+    ) -> Result<Self> {
+        let shrink = |what: &str, want: u64, have: u64| -> Result<u64> {
+            if want == 0 || want > have {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "--{what} {want} is out of range for {}: expected 1..={have}",
+                        self.name
+                    ),
+                ));
+            }
+            Ok(want)
+        };
+        if let Some(l) = layers {
+            self.layers = shrink("layers", l, self.layers)?;
+        }
+        if let Some(e) = experts {
+            let have = match &self.moe {
+                Some(m) => m.experts,
+                None => {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!("--experts {e} given but {} is a dense model", self.name),
+                    ))
+                }
+            };
+            let e = shrink("experts", e, have)?;
+            if let Some(m) = self.moe.as_mut() {
+                m.experts = e;
+            }
+        }
+        if let Some(v) = vocab {
+            self.vocab = shrink("vocab", v, self.vocab)?;
+        }
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Checks the architecture is self-consistent: no zero sizes, query heads a multiple of KV
+    /// heads. A `Config` error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let mut fields = vec![
+            ("layers", self.layers),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("vocab", self.vocab),
+        ];
+        match &self.moe {
+            Some(m) => {
+                fields.push(("experts", m.experts));
+                fields.push(("expert_intermediate", m.expert_intermediate));
+            }
+            None => fields.push(("intermediate", self.intermediate)),
+        }
+        if let Some((f, _)) = fields.iter().find(|(_, v)| *v == 0) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("model {}: {f} must not be zero", self.name),
+            ));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "model {}: {} query heads are not a multiple of {} KV heads",
+                    self.name, self.heads, self.kv_heads
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rows of `q_proj` (query heads x head size).
+    pub fn q_rows(&self) -> u64 {
+        self.heads * self.head_dim
+    }
+
+    /// Rows of `k_proj` and of `v_proj` (KV heads x head size).
+    pub fn kv_rows(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Every tensor, HF-canonical names, in a deterministic order: embedding, then per layer
+    /// attention, norms and MLP (router, then experts in order), then the final norm and `lm_head`.
+    pub fn tensors(&self) -> Vec<TensorSpec> {
+        let dt = self.dtype;
+        let h = self.hidden;
+        let mut out = Vec::with_capacity(self.tensor_count());
+        out.push(TensorSpec::new(
+            "model.embed_tokens.weight",
+            dt,
+            vec![self.vocab, h],
+        ));
+        for l in 0..self.layers {
+            let t = |s: &str, shape: Vec<u64>| TensorSpec::new(layer_tensor(l, s), dt, shape);
+            out.push(t("self_attn.q_proj.weight", vec![self.q_rows(), h]));
+            out.push(t("self_attn.k_proj.weight", vec![self.kv_rows(), h]));
+            out.push(t("self_attn.v_proj.weight", vec![self.kv_rows(), h]));
+            out.push(t("self_attn.o_proj.weight", vec![h, self.q_rows()]));
+            if self.qk_norm {
+                out.push(t("self_attn.q_norm.weight", vec![self.head_dim]));
+                out.push(t("self_attn.k_norm.weight", vec![self.head_dim]));
+            }
+            out.push(t("input_layernorm.weight", vec![h]));
+            out.push(t("post_attention_layernorm.weight", vec![h]));
+            match &self.moe {
+                Some(m) => {
+                    out.push(t("mlp.gate.weight", vec![m.experts, h]));
+                    let i = m.expert_intermediate;
+                    for e in 0..m.experts {
+                        let x = |p: &str, shape| TensorSpec::new(expert_tensor(l, e, p), dt, shape);
+                        out.push(x("gate_proj", vec![i, h]));
+                        out.push(x("up_proj", vec![i, h]));
+                        out.push(x("down_proj", vec![h, i]));
+                    }
+                }
+                None => {
+                    let i = self.intermediate;
+                    out.push(t("mlp.gate_proj.weight", vec![i, h]));
+                    out.push(t("mlp.up_proj.weight", vec![i, h]));
+                    out.push(t("mlp.down_proj.weight", vec![h, i]));
+                }
+            }
+        }
+        out.push(TensorSpec::new("model.norm.weight", dt, vec![h]));
+        if !self.tied_embeddings {
+            out.push(TensorSpec::new("lm_head.weight", dt, vec![self.vocab, h]));
+        }
+        out
+    }
+
+    /// Number of tensors [`ModelConfig::tensors`] returns, without building them.
+    pub fn tensor_count(&self) -> usize {
+        let attn = if self.qk_norm { 6 } else { 4 };
+        let mlp = match &self.moe {
+            Some(m) => 1 + 3 * m.experts,
+            None => 3,
+        };
+        let per_layer = attn + 2 + mlp;
+        let globals = if self.tied_embeddings { 2 } else { 3 };
+        (self.layers * per_layer + globals) as usize
+    }
+
+    /// Total bytes of all tensors.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors().iter().map(TensorSpec::bytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen3_has_the_design_tensor_count_and_size() {
+        let m = preset("qwen3-30b-a3b").unwrap();
+        let t = m.tensors();
+        assert_eq!(t.len(), 18_867);
+        assert_eq!(m.tensor_count(), 18_867);
+        // 30.5 B parameters in BF16.
+        assert_eq!(m.total_bytes(), 61_064_245_248);
+    }
+
+    #[test]
+    fn llama_is_dense_with_eight_kv_heads() {
+        let m = preset("llama-3-8b").unwrap();
+        let t = m.tensors();
+        assert_eq!(t.len(), 32 * 9 + 3);
+        assert_eq!(m.tensor_count(), t.len());
+        let k = t
+            .iter()
+            .find(|s| s.name == "model.layers.0.self_attn.k_proj.weight")
+            .unwrap();
+        assert_eq!(k.shape, vec![1024, 4096]);
+        // 8.03 B parameters in BF16.
+        assert_eq!(m.total_bytes(), 16_060_522_496);
+    }
+}

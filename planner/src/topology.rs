@@ -1,1 +1,425 @@
-//! topology (in progress)
+//! Publisher (Megatron TP/EP/DP/PP) and receiver (vLLM TP) topologies, and the boxes each
+//! publisher rank offers: the geometry of a training job's shard tables, without any bytes.
+//!
+//! Megatron rank order is `rank = pp_rank * (tp * dp) + dp_rank * tp + tp_rank`. Expert
+//! parallelism lives inside data parallelism: `ep_rank = dp_rank % ep`, so each expert has
+//! `dp / ep` replicas (EDP), while every dense box is replicated on all `dp` ranks.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use reshard_core::{
+    Error, ErrorKind, MemoryKind, OfferLocation, Result, ShardOffer, ShardTable, TensorBox,
+};
+
+use crate::layouts::{
+    check_heads, column_parallel, kv_rows_for_rank, row_block, row_parallel, TensorIndex,
+};
+use crate::presets::{expert_tensor, layer_tensor, ModelConfig};
+
+/// How the trainer shards the model: tensor, expert, data and pipeline parallel degrees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct PublisherTopology {
+    /// Tensor-parallel degree.
+    pub tp: u32,
+    /// Expert-parallel degree (inside data parallelism).
+    pub ep: u32,
+    /// Data-parallel degree (replicas of every dense box).
+    pub dp: u32,
+    /// Pipeline-parallel degree (stages of consecutive layers).
+    pub pp: u32,
+}
+
+impl Default for PublisherTopology {
+    fn default() -> Self {
+        PublisherTopology {
+            tp: 1,
+            ep: 1,
+            dp: 1,
+            pp: 1,
+        }
+    }
+}
+
+impl PublisherTopology {
+    /// Number of publisher ranks, `tp * dp * pp` (saturating; parsing rejects overflow).
+    pub fn world(&self) -> u32 {
+        self.tp.saturating_mul(self.dp).saturating_mul(self.pp)
+    }
+
+    /// `(tp_rank, dp_rank, pp_rank)` of a global rank, in Megatron order.
+    pub fn coords(&self, rank: u32) -> (u32, u32, u32) {
+        let (tp, dp) = (self.tp.max(1), self.dp.max(1));
+        (rank % tp, (rank / tp) % dp, rank / (tp * dp))
+    }
+
+    /// Checks degrees are non-zero and the world size fits in a `u32`.
+    pub fn validate(&self) -> Result<()> {
+        for (k, v) in [
+            ("tp", self.tp),
+            ("ep", self.ep),
+            ("dp", self.dp),
+            ("pp", self.pp),
+        ] {
+            if v == 0 {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!("publisher {k} must be at least 1"),
+                ));
+            }
+        }
+        if self
+            .tp
+            .checked_mul(self.dp)
+            .and_then(|x| x.checked_mul(self.pp))
+            .is_none()
+        {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("publisher world size of {self} overflows u32"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for PublisherTopology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "tp={},ep={},dp={},pp={}",
+            self.tp, self.ep, self.dp, self.pp
+        )
+    }
+}
+
+impl FromStr for PublisherTopology {
+    type Err = Error;
+    /// Parses `key=value` pairs separated by commas, keys `tp`, `ep`, `dp`, `pp`, each default 1.
+    fn from_str(s: &str) -> Result<Self> {
+        let mut t = PublisherTopology::default();
+        for (k, v) in parse_pairs(s, "publisher", &["tp", "ep", "dp", "pp"])? {
+            match k {
+                "tp" => t.tp = v,
+                "ep" => t.ep = v,
+                "dp" => t.dp = v,
+                _ => t.pp = v,
+            }
+        }
+        t.validate()?;
+        Ok(t)
+    }
+}
+
+/// How the inference engine shards the model: its tensor-parallel degree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct ReceiverTopology {
+    /// Tensor-parallel degree (number of receiver ranks).
+    pub tp: u32,
+}
+
+impl Default for ReceiverTopology {
+    fn default() -> Self {
+        ReceiverTopology { tp: 1 }
+    }
+}
+
+impl fmt::Display for ReceiverTopology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tp={}", self.tp)
+    }
+}
+
+impl FromStr for ReceiverTopology {
+    type Err = Error;
+    /// Parses `tp=N` (the only key).
+    fn from_str(s: &str) -> Result<Self> {
+        let mut t = ReceiverTopology::default();
+        for (_, v) in parse_pairs(s, "receiver", &["tp"])? {
+            t.tp = v;
+        }
+        Ok(t)
+    }
+}
+
+/// Parses `k=v,k=v`: known keys only, each at most once, values positive integers.
+fn parse_pairs<'k>(s: &str, what: &str, keys: &[&'k str]) -> Result<Vec<(&'k str, u32)>> {
+    let cfg = |m: String| Error::new(ErrorKind::Config, m);
+    if s.trim().is_empty() {
+        return Err(cfg(format!(
+            "empty {what} topology; expected comma-separated key=value with keys {}",
+            keys.join(", ")
+        )));
+    }
+    let mut out: Vec<(&'k str, u32)> = Vec::new();
+    for item in s.split(',') {
+        let item = item.trim();
+        let Some((k, v)) = item.split_once('=') else {
+            return Err(cfg(format!(
+                "{what} topology item {item:?} is not key=value (keys: {})",
+                keys.join(", ")
+            )));
+        };
+        let k = k.trim();
+        let Some(&key) = keys.iter().find(|&&x| x == k) else {
+            return Err(cfg(format!(
+                "unknown {what} topology key {k:?}; available: {}",
+                keys.join(", ")
+            )));
+        };
+        if out.iter().any(|(x, _)| *x == key) {
+            return Err(cfg(format!("{what} topology key {key:?} given twice")));
+        }
+        let v: u32 = v.trim().parse().map_err(|_| {
+            cfg(format!(
+                "{what} topology {key}={:?} is not a positive integer",
+                v.trim()
+            ))
+        })?;
+        if v == 0 {
+            return Err(cfg(format!("{what} topology {key} must be at least 1")));
+        }
+        out.push((key, v));
+    }
+    Ok(out)
+}
+
+/// One box a publisher rank offers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ShardGeometry {
+    /// Index into [`ModelConfig::tensors`].
+    pub tensor: usize,
+    /// Box of that tensor, in global coordinates.
+    pub tensor_box: TensorBox,
+}
+
+/// Every box one publisher rank offers, in its buffer order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankGeometry {
+    /// Global publisher rank.
+    pub rank: u32,
+    /// Offered boxes, in the order they are packed in the rank's memory.
+    pub shards: Vec<ShardGeometry>,
+}
+
+/// The boxes every rank of a Megatron job offers, in rank order.
+///
+/// Attention q, k and v are offered per KV group (Megatron's fused QKV is stored group by group,
+/// so one group's q block sits between other tensors' blocks in memory, never next to the next
+/// group's q block). With more TP ranks than KV heads, the ranks sharing a group each hold a
+/// slice of its q rows and only the first of them offers the group's k and v.
+pub fn publisher_geometry(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+) -> Result<Vec<RankGeometry>> {
+    geometry_with(model, topo, &TensorIndex::new(model))
+}
+
+fn geometry_with(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+    idx: &TensorIndex,
+) -> Result<Vec<RankGeometry>> {
+    model.validate()?;
+    topo.validate()?;
+    let plan = StagePlan::new(model, topo)?;
+    (0..topo.world())
+        .map(|rank| {
+            Ok(RankGeometry {
+                rank,
+                shards: rank_shards(model, topo, &plan, idx, rank)?,
+            })
+        })
+        .collect()
+}
+
+/// Checked, model-wide facts shared by every rank.
+struct StagePlan {
+    layers_per_stage: u64,
+    experts_per_rank: u64,
+}
+
+impl StagePlan {
+    fn new(model: &ModelConfig, topo: &PublisherTopology) -> Result<Self> {
+        let cfg = |m: String| Error::new(ErrorKind::Config, m);
+        let pp = topo.pp as u64;
+        if model.layers % pp != 0 {
+            return Err(cfg(format!(
+                "{} layers of {} do not split evenly over pp={pp}",
+                model.layers, model.name
+            )));
+        }
+        check_heads(model, topo.tp)?;
+        // Validates the KV split once, naming k_proj, before any rank is built.
+        kv_rows_for_rank(model, topo.tp, 0)?;
+        let experts_per_rank = match &model.moe {
+            Some(m) => {
+                let (ep, dp) = (topo.ep as u64, topo.dp as u64);
+                if dp % ep != 0 {
+                    return Err(cfg(format!(
+                        "ep={ep} must divide dp={dp}: expert parallelism lives inside data \
+                         parallelism"
+                    )));
+                }
+                if m.experts % ep != 0 {
+                    return Err(cfg(format!(
+                        "{} experts of {} do not split evenly over ep={ep}",
+                        m.experts, model.name
+                    )));
+                }
+                m.experts / ep
+            }
+            None if topo.ep > 1 => {
+                return Err(cfg(format!(
+                    "ep={} given but {} is a dense model with no experts",
+                    topo.ep, model.name
+                )))
+            }
+            None => 0,
+        };
+        Ok(StagePlan {
+            layers_per_stage: model.layers / pp,
+            experts_per_rank,
+        })
+    }
+}
+
+fn rank_shards(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+    plan: &StagePlan,
+    idx: &TensorIndex,
+    rank: u32,
+) -> Result<Vec<ShardGeometry>> {
+    let (t, dp_rank, pp_rank) = topo.coords(rank);
+    let tp = topo.tp;
+    let mut out = Vec::new();
+    let mut push = |name: &str, tensor_box: TensorBox| -> Result<()> {
+        out.push(ShardGeometry {
+            tensor: idx.index(name)?,
+            tensor_box,
+        });
+        Ok(())
+    };
+    let whole = |name: &str| -> Result<TensorBox> { Ok(idx.spec(name)?.full_box()) };
+
+    if pp_rank == 0 {
+        let spec = idx.spec("model.embed_tokens.weight")?;
+        push(&spec.name, column_parallel(spec, tp, t)?)?;
+    }
+    let first = pp_rank as u64 * plan.layers_per_stage;
+    let (tp64, t64) = (tp as u64, t as u64);
+    let (hd, kv) = (model.head_dim, model.kv_heads);
+    let qpg = model.heads / kv * hd;
+    for l in first..first + plan.layers_per_stage {
+        let q = idx.spec(&layer_tensor(l, "self_attn.q_proj.weight"))?;
+        let k = idx.spec(&layer_tensor(l, "self_attn.k_proj.weight"))?;
+        let v = idx.spec(&layer_tensor(l, "self_attn.v_proj.weight"))?;
+        if tp64 <= kv {
+            let per = kv / tp64;
+            for g in t64 * per..(t64 + 1) * per {
+                push(&q.name, row_block(q, g * qpg, qpg))?;
+                push(&k.name, row_block(k, g * hd, hd))?;
+                push(&v.name, row_block(v, g * hd, hd))?;
+            }
+        } else {
+            let r = tp64 / kv;
+            let g = t64 / r;
+            let sub = qpg / r;
+            push(&q.name, row_block(q, g * qpg + (t64 % r) * sub, sub))?;
+            if t64 % r == 0 {
+                push(&k.name, row_block(k, g * hd, hd))?;
+                push(&v.name, row_block(v, g * hd, hd))?;
+            }
+        }
+        let o = idx.spec(&layer_tensor(l, "self_attn.o_proj.weight"))?;
+        push(&o.name, row_parallel(o, tp, t)?)?;
+        let mut norms = Vec::with_capacity(4);
+        if model.qk_norm {
+            norms.push("self_attn.q_norm.weight");
+            norms.push("self_attn.k_norm.weight");
+        }
+        norms.push("input_layernorm.weight");
+        norms.push("post_attention_layernorm.weight");
+        for n in norms {
+            let name = layer_tensor(l, n);
+            push(&name, whole(&name)?)?;
+        }
+        if model.moe.is_some() {
+            let router = layer_tensor(l, "mlp.gate.weight");
+            push(&router, whole(&router)?)?;
+            let ep_rank = (dp_rank % topo.ep) as u64;
+            let per = plan.experts_per_rank;
+            for e in ep_rank * per..(ep_rank + 1) * per {
+                for proj in ["gate_proj", "up_proj"] {
+                    let spec = idx.spec(&expert_tensor(l, e, proj))?;
+                    push(&spec.name, column_parallel(spec, tp, t)?)?;
+                }
+                let down = idx.spec(&expert_tensor(l, e, "down_proj"))?;
+                push(&down.name, row_parallel(down, tp, t)?)?;
+            }
+        } else {
+            for proj in ["mlp.gate_proj.weight", "mlp.up_proj.weight"] {
+                let spec = idx.spec(&layer_tensor(l, proj))?;
+                push(&spec.name, column_parallel(spec, tp, t)?)?;
+            }
+            let down = idx.spec(&layer_tensor(l, "mlp.down_proj.weight"))?;
+            push(&down.name, row_parallel(down, tp, t)?)?;
+        }
+    }
+    if pp_rank + 1 == topo.pp {
+        push("model.norm.weight", whole("model.norm.weight")?)?;
+        if !model.tied_embeddings {
+            let spec = idx.spec("lm_head.weight")?;
+            push(&spec.name, column_parallel(spec, tp, t)?)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Geometry-only shard tables (no bytes): each rank's offers packed back to back in region 0
+/// in shard order, in DRAM, without digests, published by agent `publisher-{rank}`.
+pub fn geometry_tables(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+    step: u64,
+) -> Result<Vec<ShardTable>> {
+    let idx = TensorIndex::new(model);
+    let geometry = geometry_with(model, topo, &idx)?;
+    let specs = idx.specs();
+    let mut tables = Vec::with_capacity(geometry.len());
+    for g in geometry {
+        let mut table = ShardTable::new(g.rank, format!("publisher-{}", g.rank), step);
+        let mut declared = vec![false; specs.len()];
+        let mut offset = 0u64;
+        for s in g.shards {
+            let spec = &specs[s.tensor];
+            if !declared[s.tensor] {
+                declared[s.tensor] = true;
+                table.tensors.push(spec.clone());
+            }
+            let bytes = s.tensor_box.elements() * spec.dtype.size();
+            table.offers.push(ShardOffer {
+                tensor: spec.name.clone(),
+                tensor_box: s.tensor_box,
+                location: OfferLocation {
+                    region: 0,
+                    offset,
+                    memory: MemoryKind::Dram,
+                },
+                digest: None,
+            });
+            offset = offset.checked_add(bytes).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Config,
+                    "publisher rank holds more than u64 bytes",
+                )
+                .with_owner(g.rank)
+            })?;
+        }
+        tables.push(table);
+    }
+    Ok(tables)
+}

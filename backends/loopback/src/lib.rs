@@ -1,1 +1,59 @@
-//! In-process loopback transport of reshard (the embedded default).
+#![doc = include_str!("../README.md")]
+
+mod copy;
+mod fabric;
+mod meta;
+mod transport;
+mod work;
+
+#[cfg(test)]
+mod tests;
+
+use reshard_core::config::TransportConfig;
+use reshard_core::registry::TransportFactory;
+use reshard_core::{Result, Transport};
+use std::sync::Arc;
+
+pub use fabric::LoopbackFabric;
+pub use transport::LoopbackTransport;
+
+/// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
+pub const BACKEND: &str = "loopback";
+
+/// Worker threads used when the configuration does not say: the available cores.
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Creates loopback agents on one shared fabric for the transport registry.
+#[derive(Debug, Clone, Default)]
+pub struct LoopbackFactory {
+    fabric: LoopbackFabric,
+}
+
+impl LoopbackFactory {
+    /// A factory whose agents all attach to `fabric`.
+    pub fn new(fabric: LoopbackFabric) -> Self {
+        LoopbackFactory { fabric }
+    }
+
+    /// The fabric new agents attach to.
+    pub fn fabric(&self) -> &LoopbackFabric {
+        &self.fabric
+    }
+}
+
+impl TransportFactory for LoopbackFactory {
+    fn kind(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn create(&self, agent: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {
+        let workers = config.workers.unwrap_or_else(default_workers);
+        Ok(Arc::new(LoopbackTransport::new(
+            &self.fabric,
+            agent,
+            workers,
+        )?))
+    }
+}

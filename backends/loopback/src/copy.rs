@@ -1,0 +1,199 @@
+//! Posted batches: copy jobs on the transport's worker pool and the [`InFlight`] handle that
+//! waits for or aborts them. This is the only module with `unsafe`.
+
+use async_trait::async_trait;
+use rayon::ThreadPool;
+use reshard_core::{Error, ErrorKind, InFlight, MemoryBlock, OwnerId, Result, WireReport};
+use std::cell::Cell;
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+use crate::transport::Prepared;
+use crate::work::Piece;
+use crate::BACKEND;
+
+/// Bytes copied between two looks at the abort flag.
+pub(crate) const COPY_CHUNK: u64 = 1 << 20;
+
+/// A region resolved at post time: the live block and the owner it belongs to.
+pub(crate) struct Live {
+    pub(crate) owner: Option<OwnerId>,
+    pub(crate) addr: usize,
+    /// Kept so the memory outlives every job that copies from or into it.
+    pub(crate) _block: Arc<dyn MemoryBlock>,
+}
+
+/// Everything the jobs of one post share.
+pub(crate) struct PostCtx {
+    pub(crate) prepared: Arc<Prepared>,
+    /// Indexed by `Piece::src`; every piece's source range lies inside its block (checked at post).
+    pub(crate) srcs: Vec<Live>,
+    /// Indexed by `Piece::dst`; likewise for destinations.
+    pub(crate) dsts: Vec<Live>,
+    pub(crate) abort: Arc<AtomicBool>,
+    #[cfg(test)]
+    pub(crate) faults: crate::transport::Faults,
+}
+
+type JobResult = Result<()>;
+
+/// Starts one job per work list on `pool` and returns the handle that waits for them.
+pub(crate) fn start(pool: &Arc<ThreadPool>, ctx: PostCtx, report: WireReport) -> LoopbackInFlight {
+    let ctx = Arc::new(ctx);
+    let mut jobs = Vec::with_capacity(ctx.prepared.work.len());
+    for w in 0..ctx.prepared.work.len() {
+        let (tx, rx) = oneshot::channel::<JobResult>();
+        let ctx = Arc::clone(&ctx);
+        pool.spawn(move || {
+            let _ = tx.send(run_job(&ctx, w));
+        });
+        jobs.push(rx);
+    }
+    LoopbackInFlight {
+        abort: Arc::clone(&ctx.abort),
+        jobs,
+        report,
+        _pool: Arc::clone(pool),
+    }
+}
+
+fn piece_error(ctx: &PostCtx, p: &Piece, kind: ErrorKind, msg: String) -> Error {
+    let mut e = Error::new(kind, msg)
+        .with_backend(BACKEND)
+        .with_range(p.src_off..p.src_off + p.len);
+    if let Some(o) = ctx.srcs[p.src as usize].owner {
+        e = e.with_owner(o);
+    }
+    e
+}
+
+/// Runs work list `w`; a panic becomes a `Transport` error naming the piece it hit.
+fn run_job(ctx: &PostCtx, w: usize) -> JobResult {
+    let pieces = &ctx.prepared.work[w];
+    let at = Cell::new(0usize);
+    match catch_unwind(AssertUnwindSafe(|| copy_pieces(ctx, pieces, &at))) {
+        Ok(r) => r,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            let p = pieces[at.get().min(pieces.len().saturating_sub(1))];
+            Err(piece_error(
+                ctx,
+                &p,
+                ErrorKind::Transport,
+                format!("loopback copy worker panicked: {what}"),
+            )
+            .set_retryable(false))
+        }
+    }
+}
+
+fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
+    for (k, p) in pieces.iter().enumerate() {
+        at.set(k);
+        #[cfg(test)]
+        ctx.faults.before_piece(k);
+        let src = ctx.srcs[p.src as usize].addr + p.src_off as usize;
+        let dst = ctx.dsts[p.dst as usize].addr + p.dst_off as usize;
+        let mut done = 0u64;
+        while done < p.len {
+            if ctx.abort.load(Ordering::Acquire) {
+                let e = piece_error(ctx, p, ErrorKind::Aborted, "read aborted".into());
+                return Err(e.set_retryable(true));
+            }
+            let n = (p.len - done).min(COPY_CHUNK) as usize;
+            let s = (src + done as usize) as *const u8;
+            let d = (dst + done as usize) as *mut u8;
+            if (s as usize) < (d as usize) + n && (d as usize) < (s as usize) + n {
+                // SAFETY: `post` checked that this piece's source and destination ranges lie
+                // inside live registered blocks, which `ctx` keeps alive (the `Arc`s in `Live`)
+                // and whose addresses are stable for their whole life (MemoryBlock contract).
+                // The ranges overlap here (a read within one block, or aliased blocks), so the
+                // overlap-tolerant `copy` is used. No one else writes the destination while the
+                // batch is in flight (MemoryBlock and ReadBatch contracts).
+                unsafe { std::ptr::copy(s, d, n) };
+            } else {
+                // SAFETY: as above (both ranges inside live, registered, stable blocks kept
+                // alive by `ctx`; the destination is not accessed by anyone else while in
+                // flight), and the two ranges were just checked not to overlap.
+                unsafe { std::ptr::copy_nonoverlapping(s, d, n) };
+            }
+            done += n as u64;
+        }
+    }
+    Ok(())
+}
+
+/// A posted loopback batch: every job is already queued on the worker pool.
+pub(crate) struct LoopbackInFlight {
+    abort: Arc<AtomicBool>,
+    jobs: Vec<oneshot::Receiver<JobResult>>,
+    report: WireReport,
+    /// The pool outlives its queued jobs even if the transport is dropped meanwhile.
+    _pool: Arc<ThreadPool>,
+}
+
+impl LoopbackInFlight {
+    /// Awaits every job; returns the first real failure (an abort caused by another failure
+    /// is not reported in its place).
+    async fn join(&mut self) -> Result<()> {
+        let mut first: Option<Error> = None;
+        for rx in std::mem::take(&mut self.jobs) {
+            let r = match rx.await {
+                Ok(r) => r,
+                Err(_) => Err(Error::new(
+                    ErrorKind::Transport,
+                    "loopback copy job ended without reporting",
+                )
+                .with_backend(BACKEND)),
+            };
+            if let Err(e) = r {
+                // Stop the other jobs early: the batch has failed.
+                self.abort.store(true, Ordering::Release);
+                let replace = match &first {
+                    None => true,
+                    Some(f) => f.kind() == ErrorKind::Aborted && e.kind() != ErrorKind::Aborted,
+                };
+                if replace {
+                    first = Some(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+#[async_trait]
+impl InFlight for LoopbackInFlight {
+    async fn wait(mut self: Box<Self>) -> Result<WireReport> {
+        self.join().await?;
+        Ok(self.report)
+    }
+
+    async fn abort(mut self: Box<Self>) {
+        self.abort.store(true, Ordering::Release);
+        // Every job reports after its last memory access, so once all have reported (or
+        // vanished) nothing touches the buffers any more.
+        let _ = self.join().await;
+    }
+}
+
+impl Drop for LoopbackInFlight {
+    fn drop(&mut self) {
+        // Dropped without wait/abort: stop at the next chunk; memory stays alive through `ctx`.
+        if !self.jobs.is_empty() {
+            self.abort.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// The byte range `off..off+len` as a `Range`, saturating instead of overflowing.
+pub(crate) fn span(off: u64, len: u64) -> Range<u64> {
+    off..off.saturating_add(len)
+}

@@ -1,0 +1,222 @@
+//! Metadata an agent exports and its peers load: a small versioned binary blob.
+//!
+//! Layout (little endian): magic `RSLB`, version `u8`, fabric id `u64`, agent uid `u64`,
+//! name length `u16` + UTF-8 name, region count `u32`, then `(id u64, len u64)` per region.
+//! Decoding treats the bytes as untrusted: every length is checked before it is used and
+//! nothing is allocated beyond what the input itself holds.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::{Error, ErrorKind, Result};
+
+const MAGIC: &[u8; 4] = b"RSLB";
+const VERSION: u8 = 1;
+
+/// What a peer needs to read an agent's regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AgentMeta {
+    pub(crate) fabric: u64,
+    pub(crate) agent_uid: u64,
+    pub(crate) agent: String,
+    /// `(region id, length)`, ascending by id.
+    pub(crate) regions: Vec<(u64, u64)>,
+}
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum MetaError {
+    #[error("not loopback metadata (bad magic)")]
+    Magic,
+    #[error("unsupported loopback metadata version {0} (this build reads {VERSION})")]
+    Version(u8),
+    #[error("truncated: needed {needed} more bytes at offset {at}")]
+    Truncated { at: usize, needed: usize },
+    #[error("agent name is not UTF-8")]
+    Name,
+    #[error("{0} trailing bytes after the last region")]
+    Trailing(usize),
+    #[error("region {0} listed twice")]
+    DuplicateRegion(u64),
+}
+
+impl AgentMeta {
+    pub(crate) fn encode(&self) -> Bytes {
+        let name = self.agent.as_bytes();
+        let mut b =
+            BytesMut::with_capacity(4 + 1 + 8 + 8 + 2 + name.len() + 4 + 16 * self.regions.len());
+        b.put_slice(MAGIC);
+        b.put_u8(VERSION);
+        b.put_u64_le(self.fabric);
+        b.put_u64_le(self.agent_uid);
+        // Agent names are limited to u16::MAX bytes when the agent is created.
+        b.put_u16_le(name.len() as u16);
+        b.put_slice(name);
+        b.put_u32_le(self.regions.len() as u32);
+        for &(id, len) in &self.regions {
+            b.put_u64_le(id);
+            b.put_u64_le(len);
+        }
+        b.freeze()
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<AgentMeta> {
+        Self::try_decode(bytes).map_err(|e| {
+            Error::new(
+                ErrorKind::Decode,
+                format!("invalid loopback peer metadata: {e}"),
+            )
+            .with_backend(crate::BACKEND)
+            .with_source(e)
+        })
+    }
+
+    fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
+            return Err(MetaError::Magic);
+        }
+        let version = r.take(1)?[0];
+        if version != VERSION {
+            return Err(MetaError::Version(version));
+        }
+        let fabric = r.u64()?;
+        let agent_uid = r.u64()?;
+        let name_len = u16::from_le_bytes(r.array()?) as usize;
+        let agent = std::str::from_utf8(r.take(name_len)?)
+            .map_err(|_| MetaError::Name)?
+            .to_owned();
+        let count = u32::from_le_bytes(r.array()?) as usize;
+        let left = bytes.len() - r.at;
+        // Check the count against the bytes present before allocating anything for it.
+        let need = count.saturating_mul(16);
+        if need > left {
+            return Err(MetaError::Truncated {
+                at: r.at,
+                needed: need - left,
+            });
+        }
+        if need < left {
+            return Err(MetaError::Trailing(left - need));
+        }
+        let mut regions = Vec::with_capacity(count);
+        for _ in 0..count {
+            regions.push((r.u64()?, r.u64()?));
+        }
+        regions.sort_unstable();
+        if let Some(w) = regions.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(MetaError::DuplicateRegion(w[0].0));
+        }
+        Ok(AgentMeta {
+            fabric,
+            agent_uid,
+            agent,
+            regions,
+        })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], MetaError> {
+        let left = self.bytes.len() - self.at;
+        if n > left {
+            return Err(MetaError::Truncated {
+                at: self.at,
+                needed: n - left,
+            });
+        }
+        let s = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetaError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u64(&mut self) -> Result<u64, MetaError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AgentMeta {
+        AgentMeta {
+            fabric: 0xfeed_beef,
+            agent_uid: 7,
+            agent: "publisher-ä".into(),
+            regions: vec![(1, 4096), (2, 0), (9, u64::MAX)],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        assert_eq!(AgentMeta::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_a_decode_error() {
+        let full = sample().encode();
+        for cut in 0..full.len() {
+            let e = AgentMeta::decode(&full[..cut]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Decode, "cut at {cut}");
+        }
+        let mut long = full.to_vec();
+        long.push(0);
+        assert_eq!(AgentMeta::try_decode(&long), Err(MetaError::Trailing(1)));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let full = sample().encode().to_vec();
+        let mut v = full.clone();
+        v[4] = 99;
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Version(99)));
+        let mut v = full.clone();
+        v[0] = b'X';
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Magic));
+        // A huge region count with few bytes present allocates nothing and fails cleanly.
+        let name_len = sample().agent.len();
+        let count_at = 4 + 1 + 8 + 8 + 2 + name_len;
+        let mut v = full.clone();
+        v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Truncated { .. })
+        ));
+        let mut m = sample();
+        m.regions = vec![(3, 1), (3, 2)];
+        assert_eq!(
+            AgentMeta::try_decode(&m.encode()),
+            Err(MetaError::DuplicateRegion(3))
+        );
+        let mut v = full;
+        v[4 + 1 + 8 + 8 + 2] = 0xff;
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Name));
+    }
+
+    #[test]
+    fn pseudo_random_garbage_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..300usize {
+            let v: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            assert!(AgentMeta::decode(&v).is_err());
+        }
+    }
+}

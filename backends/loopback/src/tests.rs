@@ -1,0 +1,169 @@
+//! Unit tests that need test-only hooks (fault injection in copy jobs).
+
+use reshard_core::{ErrorKind, HostBuffer, ReadBatch, ReadDesc, Registration, Transport};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::transport::Faults;
+use crate::{LoopbackFabric, LoopbackTransport};
+
+const MIB: u64 = 1 << 20;
+
+struct Pair {
+    _fabric: LoopbackFabric,
+    receiver: LoopbackTransport,
+    src: Arc<HostBuffer>,
+    dst: Arc<HostBuffer>,
+    _regs: Vec<Registration>,
+    _publisher: LoopbackTransport,
+    batch: ReadBatch,
+}
+
+/// One publisher (owner 5) with `len` patterned bytes, one receiver, `pieces` equal reads.
+async fn pair(len: u64, pieces: u64, workers: usize, faults: Faults) -> Pair {
+    let fabric = LoopbackFabric::new();
+    let publisher = LoopbackTransport::new(&fabric, "pub", 1).unwrap();
+    let mut receiver = LoopbackTransport::new(&fabric, "recv", workers).unwrap();
+    receiver.faults = faults;
+    let src = Arc::new(HostBuffer::zeroed(len as usize));
+    for (i, b) in src.write().iter_mut().enumerate() {
+        *b = (i % 251) as u8 + 1;
+    }
+    let dst = Arc::new(HostBuffer::zeroed(len as usize));
+    let rs = publisher.register(src.clone()).await.unwrap();
+    let rd = receiver.register(dst.clone()).await.unwrap();
+    receiver
+        .load_peer(5, publisher.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let step = len / pieces;
+    let reads = (0..pieces)
+        .map(|k| ReadDesc {
+            owner: 5,
+            remote_region: rs.id(),
+            remote_offset: k * step,
+            local_region: rd.id(),
+            local_offset: k * step,
+            len: step,
+        })
+        .collect();
+    Pair {
+        _fabric: fabric,
+        receiver,
+        src,
+        dst,
+        _regs: vec![rs, rd],
+        _publisher: publisher,
+        batch: ReadBatch { reads },
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_job_is_a_transport_error_not_a_hang() {
+    let faults = Faults {
+        panic_at_piece: Some(1),
+        ..Faults::default()
+    };
+    let p = pair(4 * MIB, 4, 1, faults).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    let wait = p.receiver.post(&prepared).await.unwrap().wait();
+    let e = tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .expect("wait must not hang")
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport);
+    assert!(!e.is_retryable());
+    assert_eq!(e.context().owner, Some(5));
+    assert_eq!(e.context().range, Some(MIB..2 * MIB));
+    assert_eq!(e.context().backend.as_deref(), Some("loopback"));
+    // The pool survives: the same transport still moves bytes.
+    let mut ok = p.receiver;
+    ok.faults = Faults::default();
+    let prepared = ok.prepare(p.batch.clone()).await.unwrap();
+    ok.post(&prepared).await.unwrap().wait().await.unwrap();
+    assert_eq!(p.dst.read()[..], p.src.read()[..]);
+}
+
+#[tokio::test]
+async fn panics_in_several_workers_are_reported_once_as_transport() {
+    let faults = Faults {
+        panic_at_piece: Some(0),
+        piece_delay: Some(Duration::from_millis(2)),
+    };
+    let p = pair(8 * MIB, 8, 4, faults).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    let e = p
+        .receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport);
+}
+
+#[tokio::test]
+async fn abort_stops_between_chunks_and_returns_once_memory_is_quiet() {
+    let faults = Faults {
+        piece_delay: Some(Duration::from_millis(20)),
+        ..Faults::default()
+    };
+    // 64 pieces of 256 KiB on one worker: about 1.3 s if not aborted.
+    let p = pair(16 * MIB, 64, 1, faults).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    let started = Instant::now();
+    let inflight = p.receiver.post(&prepared).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    inflight.abort().await;
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    let snapshot = p.dst.read().to_vec();
+    assert_ne!(
+        snapshot[..],
+        p.src.read()[..],
+        "abort came too late to observe"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        p.dst.read()[..],
+        snapshot[..],
+        "a job touched memory after abort returned"
+    );
+}
+
+#[tokio::test]
+async fn dropping_an_in_flight_batch_stops_it() {
+    let faults = Faults {
+        piece_delay: Some(Duration::from_millis(20)),
+        ..Faults::default()
+    };
+    let p = pair(16 * MIB, 64, 1, faults).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    drop(p.receiver.post(&prepared).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_ne!(p.dst.read()[..], p.src.read()[..]);
+}
+
+#[tokio::test]
+async fn one_big_read_is_split_across_workers_and_arrives_exactly() {
+    let p = pair(16 * MIB + 12345, 1, 4, Faults::default()).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    let st = prepared
+        .state::<Arc<crate::transport::Prepared>>()
+        .expect("loopback state");
+    assert_eq!(st.work.len(), 4);
+    let report = p
+        .receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!((report.reads, report.bytes), (1, 16 * MIB + 12345));
+    assert_eq!(p.dst.read()[..], p.src.read()[..]);
+}

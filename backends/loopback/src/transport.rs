@@ -1,0 +1,566 @@
+//! [`LoopbackTransport`]: one agent on a [`LoopbackFabric`], implementing the core contract.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
+use rayon::ThreadPool;
+use reshard_core::{
+    Capability, Error, ErrorKind, InFlight, MemoryBlock, MemoryKind, OwnerId, PreparedBatch,
+    ReadBatch, Registration, Result, Transport, WireReport,
+};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use crate::copy::{self, span, Live, PostCtx};
+use crate::fabric::{AgentState, LoopbackFabric, Region};
+use crate::meta::AgentMeta;
+use crate::work::{self, Piece};
+use crate::BACKEND;
+
+/// The in-process transport: reads are memory copies between agents of one fabric, run on a
+/// pool of `workers` threads owned by this transport (started at the first post).
+pub struct LoopbackTransport {
+    fabric: LoopbackFabric,
+    agent: Arc<AgentState>,
+    workers: usize,
+    peers: RwLock<HashMap<OwnerId, Arc<Peer>>>,
+    pool: Mutex<Option<Arc<ThreadPool>>>,
+    #[cfg(test)]
+    pub(crate) faults: Faults,
+}
+
+/// A loaded peer: the agent its metadata names and the regions the metadata lists.
+struct Peer {
+    agent: Weak<AgentState>,
+    regions: HashMap<u64, u64>,
+}
+
+/// A source region as prepare resolved it (re-resolved to the live block at every post).
+struct SrcRef {
+    owner: OwnerId,
+    agent: Weak<AgentState>,
+    region: u64,
+    /// Largest end offset any read uses in this region.
+    max_end: u64,
+    /// First read that uses it, to name in errors.
+    first_read: usize,
+}
+
+/// A local destination region (on this agent).
+struct DstRef {
+    region: u64,
+    max_end: u64,
+    first_read: usize,
+}
+
+/// The loopback state of a [`PreparedBatch`]: resolved region references and work lists.
+pub(crate) struct Prepared {
+    agent_uid: u64,
+    srcs: Vec<SrcRef>,
+    dsts: Vec<DstRef>,
+    /// One list per worker, balanced by bytes.
+    pub(crate) work: Vec<Vec<Piece>>,
+    report: WireReport,
+}
+
+/// Test-only fault injection for the copy jobs.
+#[cfg(test)]
+#[derive(Default, Clone)]
+pub(crate) struct Faults {
+    /// Panic when a job reaches this piece index.
+    pub(crate) panic_at_piece: Option<usize>,
+    /// Sleep this long before each piece (makes abort observable).
+    pub(crate) piece_delay: Option<std::time::Duration>,
+}
+
+#[cfg(test)]
+impl Faults {
+    pub(crate) fn before_piece(&self, k: usize) {
+        if let Some(d) = self.piece_delay {
+            std::thread::sleep(d);
+        }
+        if self.panic_at_piece == Some(k) {
+            panic!("injected fault at piece {k}");
+        }
+    }
+}
+
+fn oob(owner: OwnerId, range: std::ops::Range<u64>, msg: String) -> Error {
+    Error::new(ErrorKind::OutOfBounds, msg)
+        .with_owner(owner)
+        .with_range(range)
+        .with_backend(BACKEND)
+}
+
+impl LoopbackTransport {
+    /// Attaches agent `agent` to `fabric` with `workers` copy threads; names are unique per
+    /// fabric while their transport lives.
+    pub fn new(fabric: &LoopbackFabric, agent: &str, workers: usize) -> Result<Self> {
+        if workers == 0 {
+            return Err(
+                Error::new(ErrorKind::Config, "loopback needs at least 1 worker")
+                    .with_backend(BACKEND),
+            );
+        }
+        if agent.is_empty() || agent.len() > u16::MAX as usize {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("loopback agent names must be 1..={} bytes", u16::MAX),
+            )
+            .with_backend(BACKEND));
+        }
+        let state = Arc::new(AgentState::new(agent));
+        {
+            let mut agents = fabric.inner.agents.lock();
+            if agents.contains_key(agent) {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!("agent {agent:?} already exists on this loopback fabric"),
+                )
+                .with_backend(BACKEND));
+            }
+            agents.insert(agent.to_owned(), Arc::clone(&state));
+        }
+        Ok(LoopbackTransport {
+            fabric: fabric.clone(),
+            agent: state,
+            workers,
+            peers: RwLock::new(HashMap::new()),
+            pool: Mutex::new(None),
+            #[cfg(test)]
+            faults: Faults::default(),
+        })
+    }
+
+    /// Number of copy threads.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// The fabric this agent is attached to.
+    pub fn fabric(&self) -> &LoopbackFabric {
+        &self.fabric
+    }
+
+    fn pool(&self) -> Result<Arc<ThreadPool>> {
+        let mut slot = self.pool.lock();
+        if let Some(p) = &*slot {
+            return Ok(Arc::clone(p));
+        }
+        let name = self.agent.name.clone();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(self.workers)
+            .thread_name(move |i| format!("loopback-{name}-{i}"))
+            // Jobs catch their own panics; this only keeps a stray one from aborting.
+            .panic_handler(|_| {})
+            .build()
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Transport,
+                    "could not start loopback copy threads",
+                )
+                .with_backend(BACKEND)
+                .with_source(e)
+            })?;
+        let pool = Arc::new(pool);
+        *slot = Some(Arc::clone(&pool));
+        Ok(pool)
+    }
+
+    /// Checks every read against loaded peers and local registrations and builds work lists.
+    fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
+        if u32::try_from(batch.reads.len()).is_err() {
+            return Err(
+                Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
+                    .with_backend(BACKEND),
+            );
+        }
+        let peers = self.peers.read();
+        let local = self.agent.regions.read();
+        let mut srcs: Vec<SrcRef> = Vec::new();
+        let mut src_ix: HashMap<(OwnerId, u64), u32> = HashMap::new();
+        let mut dsts: Vec<DstRef> = Vec::new();
+        let mut dst_ix: HashMap<u64, u32> = HashMap::new();
+        let mut whole = Vec::with_capacity(batch.reads.len());
+        for (i, r) in batch.reads.iter().enumerate() {
+            let remote = span(r.remote_offset, r.len);
+            if r.len == 0 {
+                return Err(oob(r.owner, remote, format!("read {i} has zero length")));
+            }
+            let peer = peers.get(&r.owner).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::PeerUnknown,
+                    format!(
+                        "read {i} names owner {} whose metadata was never loaded",
+                        r.owner
+                    ),
+                )
+                .with_owner(r.owner)
+                .with_range(remote.clone())
+                .with_backend(BACKEND)
+            })?;
+            let rlen = *peer.regions.get(&r.remote_region).ok_or_else(|| {
+                oob(
+                    r.owner,
+                    remote.clone(),
+                    format!(
+                        "read {i}: owner {} has no region {}",
+                        r.owner, r.remote_region
+                    ),
+                )
+            })?;
+            let rend = r.remote_offset.checked_add(r.len).filter(|&e| e <= rlen);
+            let rend = rend.ok_or_else(|| {
+                oob(
+                    r.owner,
+                    remote.clone(),
+                    format!(
+                        "read {i}: bytes {}..{} outside region {} of owner {} ({rlen} bytes)",
+                        remote.start, remote.end, r.remote_region, r.owner
+                    ),
+                )
+            })?;
+            let lrange = span(r.local_offset, r.len);
+            let llen = local.get(&r.local_region).map(|g| g.len).ok_or_else(|| {
+                oob(
+                    r.owner,
+                    lrange.clone(),
+                    format!(
+                        "read {i}: local region {} is not registered on agent {:?}",
+                        r.local_region, self.agent.name
+                    ),
+                )
+            })?;
+            let lend = r.local_offset.checked_add(r.len).filter(|&e| e <= llen);
+            let lend = lend.ok_or_else(|| {
+                oob(
+                    r.owner,
+                    lrange.clone(),
+                    format!(
+                        "read {i}: local bytes {}..{} outside local region {} ({llen} bytes)",
+                        lrange.start, lrange.end, r.local_region
+                    ),
+                )
+            })?;
+            let s = *src_ix.entry((r.owner, r.remote_region)).or_insert_with(|| {
+                srcs.push(SrcRef {
+                    owner: r.owner,
+                    agent: Weak::clone(&peer.agent),
+                    region: r.remote_region,
+                    max_end: 0,
+                    first_read: i,
+                });
+                (srcs.len() - 1) as u32
+            });
+            srcs[s as usize].max_end = srcs[s as usize].max_end.max(rend);
+            let d = *dst_ix.entry(r.local_region).or_insert_with(|| {
+                dsts.push(DstRef {
+                    region: r.local_region,
+                    max_end: 0,
+                    first_read: i,
+                });
+                (dsts.len() - 1) as u32
+            });
+            dsts[d as usize].max_end = dsts[d as usize].max_end.max(lend);
+            whole.push(Piece {
+                read: i as u32,
+                src: s,
+                dst: d,
+                src_off: r.remote_offset,
+                dst_off: r.local_offset,
+                len: r.len,
+            });
+        }
+        let work = work::split(&whole, self.workers);
+        Ok(Prepared {
+            agent_uid: self.agent.uid,
+            srcs,
+            dsts,
+            work,
+            report: WireReport {
+                reads: batch.reads.len() as u64,
+                bytes: batch.bytes(),
+            },
+        })
+    }
+
+    /// Resolves every region of a prepared batch to its live block, re-checking bounds.
+    fn resolve(&self, prepared: &PreparedBatch, st: &Prepared) -> Result<(Vec<Live>, Vec<Live>)> {
+        let reads = &prepared.batch().reads;
+        let gone = |owner: OwnerId, first_read: usize, what: String| {
+            let r = &reads[first_read];
+            Error::new(ErrorKind::Transport, what)
+                .with_owner(owner)
+                .with_range(span(r.remote_offset, r.len))
+                .with_backend(BACKEND)
+                .set_retryable(false)
+        };
+        let check = |owner: OwnerId, first_read: usize, region: &Region, max_end: u64| {
+            if max_end <= region.len && max_end <= region.block.len() as u64 {
+                Ok(())
+            } else {
+                let r = &reads[first_read];
+                Err(oob(
+                    owner,
+                    span(r.remote_offset, r.len),
+                    format!(
+                        "region shrank below {max_end} bytes since prepare ({} now)",
+                        region.block.len()
+                    ),
+                ))
+            }
+        };
+        let mut srcs = Vec::with_capacity(st.srcs.len());
+        for s in &st.srcs {
+            let region = s
+                .agent
+                .upgrade()
+                .ok_or_else(|| {
+                    gone(
+                        s.owner,
+                        s.first_read,
+                        format!("owner {} left the fabric", s.owner),
+                    )
+                })?
+                .regions
+                .read()
+                .get(&s.region)
+                .cloned()
+                .ok_or_else(|| {
+                    gone(
+                        s.owner,
+                        s.first_read,
+                        format!(
+                            "region {} of owner {} was deregistered after prepare",
+                            s.region, s.owner
+                        ),
+                    )
+                })?;
+            check(s.owner, s.first_read, &region, s.max_end)?;
+            srcs.push(Live {
+                owner: Some(s.owner),
+                addr: region.block.addr(),
+                _block: region.block,
+            });
+        }
+        let mut dsts = Vec::with_capacity(st.dsts.len());
+        {
+            let local = self.agent.regions.read();
+            for d in &st.dsts {
+                let owner = reads[d.first_read].owner;
+                let region = local.get(&d.region).cloned().ok_or_else(|| {
+                    let r = &reads[d.first_read];
+                    Error::new(
+                        ErrorKind::Transport,
+                        format!(
+                            "local region {} (destination of owner {owner}) was deregistered \
+                             after prepare",
+                            d.region
+                        ),
+                    )
+                    .with_owner(owner)
+                    .with_range(span(r.local_offset, r.len))
+                    .with_backend(BACKEND)
+                    .set_retryable(false)
+                })?;
+                check(owner, d.first_read, &region, d.max_end)?;
+                dsts.push(Live {
+                    owner: None,
+                    addr: region.block.addr(),
+                    _block: region.block,
+                });
+            }
+        }
+        Ok((srcs, dsts))
+    }
+}
+
+impl Drop for LoopbackTransport {
+    fn drop(&mut self) {
+        // Leave the fabric so the name can be reused; only remove our own entry.
+        let mut agents = self.fabric.inner.agents.lock();
+        if agents
+            .get(&self.agent.name)
+            .is_some_and(|a| a.uid == self.agent.uid)
+        {
+            agents.remove(&self.agent.name);
+        }
+    }
+}
+
+impl fmt::Debug for LoopbackTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackTransport")
+            .field("agent", &self.agent.name)
+            .field("fabric", &format_args!("{:#018x}", self.fabric.id()))
+            .field("workers", &self.workers)
+            .field("regions", &self.agent.regions.read().len())
+            .field("peers", &self.peers.read().len())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Transport for LoopbackTransport {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn agent(&self) -> &str {
+        &self.agent.name
+    }
+
+    fn capabilities(&self) -> Capability {
+        Capability {
+            one_sided_read: true,
+            one_sided_write: false,
+            vram: false,
+            cross_process: false,
+            max_reads_per_post: None,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.agent.epoch.load(Ordering::Acquire)
+    }
+
+    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
+        let kind = block.kind();
+        if let MemoryKind::Vram { .. } = kind {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("loopback moves host memory only; cannot register {kind} (use nixl)"),
+            )
+            .with_backend(BACKEND));
+        }
+        let (addr, len) = (block.addr(), block.len());
+        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!("block {addr:#x}+{len} is not a valid address range"),
+            )
+            .with_backend(BACKEND));
+        }
+        let id = self.agent.next_region.fetch_add(1, Ordering::Relaxed);
+        let len = len as u64;
+        self.agent.regions.write().insert(id, Region { block, len });
+        self.agent.bump_epoch();
+        tracing::debug!(agent = %self.agent.name, region = id, len, "loopback register");
+        let agent = Arc::downgrade(&self.agent);
+        Ok(Registration::new(id, len, kind, move || {
+            if let Some(a) = agent.upgrade() {
+                // Drop the block outside the lock: its own Drop may do anything.
+                let removed = a.regions.write().remove(&id);
+                if removed.is_some() {
+                    a.bump_epoch();
+                }
+                drop(removed);
+            }
+        }))
+    }
+
+    async fn export_metadata(&self) -> Result<Bytes> {
+        let mut regions: Vec<(u64, u64)> = self
+            .agent
+            .regions
+            .read()
+            .iter()
+            .map(|(&id, r)| (id, r.len))
+            .collect();
+        regions.sort_unstable();
+        Ok(AgentMeta {
+            fabric: self.fabric.id(),
+            agent_uid: self.agent.uid,
+            agent: self.agent.name.clone(),
+            regions,
+        }
+        .encode())
+    }
+
+    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
+        let meta = AgentMeta::decode(&metadata).map_err(|e| e.with_owner(owner))?;
+        if meta.fabric != self.fabric.id() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "metadata of agent {:?} comes from another loopback fabric (another process \
+                     or LoopbackFabric); cross-process transfers need the ucx or nixl transport",
+                    meta.agent
+                ),
+            )
+            .with_owner(owner)
+            .with_backend(BACKEND));
+        }
+        let agent = self
+            .fabric
+            .inner
+            .agents
+            .lock()
+            .get(&meta.agent)
+            .filter(|a| a.uid == meta.agent_uid)
+            .map(Arc::downgrade)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::PeerUnknown,
+                    format!(
+                        "agent {:?} that exported this metadata is no longer on the fabric",
+                        meta.agent
+                    ),
+                )
+                .with_owner(owner)
+                .with_backend(BACKEND)
+            })?;
+        let peer = Peer {
+            agent,
+            regions: meta.regions.into_iter().collect(),
+        };
+        self.peers.write().insert(owner, Arc::new(peer));
+        self.agent.bump_epoch();
+        tracing::debug!(agent = %self.agent.name, owner, peer = %meta.agent, "loopback peer");
+        Ok(())
+    }
+
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        let st = self.translate(&batch)?;
+        tracing::debug!(
+            agent = %self.agent.name,
+            reads = st.report.reads,
+            bytes = st.report.bytes,
+            lists = st.work.len(),
+            "loopback prepare"
+        );
+        Ok(PreparedBatch::new(Arc::new(batch), BACKEND, Arc::new(st)))
+    }
+
+    async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        let st = prepared
+            .state::<Arc<Prepared>>()
+            .filter(|st| st.agent_uid == self.agent.uid)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "batch was prepared by {} (another backend or loopback agent), not by \
+                         loopback agent {:?}",
+                        prepared.backend(),
+                        self.agent.name
+                    ),
+                )
+                .with_backend(BACKEND)
+            })?;
+        let (srcs, dsts) = self.resolve(prepared, st)?;
+        let pool = self.pool()?;
+        let ctx = PostCtx {
+            prepared: Arc::clone(st),
+            srcs,
+            dsts,
+            abort: Arc::new(AtomicBool::new(false)),
+            #[cfg(test)]
+            faults: self.faults.clone(),
+        };
+        tracing::trace!(agent = %self.agent.name, jobs = st.work.len(), "loopback post");
+        Ok(Box::new(copy::start(&pool, ctx, st.report)))
+    }
+}

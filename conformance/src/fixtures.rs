@@ -1,0 +1,117 @@
+//! The harness a backend hands the suite, and the small models and topologies the checks use.
+
+use std::sync::Arc;
+
+use reshard_core::{DType, Result, Transport};
+use reshard_planner::layouts::receiver_layout;
+use reshard_planner::presets::{ModelConfig, MoeConfig};
+use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
+use reshard_runtime::{Receiver, ReceiverOptions, SyntheticCluster};
+
+/// Creates transport endpoints of the backend under test, by agent name.
+pub type MakeTransport = dyn Fn(&str) -> Result<Arc<dyn Transport>> + Send + Sync;
+
+/// What a backend gives the suite: a name and a way to make endpoints on one shared fabric.
+#[derive(Clone)]
+pub struct Harness {
+    name: String,
+    make: Arc<MakeTransport>,
+}
+
+impl Harness {
+    /// A harness for `name` whose endpoints come from `make(agent)`.
+    pub fn new(
+        name: impl Into<String>,
+        make: impl Fn(&str) -> Result<Arc<dyn Transport>> + Send + Sync + 'static,
+    ) -> Self {
+        Harness {
+            name: name.into(),
+            make: Arc::new(make),
+        }
+    }
+
+    /// Backend name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A new endpoint.
+    pub fn endpoint(&self, agent: &str) -> Result<Arc<dyn Transport>> {
+        (self.make)(agent)
+    }
+
+    /// Publishers for `model` under `topo`, each on its own endpoint.
+    pub async fn cluster(&self, model: ModelConfig, topo: &str) -> SyntheticCluster {
+        let topo: PublisherTopology = topo.parse().expect("valid publisher topology");
+        let make = self.make.clone();
+        SyntheticCluster::new(model, topo, 42, move |rank| make(&format!("publisher-{rank}")))
+            .await
+            .expect("synthetic cluster")
+    }
+
+    /// Receiver rank `rank` of a TP-`tp` engine over `transport`, connected to `cluster`.
+    pub async fn receiver_on(
+        &self,
+        cluster: &SyntheticCluster,
+        transport: Arc<dyn Transport>,
+        tp: u32,
+        rank: u32,
+        opts: ReceiverOptions,
+    ) -> Receiver {
+        cluster
+            .connect(transport.as_ref())
+            .await
+            .expect("load publisher metadata");
+        let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp }, rank)
+            .expect("receiver layout");
+        Receiver::new(transport, layout, opts).expect("receiver")
+    }
+
+    /// Receiver rank `rank` of a TP-`tp` engine on a fresh endpoint.
+    pub async fn receiver(&self, cluster: &SyntheticCluster, tp: u32, rank: u32) -> Receiver {
+        let t = self
+            .endpoint(&format!("receiver-{rank}-of-{tp}"))
+            .expect("receiver endpoint");
+        self.receiver_on(cluster, t, tp, rank, ReceiverOptions::default())
+            .await
+    }
+}
+
+/// A small dense GQA model (Llama-shaped) with `kv_heads` KV heads.
+pub fn tiny_dense(kv_heads: u64) -> ModelConfig {
+    ModelConfig {
+        name: format!("tiny-dense-kv{kv_heads}"),
+        layers: 2,
+        hidden: 128,
+        heads: 8,
+        kv_heads,
+        head_dim: 16,
+        intermediate: 256,
+        moe: None,
+        vocab: 512,
+        tied_embeddings: false,
+        qk_norm: false,
+        dtype: DType::Bf16,
+    }
+}
+
+/// A small MoE model (Qwen3-MoE-shaped): 16 experts, q/k norms, untied head.
+pub fn tiny_moe() -> ModelConfig {
+    ModelConfig {
+        name: "tiny-moe".into(),
+        layers: 2,
+        hidden: 128,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 16,
+        intermediate: 0,
+        moe: Some(MoeConfig {
+            experts: 16,
+            expert_intermediate: 96,
+        }),
+        vocab: 256,
+        tied_embeddings: false,
+        qk_norm: true,
+        dtype: DType::Bf16,
+    }
+}

@@ -1,0 +1,147 @@
+//! Transport wrappers the suite uses: one records every posted batch, one fails an owner's
+//! reads mid-batch. Both delegate everything else, so they work over any backend.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+use reshard_core::{
+    Capability, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch,
+    Registration, Result, Transport, WireReport,
+};
+
+/// Records the reads of every posted batch, in posting order.
+#[derive(Debug)]
+pub struct RecordingTransport {
+    inner: Arc<dyn Transport>,
+    posted: Mutex<Vec<Arc<ReadBatch>>>,
+    prepares: Mutex<u64>,
+}
+
+impl RecordingTransport {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Transport>) -> Self {
+        RecordingTransport {
+            inner,
+            posted: Mutex::new(Vec::new()),
+            prepares: Mutex::new(0),
+        }
+    }
+
+    /// Batches posted so far.
+    pub fn posted(&self) -> Vec<Arc<ReadBatch>> {
+        self.posted.lock().clone()
+    }
+
+    /// Number of `prepare` calls (descriptor builds) so far.
+    pub fn prepares(&self) -> u64 {
+        *self.prepares.lock()
+    }
+}
+
+#[async_trait]
+impl Transport for RecordingTransport {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn agent(&self) -> &str {
+        self.inner.agent()
+    }
+    fn capabilities(&self) -> Capability {
+        self.inner.capabilities()
+    }
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
+    }
+    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
+        self.inner.register(block).await
+    }
+    async fn export_metadata(&self) -> Result<Bytes> {
+        self.inner.export_metadata().await
+    }
+    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
+        self.inner.load_peer(owner, metadata).await
+    }
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        *self.prepares.lock() += 1;
+        self.inner.prepare(batch).await
+    }
+    async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        self.posted.lock().push(batch.batch().clone());
+        self.inner.post(batch).await
+    }
+}
+
+/// Lets every read run, then reports that `owner`'s reads failed: a peer dying mid-batch after
+/// other owners' bytes (and some of its own) already landed.
+#[derive(Debug)]
+pub struct FailingTransport {
+    inner: Arc<dyn Transport>,
+    owner: OwnerId,
+}
+
+impl FailingTransport {
+    /// Wraps `inner`, failing `owner`'s reads.
+    pub fn new(inner: Arc<dyn Transport>, owner: OwnerId) -> Self {
+        FailingTransport { inner, owner }
+    }
+}
+
+struct FailAfter {
+    inner: Box<dyn InFlight>,
+    error: Error,
+}
+
+#[async_trait]
+impl InFlight for FailAfter {
+    async fn wait(self: Box<Self>) -> Result<WireReport> {
+        // Bytes land first, exactly as with a real mid-batch failure.
+        self.inner.wait().await?;
+        Err(self.error)
+    }
+    async fn abort(self: Box<Self>) {
+        self.inner.abort().await;
+    }
+}
+
+#[async_trait]
+impl Transport for FailingTransport {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn agent(&self) -> &str {
+        self.inner.agent()
+    }
+    fn capabilities(&self) -> Capability {
+        self.inner.capabilities()
+    }
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
+    }
+    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
+        self.inner.register(block).await
+    }
+    async fn export_metadata(&self) -> Result<Bytes> {
+        self.inner.export_metadata().await
+    }
+    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
+        self.inner.load_peer(owner, metadata).await
+    }
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        self.inner.prepare(batch).await
+    }
+    async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        let first = batch.batch().reads.iter().find(|r| r.owner == self.owner).copied();
+        let inner = self.inner.post(batch).await?;
+        let Some(r) = first else {
+            return Ok(inner);
+        };
+        let error = Error::new(ErrorKind::Transport, "peer stopped answering mid-batch")
+            .with_owner(self.owner)
+            .with_range(r.remote_offset..r.remote_offset + r.len)
+            .with_backend(self.inner.name())
+            .set_retryable(true);
+        Ok(Box::new(FailAfter { inner, error }))
+    }
+}

@@ -1,0 +1,691 @@
+//! Hand-built planner cases (DESIGN §4): each names one behaviour and checks the exact reads,
+//! staging, re-slices and statistics it must produce.
+
+use reshard_core::{
+    dedup, merge, DType, DedupOptions, Dest, ErrorDetail, ErrorKind, MemoryKind, MergedTable,
+    OfferLocation, ParamSpec, Plan, PlannedRead, ShardOffer, ShardTable, TensorBox, TensorSpec,
+    WantedCopy, WantedLayout,
+};
+use reshard_planner::plan::{plan, PlanOptions};
+
+/// An offer of `tensor` for [`table`]: box offset, box extent, and the byte gap left before it
+/// in the publisher's region.
+struct Off<'a> {
+    tensor: &'a str,
+    offset: Vec<u64>,
+    extent: Vec<u64>,
+    gap: u64,
+}
+
+fn off<'a>(tensor: &'a str, offset: &[u64], extent: &[u64]) -> Off<'a> {
+    Off {
+        tensor,
+        offset: offset.to_vec(),
+        extent: extent.to_vec(),
+        gap: 0,
+    }
+}
+
+/// One publisher's table: its offers laid out back to back (plus gaps) in region 7.
+fn table(rank: u32, specs: &[TensorSpec], offers: &[Off]) -> ShardTable {
+    let mut t = ShardTable::new(rank, format!("agent{rank}"), 1);
+    for s in specs {
+        if offers.iter().any(|o| o.tensor == s.name) {
+            t.tensors.push(s.clone());
+        }
+    }
+    let mut at = 0;
+    for o in offers {
+        let spec = specs.iter().find(|s| s.name == o.tensor).unwrap();
+        at += o.gap;
+        t.offers.push(ShardOffer {
+            tensor: o.tensor.into(),
+            tensor_box: TensorBox::new(o.offset.clone(), o.extent.clone()),
+            location: OfferLocation {
+                region: 7,
+                offset: at,
+                memory: MemoryKind::Dram,
+            },
+            digest: None,
+        });
+        at += o.extent.iter().product::<u64>() * spec.dtype.size();
+    }
+    t
+}
+
+fn deduped(tables: &[ShardTable]) -> MergedTable {
+    dedup(&merge(tables).unwrap(), DedupOptions::default())
+        .unwrap()
+        .0
+}
+
+fn bf16(name: &str, shape: &[u64]) -> TensorSpec {
+    TensorSpec::new(name, DType::Bf16, shape.to_vec())
+}
+
+fn row_major(shape: &[u64]) -> Vec<u64> {
+    reshard_core::layout::row_major_strides(shape)
+}
+
+/// A copy of `box` into a parameter of exactly the box's shape, at byte `dst_offset`.
+fn copy(tensor: &str, offset: &[u64], extent: &[u64], dst_offset: u64) -> WantedCopy {
+    WantedCopy {
+        tensor: tensor.into(),
+        src_box: TensorBox::new(offset.to_vec(), extent.to_vec()),
+        dst_offset,
+        dst_strides: row_major(extent),
+    }
+}
+
+fn param(name: &str, dtype: DType, shape: &[u64], copies: Vec<WantedCopy>) -> ParamSpec {
+    ParamSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        copies,
+    }
+}
+
+fn layout(params: Vec<ParamSpec>) -> WantedLayout {
+    WantedLayout {
+        receiver_rank: 0,
+        params,
+    }
+}
+
+fn read(owner: u32, src: u64, len: u64, dst: Dest, dst_offset: u64, tensor: u32) -> PlannedRead {
+    PlannedRead {
+        owner,
+        src_region: 7,
+        src_offset: src,
+        len,
+        dst,
+        dst_offset,
+        tensor,
+    }
+}
+
+fn default_plan(t: &MergedTable, l: &WantedLayout) -> Plan {
+    plan(t, l, &PlanOptions::default()).unwrap()
+}
+
+#[test]
+fn column_slice_of_dim0_is_one_read() {
+    let w = bf16("w", &[8, 4]);
+    let t = deduped(&[table(0, &[w.clone()], &[off("w", &[0, 0], &[8, 4])])]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4, 4],
+        vec![copy("w", &[2, 0], &[4, 4], 0)],
+    )]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.reads, vec![read(0, 2 * 4 * 2, 32, Dest::Param(0), 0, 0)]);
+    assert_eq!(p.tensors, vec!["w".to_string()]);
+    assert_eq!(p.stats.reads, 1);
+    assert_eq!(p.stats.exact_descriptors, 1);
+    assert_eq!(p.stats.full_pull_sources, 0);
+    assert_eq!(p.stats.wire_bytes, 32);
+    assert_eq!(p.stats.written_bytes, 32);
+    assert_eq!(p.stats.param_bytes, 32);
+    assert_eq!(p.stats.owners, 1);
+    assert!(p.staging.is_empty() && p.reslices.is_empty());
+}
+
+#[test]
+fn dim1_slice_with_few_rows_reads_each_row() {
+    let w = bf16("w", &[4, 8]);
+    let t = deduped(&[table(3, &[w], &[off("w", &[0, 0], &[4, 8])])]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4, 4],
+        vec![copy("w", &[0, 4], &[4, 4], 0)],
+    )]);
+    let p = default_plan(&t, &l);
+    let want: Vec<_> = (0..4)
+        .map(|r| read(3, r * 16 + 8, 8, Dest::Param(0), r * 8, 0))
+        .collect();
+    assert_eq!(p.reads, want);
+    assert_eq!(p.stats.reads, 4);
+    assert_eq!(p.stats.exact_descriptors, 4);
+    assert_eq!(p.stats.descriptors_saved, 0);
+    assert_eq!(p.stats.extra_wire_bytes, 0);
+}
+
+/// 128 rows of a dim-1 half exceed the default threshold of 64 runs; the two dim-0 halves
+/// offered by ranks 0 and 1 tile dim 0, so the tensor is pulled whole and re-sliced.
+fn row_parallel_case() -> (MergedTable, WantedLayout) {
+    let w = bf16("w", &[128, 8]);
+    let t = deduped(&[
+        table(0, &[w.clone()], &[off("w", &[0, 0], &[64, 8])]),
+        table(1, &[w.clone()], &[off("w", &[64, 0], &[64, 8])]),
+    ]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[128, 4],
+        vec![copy("w", &[0, 4], &[128, 4], 0)],
+    )]);
+    (t, l)
+}
+
+#[test]
+fn dim1_slice_with_many_rows_is_a_full_pull_and_reslice() {
+    let (t, l) = row_parallel_case();
+    let p = default_plan(&t, &l);
+    assert_eq!(
+        p.reads,
+        vec![
+            read(0, 0, 64 * 16, Dest::Staging(0), 0, 0),
+            read(1, 0, 64 * 16, Dest::Staging(0), 64 * 16, 0),
+        ]
+    );
+    assert_eq!(p.staging.len(), 1);
+    let s = &p.staging[0];
+    assert_eq!(
+        (s.tensor, s.row_start, s.rows, s.bytes),
+        (0, 0, 128, 128 * 16)
+    );
+    assert_eq!(p.reslices.len(), 1);
+    let r = &p.reslices[0];
+    assert_eq!(r.staging, 0);
+    assert_eq!(r.src_offset, 4 * 2);
+    assert_eq!(r.src_strides, vec![8, 1]);
+    assert_eq!(r.extent, vec![128, 4]);
+    assert_eq!((r.elem, r.param, r.dst_offset), (2, 0, 0));
+    assert_eq!(r.dst_strides, vec![4, 1]);
+    assert!(p.reslice_disjoint);
+    assert_eq!(p.stats.full_pull_sources, 1);
+    assert_eq!(p.stats.exact_descriptors, 128);
+    assert_eq!(p.stats.reads, 2);
+    assert_eq!(p.stats.descriptors_saved, 126);
+    assert_eq!(p.stats.wire_bytes, 128 * 16);
+    assert_eq!(p.stats.extra_wire_bytes, 128 * 16 - 128 * 8);
+    assert_eq!(p.stats.owners, 2);
+}
+
+#[test]
+fn full_pull_threshold_is_configurable() {
+    let (t, l) = row_parallel_case();
+    let exact = plan(
+        &t,
+        &l,
+        &PlanOptions {
+            full_pull_threshold: 128,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(exact.stats.reads, 128);
+    assert_eq!(exact.stats.full_pull_sources, 0);
+    assert!(exact.staging.is_empty() && exact.reslices.is_empty());
+    let pulled = plan(
+        &t,
+        &l,
+        &PlanOptions {
+            full_pull_threshold: 127,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(pulled.stats.full_pull_sources, 1);
+    assert_ne!(exact.fingerprint, pulled.fingerprint);
+}
+
+#[test]
+fn staging_holds_only_offers_the_full_pulled_copies_touch() {
+    // Four dim-0 blocks of 32 rows; the copy wants rows 40..100 of a dim-1 half (60 runs,
+    // threshold 16): blocks 1..3 are staged, block 0 is never read.
+    let w = bf16("w", &[128, 8]);
+    let t = deduped(&[table(
+        2,
+        &[w],
+        &[
+            off("w", &[0, 0], &[32, 8]),
+            off("w", &[32, 0], &[32, 8]),
+            off("w", &[64, 0], &[32, 8]),
+            off("w", &[96, 0], &[32, 8]),
+        ],
+    )]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[60, 4],
+        vec![copy("w", &[40, 4], &[60, 4], 0)],
+    )]);
+    let opts = PlanOptions {
+        full_pull_threshold: 16,
+        ..PlanOptions::default()
+    };
+    let p = plan(&t, &l, &opts).unwrap();
+    let s = &p.staging[0];
+    assert_eq!((s.row_start, s.rows, s.bytes), (32, 96, 96 * 16));
+    assert_eq!(p.stats.reads, 3);
+    // The three blocks are adjacent at one owner and in staging: one read on the wire.
+    assert_eq!(
+        p.reads,
+        vec![read(2, 32 * 16, 96 * 16, Dest::Staging(0), 0, 0)]
+    );
+    assert_eq!(p.stats.coalesced_reads, 1);
+    assert_eq!(p.reslices[0].src_offset, (8 * 8 + 4) * 2);
+    assert_eq!(p.stats.extra_wire_bytes, 96 * 16 - 60 * 8);
+}
+
+#[test]
+fn two_copies_of_one_tensor_share_one_staging_buffer() {
+    let w = bf16("w", &[128, 8]);
+    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[128, 8])])]);
+    let l = layout(vec![
+        param(
+            "a",
+            DType::Bf16,
+            &[128, 4],
+            vec![copy("w", &[0, 0], &[128, 4], 0)],
+        ),
+        param(
+            "b",
+            DType::Bf16,
+            &[128, 4],
+            vec![copy("w", &[0, 4], &[128, 4], 0)],
+        ),
+    ]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.stats.full_pull_sources, 1);
+    assert_eq!(p.stats.reads, 1);
+    assert_eq!(p.reslices.len(), 2);
+    assert_eq!((p.reslices[0].param, p.reslices[1].param), (0, 1));
+    assert!(p.reslice_disjoint);
+    // Both halves together are the whole tensor: nothing extra on the wire.
+    assert_eq!(p.stats.extra_wire_bytes, 0);
+}
+
+#[test]
+fn overlapping_reslice_destinations_are_reported() {
+    let w = bf16("w", &[128, 8]);
+    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[128, 8])])]);
+    // Two copies write alternating columns of one parameter: their bytes are disjoint, but
+    // their [first, last] spans overlap, and the check is deliberately conservative.
+    let strided = |col: u64| WantedCopy {
+        tensor: "w".into(),
+        src_box: TensorBox::new(vec![0, col], vec![128, 1]),
+        dst_offset: col * 2,
+        dst_strides: vec![2, 1],
+    };
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[128, 2],
+        vec![strided(0), strided(1)],
+    )]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.reslices.len(), 2);
+    assert!(!p.reslice_disjoint);
+}
+
+#[test]
+fn non_tiling_offers_fall_back_to_exact_reads() {
+    // Offers split along dim 1 do not tile dim 0: 2 x 128 per-row reads despite the threshold.
+    let w = bf16("w", &[128, 8]);
+    let t = deduped(&[
+        table(0, &[w.clone()], &[off("w", &[0, 0], &[128, 4])]),
+        table(1, &[w.clone()], &[off("w", &[0, 4], &[128, 4])]),
+    ]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[128, 4],
+        vec![copy("w", &[0, 2], &[128, 4], 0)],
+    )]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.stats.full_pull_sources, 0);
+    assert_eq!(p.stats.exact_descriptors, 256);
+    assert_eq!(p.stats.reads, 256);
+    assert_eq!(p.stats.descriptors_saved, 0);
+    let first = p.reads.iter().find(|r| r.owner == 1).unwrap();
+    assert_eq!((first.src_offset, first.len, first.dst_offset), (0, 4, 4));
+}
+
+#[test]
+fn fused_destination_places_three_sources_and_coalesces_them() {
+    let (q, k, v) = (bf16("q", &[4, 2]), bf16("k", &[2, 2]), bf16("v", &[2, 2]));
+    let specs = [q, k, v];
+    let t = deduped(&[table(
+        5,
+        &specs,
+        &[
+            off("q", &[0, 0], &[4, 2]),
+            off("k", &[0, 0], &[2, 2]),
+            off("v", &[0, 0], &[2, 2]),
+        ],
+    )]);
+    let l = layout(vec![param(
+        "qkv",
+        DType::Bf16,
+        &[8, 2],
+        vec![
+            copy("q", &[0, 0], &[4, 2], 0),
+            copy("k", &[0, 0], &[2, 2], 16),
+            copy("v", &[0, 0], &[2, 2], 24),
+        ],
+    )]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.tensors, vec!["q", "k", "v"]);
+    assert_eq!(p.stats.reads, 3);
+    assert_eq!(p.stats.copies, 3);
+    assert_eq!(p.stats.written_bytes, 32);
+    // Adjacent at the owner and in the parameter: one wire read, tagged with the first tensor.
+    assert_eq!(p.reads, vec![read(5, 0, 32, Dest::Param(0), 0, 0)]);
+    assert_eq!(p.stats.coalesced_reads, 1);
+    assert_eq!(p.checks.len(), 3);
+    assert_eq!(p.checks[1].dst_offset, 16);
+}
+
+#[test]
+fn adjacent_offers_of_one_owner_coalesce_but_gaps_do_not() {
+    let w = bf16("w", &[8, 4]);
+    let whole = |gap| {
+        deduped(&[table(
+            0,
+            &[w.clone()],
+            &[
+                off("w", &[0, 0], &[4, 4]),
+                Off {
+                    gap,
+                    ..off("w", &[4, 0], &[4, 4])
+                },
+            ],
+        )])
+    };
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[8, 4],
+        vec![copy("w", &[0, 0], &[8, 4], 0)],
+    )]);
+    let p = default_plan(&whole(0), &l);
+    assert_eq!((p.stats.reads, p.stats.coalesced_reads), (2, 1));
+    assert_eq!(p.reads, vec![read(0, 0, 64, Dest::Param(0), 0, 0)]);
+    let p = default_plan(&whole(2), &l);
+    assert_eq!((p.stats.reads, p.stats.coalesced_reads), (2, 2));
+}
+
+#[test]
+fn runs_contiguous_on_both_sides_merge_within_an_overlap() {
+    // Dim 1 has extent 1 and an arbitrary destination stride, so the rule does not collapse it
+    // (2 exact runs), yet the two runs are adjacent on both sides and become one read.
+    let w = bf16("w", &[2, 1, 4]);
+    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0, 0], &[2, 1, 4])])]);
+    let c = WantedCopy {
+        tensor: "w".into(),
+        src_box: TensorBox::new(vec![0, 0, 0], vec![2, 1, 4]),
+        dst_offset: 0,
+        dst_strides: vec![4, 99, 1],
+    };
+    let l = layout(vec![param("p", DType::Bf16, &[8], vec![c])]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.stats.exact_descriptors, 2);
+    assert_eq!(p.stats.reads, 1);
+    assert_eq!(p.reads, vec![read(0, 0, 16, Dest::Param(0), 0, 0)]);
+}
+
+#[test]
+fn non_unit_innermost_destination_stride_is_one_run_per_element() {
+    let w = TensorSpec::new("w", DType::F32, vec![3]);
+    let t = deduped(&[table(0, &[w], &[off("w", &[0], &[3])])]);
+    let c = WantedCopy {
+        tensor: "w".into(),
+        src_box: TensorBox::new(vec![0], vec![3]),
+        dst_offset: 4,
+        dst_strides: vec![2],
+    };
+    let l = layout(vec![param("p", DType::F32, &[6], vec![c])]);
+    let p = default_plan(&t, &l);
+    let want: Vec<_> = (0..3)
+        .map(|i| read(0, 4 * i, 4, Dest::Param(0), 4 + 8 * i, 0))
+        .collect();
+    assert_eq!(p.reads, want);
+    assert!(p.checks.is_empty());
+}
+
+#[test]
+fn missing_coverage_names_tensor_and_an_unoffered_box() {
+    let w = bf16("w", &[8, 4]);
+    let t = deduped(&[table(
+        0,
+        &[w],
+        &[off("w", &[0, 0], &[4, 4]), off("w", &[4, 0], &[4, 2])],
+    )]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[8, 4],
+        vec![copy("w", &[0, 0], &[8, 4], 0)],
+    )]);
+    let e = plan(&t, &l, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::MissingCoverage);
+    assert_eq!(e.context().tensor.as_deref(), Some("w"));
+    match e.detail() {
+        Some(ErrorDetail::MissingCoverage { tensor, missing }) => {
+            assert_eq!(tensor, "w");
+            assert_eq!(missing, &TensorBox::new(vec![4, 2], vec![4, 2]));
+        }
+        other => panic!("unexpected detail {other:?}"),
+    }
+    // The same holds on the no-dedup arm, whose coverage check cannot rely on volumes.
+    let e = plan(
+        &t,
+        &l,
+        &PlanOptions {
+            allow_overlap: true,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::MissingCoverage);
+}
+
+#[test]
+fn a_tensor_nobody_offers_is_missing_as_a_whole() {
+    let w = bf16("w", &[8, 4]);
+    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[8, 4])])]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[2, 4],
+        vec![copy("x", &[1, 0], &[2, 4], 0)],
+    )]);
+    let e = plan(&t, &l, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::MissingCoverage);
+    assert_eq!(e.context().tensor.as_deref(), Some("x"));
+    match e.detail() {
+        Some(ErrorDetail::MissingCoverage { tensor, missing }) => {
+            assert_eq!(tensor, "x");
+            assert_eq!(missing, &TensorBox::new(vec![1, 0], vec![2, 4]));
+        }
+        other => panic!("unexpected detail {other:?}"),
+    }
+}
+
+#[test]
+fn partially_overlapping_offers_are_an_error() {
+    let w = bf16("w", &[8, 4]);
+    let t = deduped(&[
+        table(0, &[w.clone()], &[off("w", &[0, 0], &[6, 4])]),
+        table(1, &[w.clone()], &[off("w", &[4, 0], &[4, 4])]),
+    ]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[8, 4],
+        vec![copy("w", &[0, 0], &[8, 4], 0)],
+    )]);
+    let e = plan(&t, &l, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OverlappingOffers);
+    assert_eq!(e.context().tensor.as_deref(), Some("w"));
+    assert_eq!(e.context().owner, Some(0));
+    // A copy that stays clear of the overlap is fine.
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[2, 4],
+        vec![copy("w", &[6, 0], &[2, 4], 0)],
+    )]);
+    assert_eq!(default_plan(&t, &l).stats.reads, 1);
+}
+
+#[test]
+fn allow_overlap_arm_reads_every_replica() {
+    let w = bf16("w", &[4, 4]);
+    let tables: Vec<_> = (0..3)
+        .map(|r| table(r, &[w.clone()], &[off("w", &[0, 0], &[4, 4])]))
+        .collect();
+    let merged = merge(&tables).unwrap();
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[2, 4],
+        vec![copy("w", &[2, 0], &[2, 4], 0)],
+    )]);
+    let e = plan(&merged, &l, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OverlappingOffers);
+    let opts = PlanOptions {
+        allow_overlap: true,
+        ..PlanOptions::default()
+    };
+    let p = plan(&merged, &l, &opts).unwrap();
+    assert_eq!(p.stats.reads, 3);
+    assert_eq!(p.stats.owners, 3);
+    assert_eq!(p.stats.wire_bytes, 3 * 16);
+    assert_eq!(p.stats.written_bytes, 16);
+    assert!(p
+        .reads
+        .iter()
+        .all(|r| r.src_offset == 16 && r.dst_offset == 0));
+    let d = default_plan(&deduped(&tables), &l);
+    assert_eq!(d.stats.reads, 1);
+    assert_eq!(d.reads[0].owner, 0);
+}
+
+#[test]
+fn replicated_offers_do_not_tile_so_no_dedup_reads_per_row() {
+    // The DESIGN §8 o_proj counterfactual in small: 2 replicas of a whole tensor, a dim-1 half
+    // wanted. With dedup: one full pull; without: 2 x 128 exact rows.
+    let w = bf16("w", &[128, 8]);
+    let tables: Vec<_> = (0..2)
+        .map(|r| table(r, &[w.clone()], &[off("w", &[0, 0], &[128, 8])]))
+        .collect();
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[128, 4],
+        vec![copy("w", &[0, 4], &[128, 4], 0)],
+    )]);
+    let d = default_plan(&deduped(&tables), &l);
+    assert_eq!((d.stats.reads, d.stats.full_pull_sources), (1, 1));
+    let opts = PlanOptions {
+        allow_overlap: true,
+        ..PlanOptions::default()
+    };
+    let n = plan(&merge(&tables).unwrap(), &l, &opts).unwrap();
+    assert_eq!((n.stats.reads, n.stats.full_pull_sources), (256, 0));
+    assert_eq!(n.stats.exact_descriptors, 256);
+}
+
+#[test]
+fn digest_checks_cover_whole_offers_and_full_pulls() {
+    let (a, b) = (bf16("a", &[4, 4]), bf16("b", &[128, 8]));
+    let t = deduped(&[table(
+        0,
+        &[a, b],
+        &[
+            off("a", &[0, 0], &[2, 4]),
+            off("a", &[2, 0], &[2, 4]),
+            off("b", &[0, 0], &[128, 8]),
+        ],
+    )]);
+    let l = layout(vec![
+        // Rows 1..4 of `a`: the second offer lands whole, the first only partly (no check).
+        param(
+            "pa",
+            DType::Bf16,
+            &[3, 4],
+            vec![copy("a", &[1, 0], &[3, 4], 0)],
+        ),
+        param(
+            "pb",
+            DType::Bf16,
+            &[128, 4],
+            vec![copy("b", &[0, 0], &[128, 4], 0)],
+        ),
+    ]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.checks.len(), 2);
+    let c = &p.checks[0];
+    assert_eq!((c.tensor, c.owner, c.src_region), (0, 0, 7));
+    assert_eq!(
+        (c.src_offset, c.dst, c.dst_offset, c.len),
+        (16, Dest::Param(0), 8, 16)
+    );
+    let c = &p.checks[1];
+    assert_eq!(
+        (c.tensor, c.src_offset, c.dst, c.dst_offset),
+        (1, 32, Dest::Staging(0), 0)
+    );
+    assert_eq!(c.len, 128 * 16);
+    assert_eq!(p.stats.checked_bytes, 16 + 128 * 16);
+}
+
+#[test]
+fn fingerprint_is_stable_and_tracks_the_layout() {
+    let (t, l) = row_parallel_case();
+    let a = default_plan(&t, &l);
+    let b = default_plan(&t, &l);
+    assert_eq!(a, b);
+    assert_eq!(a.fingerprint, a.compute_fingerprint());
+    let mut moved = l.clone();
+    moved.params[0].shape = vec![129, 4];
+    moved.params[0].copies[0].dst_offset = 8;
+    let c = default_plan(&t, &moved);
+    assert_ne!(a.fingerprint, c.fingerprint);
+}
+
+#[test]
+fn layout_errors_name_tensor_and_parameter() {
+    let w = bf16("w", &[8, 4]);
+    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[8, 4])])]);
+    let wrong_dtype = layout(vec![param(
+        "p",
+        DType::F32,
+        &[4, 4],
+        vec![copy("w", &[0, 0], &[4, 4], 0)],
+    )]);
+    let e = plan(&t, &wrong_dtype, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Layout);
+    assert_eq!(e.context().tensor.as_deref(), Some("w"));
+    let outside = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4, 4],
+        vec![copy("w", &[6, 0], &[4, 4], 0)],
+    )]);
+    let e = plan(&t, &outside, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Layout);
+    assert_eq!(e.context().tensor.as_deref(), Some("w"));
+    let wrong_rank = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4],
+        vec![copy("w", &[0], &[4], 0)],
+    )]);
+    let e = plan(&t, &wrong_rank, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Layout);
+}
+
+#[test]
+fn empty_layout_is_an_empty_plan() {
+    let p = default_plan(&MergedTable::default(), &WantedLayout::default());
+    assert!(p.reads.is_empty() && p.staging.is_empty() && p.checks.is_empty());
+    assert!(p.reslice_disjoint);
+    assert_eq!(p.stats, Default::default());
+}

@@ -1,0 +1,705 @@
+//! The receiver runtime: prepare once, then refit every step (DESIGN §5–§7).
+//!
+//! Parameters are double-buffered: every update lands in the bank that is not live, is
+//! re-sliced and verified there, and only a fully successful update swaps it in. A failed update
+//! therefore never touches the live weights.
+
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use reshard_core::config::Config;
+use reshard_core::{
+    dedup, merge, DedupOptions, DedupReport, Dest, Digest, Error, ErrorKind, HostBuffer,
+    MemoryBlock, MergedTable, OwnerId, Plan, PlanStats, PreparedBatch, ReadBatch, ReadDesc,
+    Registration, Result, ShardTable, Transport, WantedLayout,
+};
+use reshard_planner::plan::{plan, PlanOptions};
+
+use crate::copy;
+
+/// How a receiver plans, verifies and installs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReceiverOptions {
+    /// Replica dedup (off only for the benchmark counterfactual).
+    pub dedup: bool,
+    /// Spread owners across replicas by receiver rank.
+    pub spread_owners: bool,
+    /// Planner options (full-pull threshold; overlap is allowed automatically without dedup).
+    pub plan: PlanOptions,
+    /// Check installed bytes against publisher digests.
+    pub verify_digests: bool,
+    /// Fabric ceiling in Gbit/s; a faster wire leg fails the update before install.
+    pub max_wire_gbps: Option<f64>,
+    /// Minimum fraction of parameter bytes the plan must write.
+    pub min_coverage: Option<f64>,
+    /// Re-slice full pulls in one parallel pass (false: one copy at a time, the baseline).
+    pub batched_reslice: bool,
+    /// Reuse descriptors across updates (false: rebuild every update, the baseline).
+    pub cache_descriptors: bool,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> Self {
+        ReceiverOptions {
+            dedup: true,
+            spread_owners: false,
+            plan: PlanOptions::default(),
+            verify_digests: true,
+            max_wire_gbps: None,
+            min_coverage: None,
+            batched_reslice: true,
+            cache_descriptors: true,
+        }
+    }
+}
+
+impl ReceiverOptions {
+    /// Options from the `[planner]` and `[receiver]` config sections.
+    pub fn from_config(cfg: &Config) -> Self {
+        ReceiverOptions {
+            dedup: cfg.planner.dedup,
+            spread_owners: cfg.planner.spread_owners,
+            plan: PlanOptions {
+                full_pull_threshold: cfg.planner.full_pull_threshold,
+                ..PlanOptions::default()
+            },
+            verify_digests: cfg.receiver.verify_digests,
+            max_wire_gbps: cfg.receiver.max_wire_gbps,
+            min_coverage: cfg.receiver.min_coverage,
+            ..ReceiverOptions::default()
+        }
+    }
+
+    fn plan_options(&self) -> PlanOptions {
+        PlanOptions {
+            allow_overlap: !self.dedup,
+            ..self.plan.clone()
+        }
+    }
+
+    /// Options that change the plan or its descriptors (the "arm").
+    fn arm_key(&self) -> (bool, bool, u64) {
+        (self.dedup, self.spread_owners, self.plan.full_pull_threshold)
+    }
+}
+
+/// Seconds spent in each stage of one update (DESIGN §7).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StageTimes {
+    /// Gathering and decoding publishers' tables.
+    pub discover: f64,
+    /// Merging tables.
+    pub merge: f64,
+    /// Replica dedup.
+    pub dedup: f64,
+    /// Planning (near zero when the cached plan holds).
+    pub plan: f64,
+    /// Allocating and registering buffers (near zero when cached).
+    pub register: f64,
+    /// Building transport descriptors (near zero when cached; always timed).
+    pub descriptor_build: f64,
+    /// The wire leg: post all owners, await all, ceiling guard.
+    pub wire: f64,
+    /// Re-slicing full pulls into parameters.
+    pub reslice: f64,
+    /// Swapping the new weights in.
+    pub install: f64,
+    /// Digest verification and the coverage gate.
+    pub verify: f64,
+}
+
+impl StageTimes {
+    /// Stage names in pipeline order.
+    pub const NAMES: [&'static str; 10] = [
+        "discover",
+        "merge",
+        "dedup",
+        "plan",
+        "register",
+        "descriptor_build",
+        "wire",
+        "reslice",
+        "install",
+        "verify",
+    ];
+
+    /// Stage values in [`StageTimes::NAMES`] order.
+    pub fn values(&self) -> [f64; 10] {
+        [
+            self.discover,
+            self.merge,
+            self.dedup,
+            self.plan,
+            self.register,
+            self.descriptor_build,
+            self.wire,
+            self.reslice,
+            self.install,
+            self.verify,
+        ]
+    }
+
+    /// Builds from values in [`StageTimes::NAMES`] order.
+    pub fn from_values(v: [f64; 10]) -> Self {
+        StageTimes {
+            discover: v[0],
+            merge: v[1],
+            dedup: v[2],
+            plan: v[3],
+            register: v[4],
+            descriptor_build: v[5],
+            wire: v[6],
+            reslice: v[7],
+            install: v[8],
+            verify: v[9],
+        }
+    }
+
+    /// Sum of all stages.
+    pub fn sum(&self) -> f64 {
+        self.values().iter().sum()
+    }
+}
+
+/// What one update did and how long each part took.
+#[derive(Debug, Clone, Serialize)]
+pub struct UpdateReport {
+    /// Receiver rank.
+    pub receiver_rank: u32,
+    /// Training step installed.
+    pub step: u64,
+    /// Stage times.
+    pub stages: StageTimes,
+    /// End-to-end seconds of the update.
+    pub e2e_s: f64,
+    /// Sum of stages over end-to-end; below 0.95 the breakdown is not reportable.
+    pub attribution: f64,
+    /// The plan was (re)built in this update.
+    pub plan_rebuilt: bool,
+    /// Descriptors were (re)built in this update.
+    pub descriptors_rebuilt: bool,
+    /// Plan statistics.
+    pub plan: PlanStats,
+    /// Plan fingerprint.
+    pub fingerprint: u64,
+    /// Dedup report of this update's tables.
+    pub dedup: DedupReport,
+    /// Reads posted on the wire (after coalescing).
+    pub wire_reads: u64,
+    /// Bytes moved on the wire.
+    pub wire_bytes: u64,
+    /// Effective wire rate in GB/s (10^9 bytes per second).
+    pub wire_gbytes_per_s: f64,
+    /// Digest checks that passed.
+    pub checks_passed: u64,
+    /// Bytes verified against publisher digests.
+    pub checked_bytes: u64,
+    /// Checks skipped because the publisher sent no digest.
+    pub checks_without_digest: u64,
+}
+
+struct Bank {
+    params: Vec<Arc<HostBuffer>>,
+    regs: Vec<Registration>,
+}
+
+struct Cached {
+    batch: PreparedBatch,
+    epoch: u64,
+}
+
+struct Prepared {
+    geometry: u64,
+    arm: (bool, bool, u64),
+    plan: Arc<Plan>,
+    banks: [Bank; 2],
+    staging: Vec<Arc<HostBuffer>>,
+    _staging_regs: Vec<Registration>,
+    staging_ids: Vec<u64>,
+    descriptors: [Option<Cached>; 2],
+    /// Bank that receives the next update.
+    next: usize,
+}
+
+/// One receiver rank: its transport endpoint, wanted layout, cached plan and live weights.
+pub struct Receiver {
+    transport: Arc<dyn Transport>,
+    layout: WantedLayout,
+    opts: ReceiverOptions,
+    prepared: Option<Prepared>,
+    live: Option<Vec<Arc<HostBuffer>>>,
+    step: Option<u64>,
+    plan_builds: u64,
+    descriptor_builds: u64,
+}
+
+impl Receiver {
+    /// A receiver for `layout` reading through `transport` (peers must be loaded into it).
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        layout: WantedLayout,
+        opts: ReceiverOptions,
+    ) -> Result<Self> {
+        layout.validate()?;
+        Ok(Receiver {
+            transport,
+            layout,
+            opts,
+            prepared: None,
+            live: None,
+            step: None,
+            plan_builds: 0,
+            descriptor_builds: 0,
+        })
+    }
+
+    /// The wanted layout.
+    pub fn layout(&self) -> &WantedLayout {
+        &self.layout
+    }
+
+    /// The transport endpoint.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    /// Current options.
+    pub fn options(&self) -> &ReceiverOptions {
+        &self.opts
+    }
+
+    /// Changes options; a change of arm (dedup, spreading, threshold) drops the cached plan and
+    /// descriptors. Live weights stay.
+    pub fn set_options(&mut self, opts: ReceiverOptions) {
+        if opts.arm_key() != self.opts.arm_key() {
+            self.prepared = None;
+        }
+        self.opts = opts;
+    }
+
+    /// Switches transport: every registration and descriptor is rebuilt. Live weights stay.
+    pub fn set_transport(&mut self, transport: Arc<dyn Transport>) {
+        self.prepared = None;
+        self.transport = transport;
+    }
+
+    /// The live weights, one buffer per layout parameter, once an update has succeeded.
+    pub fn live_params(&self) -> Option<&[Arc<HostBuffer>]> {
+        self.live.as_deref()
+    }
+
+    /// Training step of the live weights.
+    pub fn live_step(&self) -> Option<u64> {
+        self.step
+    }
+
+    /// The cached plan, once prepared.
+    pub fn plan(&self) -> Option<&Arc<Plan>> {
+        self.prepared.as_ref().map(|p| &p.plan)
+    }
+
+    /// How many times a plan was built.
+    pub fn plan_builds(&self) -> u64 {
+        self.plan_builds
+    }
+
+    /// How many times descriptors were built.
+    pub fn descriptor_builds(&self) -> u64 {
+        self.descriptor_builds
+    }
+
+    /// Refits from encoded shard tables (decoding is the discover stage).
+    pub async fn update_encoded(&mut self, encoded: &[Vec<u8>]) -> Result<UpdateReport> {
+        let t0 = Instant::now();
+        let tables = encoded
+            .iter()
+            .map(|b| reshard_core::encoding::decode_table(b))
+            .collect::<Result<Vec<_>>>()?;
+        self.run(&tables, t0).await
+    }
+
+    /// Refits from decoded shard tables.
+    pub async fn update(&mut self, tables: &[ShardTable]) -> Result<UpdateReport> {
+        self.run(tables, Instant::now()).await
+    }
+
+    async fn run(&mut self, tables: &[ShardTable], t0: Instant) -> Result<UpdateReport> {
+        let mut st = StageTimes::default();
+        // Time spent before `run` (decoding) belongs to discover too.
+        let mut watch = Stopwatch(t0);
+        let mut tick = |slot: &mut f64| *slot = watch.lap();
+
+        let step = single_step(tables)?;
+        tick(&mut st.discover);
+
+        let merged = merge(tables)?;
+        tick(&mut st.merge);
+
+        let (table, dedup_report) = if self.opts.dedup {
+            let spread = self
+                .opts
+                .spread_owners
+                .then_some(self.layout.receiver_rank);
+            dedup(
+                &merged,
+                DedupOptions {
+                    spread_receiver_rank: spread,
+                },
+            )?
+        } else {
+            let n = merged.offer_count() as u64;
+            let report = DedupReport {
+                offers_in: n,
+                kept: n,
+                ..DedupReport::default()
+            };
+            (merged, report)
+        };
+        tick(&mut st.dedup);
+
+        let geometry = table.geometry_fingerprint();
+        let arm = self.opts.arm_key();
+        let reuse = matches!(&self.prepared, Some(p) if p.geometry == geometry && p.arm == arm);
+        let mut new_plan = None;
+        if !reuse {
+            let p = plan(&table, &self.layout, &self.opts.plan_options())?;
+            self.plan_builds += 1;
+            new_plan = Some(Arc::new(p));
+        }
+        tick(&mut st.plan);
+
+        let plan_rebuilt = new_plan.is_some();
+        if let Some(p) = new_plan {
+            self.coverage_gate(&p)?;
+            // Drop the old buffers' registrations first; live weights keep their own Arcs.
+            self.prepared = None;
+            self.prepared = Some(self.allocate(p, geometry, arm).await?);
+        }
+        tick(&mut st.register);
+
+        let transport = self.transport.clone();
+        let cache = self.opts.cache_descriptors;
+        let prep = self.prepared.as_mut().ok_or_else(|| {
+            Error::new(ErrorKind::Internal, "receiver has no prepared plan")
+        })?;
+        let bank = prep.next;
+        let epoch = transport.epoch();
+        let valid = cache && matches!(&prep.descriptors[bank], Some(c) if c.epoch == epoch);
+        if !valid {
+            // Both banks at once when caching, so every later update finds its batch ready.
+            let banks: &[usize] = if cache { &[0, 1] } else { &[bank] };
+            for &b in banks {
+                let batch = build_batch(&prep.plan, &prep.banks[b], &prep.staging_ids);
+                prep.descriptors[b] = Some(Cached {
+                    batch: transport.prepare(batch).await?,
+                    epoch,
+                });
+                self.descriptor_builds += 1;
+            }
+        }
+        tick(&mut st.descriptor_build);
+
+        let cached = prep.descriptors[bank]
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
+        let wire_t0 = Instant::now();
+        let wire = match transport.post(&cached.batch).await {
+            Ok(inflight) => inflight.wait().await,
+            Err(e) => Err(e),
+        }
+        .map_err(|e| name_tensor(e, &prep.plan))?;
+        let wire_s = wire_t0.elapsed().as_secs_f64();
+        let gbytes = if wire_s > 0.0 {
+            wire.bytes as f64 / wire_s / 1e9
+        } else {
+            f64::INFINITY
+        };
+        if let Some(max) = self.opts.max_wire_gbps {
+            let gbits = gbytes * 8.0;
+            if gbits > max {
+                return Err(Error::new(
+                    ErrorKind::Guard,
+                    format!(
+                        "wire leg moved {} bytes at {gbits:.1} Gbit/s, above the fabric ceiling \
+                         of {max} Gbit/s: nothing real moved; refusing to install",
+                        wire.bytes
+                    ),
+                )
+                .with_backend(transport.name()));
+            }
+        }
+        tick(&mut st.wire);
+
+        run_reslices(
+            &prep.plan,
+            &prep.staging,
+            &prep.banks[bank].params,
+            self.opts.batched_reslice,
+        )?;
+        tick(&mut st.reslice);
+
+        let verdict = if self.opts.verify_digests {
+            verify(&prep.plan, &table, &prep.banks[bank].params, &prep.staging)?
+        } else {
+            Verdict::default()
+        };
+        tick(&mut st.verify);
+
+        prep.next = 1 - bank;
+        self.live = Some(prep.banks[bank].params.clone());
+        self.step = Some(step);
+        tick(&mut st.install);
+
+        let e2e = t0.elapsed().as_secs_f64();
+        let plan = &prep.plan;
+        Ok(UpdateReport {
+            receiver_rank: self.layout.receiver_rank,
+            step,
+            stages: st,
+            e2e_s: e2e,
+            attribution: if e2e > 0.0 { st.sum() / e2e } else { 1.0 },
+            plan_rebuilt,
+            descriptors_rebuilt: !valid,
+            plan: plan.stats,
+            fingerprint: plan.fingerprint,
+            dedup: dedup_report,
+            wire_reads: wire.reads,
+            wire_bytes: wire.bytes,
+            wire_gbytes_per_s: gbytes,
+            checks_passed: verdict.passed,
+            checked_bytes: verdict.bytes,
+            checks_without_digest: verdict.without_digest,
+        })
+    }
+
+    fn coverage_gate(&self, p: &Plan) -> Result<()> {
+        if let Some(floor) = self.opts.min_coverage {
+            let cov = if p.stats.param_bytes == 0 {
+                1.0
+            } else {
+                p.stats.written_bytes as f64 / p.stats.param_bytes as f64
+            };
+            if cov < floor {
+                return Err(Error::new(
+                    ErrorKind::Guard,
+                    format!(
+                        "plan writes {:.4} of parameter bytes, below the floor {floor}",
+                        cov
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    async fn bank(&self, plan: &Plan) -> Result<Bank> {
+        let mut params = Vec::with_capacity(plan.params.len());
+        let mut regs = Vec::with_capacity(plan.params.len());
+        for p in &plan.params {
+            let buf = Arc::new(HostBuffer::zeroed(to_usize(p.bytes)?.max(1)));
+            regs.push(self.transport.register(buf.clone() as Arc<dyn MemoryBlock>).await?);
+            params.push(buf);
+        }
+        Ok(Bank { params, regs })
+    }
+
+    async fn allocate(
+        &self,
+        plan: Arc<Plan>,
+        geometry: u64,
+        arm: (bool, bool, u64),
+    ) -> Result<Prepared> {
+        let b0 = self.bank(&plan).await?;
+        let b1 = self.bank(&plan).await?;
+        let mut staging = Vec::with_capacity(plan.staging.len());
+        let mut staging_regs = Vec::with_capacity(plan.staging.len());
+        for s in &plan.staging {
+            let buf = Arc::new(HostBuffer::zeroed(to_usize(s.bytes)?.max(1)));
+            staging_regs.push(self.transport.register(buf.clone() as Arc<dyn MemoryBlock>).await?);
+            staging.push(buf);
+        }
+        let staging_ids = staging_regs.iter().map(|r| r.id()).collect();
+        Ok(Prepared {
+            geometry,
+            arm,
+            plan,
+            banks: [b0, b1],
+            staging,
+            _staging_regs: staging_regs,
+            staging_ids,
+            descriptors: [None, None],
+            next: 0,
+        })
+    }
+}
+
+/// Laps of a stage clock: each lap is the time since the previous one.
+struct Stopwatch(Instant);
+
+impl Stopwatch {
+    fn lap(&mut self) -> f64 {
+        let now = Instant::now();
+        let s = (now - self.0).as_secs_f64();
+        self.0 = now;
+        s
+    }
+}
+
+fn to_usize(v: u64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::new(ErrorKind::InvalidInput, "buffer larger than memory"))
+}
+
+fn single_step(tables: &[ShardTable]) -> Result<u64> {
+    let Some(first) = tables.first() else {
+        return Err(Error::new(ErrorKind::InvalidInput, "no shard tables to refit from"));
+    };
+    if let Some(t) = tables.iter().find(|t| t.step != first.step) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "publishers are at different training steps ({} and {})",
+                first.step, t.step
+            ),
+        )
+        .with_owner(t.publisher.rank));
+    }
+    Ok(first.step)
+}
+
+fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> ReadBatch {
+    let reads = plan
+        .reads
+        .iter()
+        .map(|r| ReadDesc {
+            owner: r.owner,
+            remote_region: r.src_region,
+            remote_offset: r.src_offset,
+            local_region: match r.dst {
+                Dest::Param(i) => bank.regs[i as usize].id(),
+                Dest::Staging(i) => staging_ids[i as usize],
+            },
+            local_offset: r.dst_offset,
+            len: r.len,
+        })
+        .collect();
+    ReadBatch { reads }
+}
+
+/// Names the tensor of a failed read, found from the owner and byte range the backend reported.
+fn name_tensor(e: Error, plan: &Plan) -> Error {
+    let Some(owner) = e.context().owner else {
+        return e;
+    };
+    let range = e.context().range.clone();
+    let hit = plan.reads.iter().find(|r| {
+        r.owner == owner
+            && range
+                .as_ref()
+                .is_none_or(|g| g.start < r.src_offset + r.len && r.src_offset < g.end)
+    });
+    match hit {
+        Some(r) => {
+            let name = plan.tensors[r.tensor as usize].clone();
+            e.with_tensor(name)
+        }
+        None => e,
+    }
+}
+
+fn run_reslices(
+    plan: &Plan,
+    staging: &[Arc<HostBuffer>],
+    params: &[Arc<HostBuffer>],
+    batched: bool,
+) -> Result<()> {
+    let one = |r: &reshard_core::Reslice, dst: &mut [u8]| -> Result<()> {
+        let src = staging[r.staging as usize].read();
+        copy::reslice(r, &src, dst, &plan.tensors[r.tensor as usize])
+    };
+    if batched && plan.reslice_disjoint {
+        // One parallel pass: destinations are disjoint, so parameters are independent.
+        let mut groups: BTreeMap<u32, Vec<&reshard_core::Reslice>> = BTreeMap::new();
+        for r in &plan.reslices {
+            groups.entry(r.param).or_default().push(r);
+        }
+        let groups: Vec<_> = groups.into_iter().collect();
+        groups.into_par_iter().try_for_each(|(p, rs)| {
+            let mut dst = params[p as usize].write();
+            rs.into_iter().try_for_each(|r| one(r, &mut dst))
+        })
+    } else {
+        // Plan order: with overlapping destinations the last writer wins, as planned.
+        for r in &plan.reslices {
+            let mut dst = params[r.param as usize].write();
+            one(r, &mut dst)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct Verdict {
+    passed: u64,
+    bytes: u64,
+    without_digest: u64,
+}
+
+fn verify(
+    plan: &Plan,
+    table: &MergedTable,
+    params: &[Arc<HostBuffer>],
+    staging: &[Arc<HostBuffer>],
+) -> Result<Verdict> {
+    let mut digests: HashMap<(OwnerId, u64, u64), Digest> = HashMap::new();
+    for t in &table.tensors {
+        for o in &t.offers {
+            if let Some(d) = o.digest {
+                digests.insert((o.owner, o.location.region, o.location.offset), d);
+            }
+        }
+    }
+    let results: Vec<Result<Option<u64>>> = plan
+        .checks
+        .par_iter()
+        .map(|c| {
+            let Some(want) = digests.get(&(c.owner, c.src_region, c.src_offset)) else {
+                return Ok(None);
+            };
+            let buf = match c.dst {
+                Dest::Param(i) => &params[i as usize],
+                Dest::Staging(i) => &staging[i as usize],
+            };
+            let bytes = buf.read();
+            let got = Digest::of(&bytes[c.dst_offset as usize..(c.dst_offset + c.len) as usize]);
+            if got != *want {
+                return Err(Error::new(
+                    ErrorKind::Verification,
+                    format!(
+                        "received bytes hash to {}.. but the publisher's digest is {}..; \
+                         live weights left untouched",
+                        got.prefix(12),
+                        want.prefix(12)
+                    ),
+                )
+                .with_tensor(plan.tensors[c.tensor as usize].clone())
+                .with_owner(c.owner)
+                .with_range(c.src_offset..c.src_offset + c.len));
+            }
+            Ok(Some(c.len))
+        })
+        .collect();
+    let mut v = Verdict::default();
+    for r in results {
+        match r? {
+            Some(len) => {
+                v.passed += 1;
+                v.bytes += len;
+            }
+            None => v.without_digest += 1,
+        }
+    }
+    Ok(v)
+}
