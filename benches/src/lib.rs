@@ -1,1 +1,77 @@
-//! Benchmarks and the report command of reshard.
+//! Shared measurement code of the criterion benches and the `reshard-report` command.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
+use reshard_core::{dedup, merge, DedupOptions, MergedTable, Result, Transport, WantedLayout};
+use reshard_planner::layouts::receiver_layout;
+use reshard_planner::plan::{plan, PlanOptions};
+use reshard_planner::presets::{preset, ModelConfig};
+use reshard_planner::topology::{geometry_tables, ReceiverTopology};
+use reshard_runtime::{Receiver, ReceiverOptions, SyntheticCluster};
+
+/// The DESIGN §8 setup at full scale, geometry only: deduplicated table and both TP2 layouts.
+pub fn reference_geometry() -> Result<(MergedTable, Vec<WantedLayout>)> {
+    let model = preset("qwen3-30b-a3b")?;
+    let tables = geometry_tables(&model, &"ep=8,dp=8".parse()?, 0)?;
+    let table = dedup(&merge(&tables)?, DedupOptions::default())?.0;
+    let layouts = (0..2)
+        .map(|r| receiver_layout(&model, &ReceiverTopology { tp: 2 }, r))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((table, layouts))
+}
+
+/// Plans every layout once; returns seconds.
+pub fn time_plans(table: &MergedTable, layouts: &[WantedLayout]) -> Result<f64> {
+    let t = Instant::now();
+    for l in layouts {
+        std::hint::black_box(plan(table, l, &PlanOptions::default())?);
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Median of a sample.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// An in-process refit set-up over loopback: publishers and one receiver rank.
+pub struct LoopbackRig {
+    /// The publishers.
+    pub cluster: SyntheticCluster,
+    /// Receiver rank 0.
+    pub receiver: Receiver,
+}
+
+impl LoopbackRig {
+    /// Builds publishers of `model` under `topo` and receiver rank 0 of a TP-`tp` engine.
+    pub async fn new(
+        model: ModelConfig,
+        topo: &str,
+        tp: u32,
+        workers: usize,
+        opts: ReceiverOptions,
+    ) -> Result<Self> {
+        let fabric = LoopbackFabric::new();
+        let f = fabric.clone();
+        let cluster = SyntheticCluster::new(model, topo.parse()?, 7, move |r| {
+            Ok(Arc::new(LoopbackTransport::new(
+                &f,
+                &format!("publisher-{r}"),
+                workers,
+            )?) as Arc<dyn Transport>)
+        })
+        .await?;
+        let t: Arc<dyn Transport> = Arc::new(LoopbackTransport::new(&fabric, "receiver", workers)?);
+        cluster.connect(t.as_ref()).await?;
+        let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp }, 0)?;
+        let receiver = Receiver::new(t, layout, opts)?;
+        Ok(LoopbackRig { cluster, receiver })
+    }
+}

@@ -53,7 +53,9 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     /// Resolves the preset with overrides and parses both topologies.
-    pub fn resolve(&self) -> reshard_core::Result<(ModelConfig, PublisherTopology, ReceiverTopology)> {
+    pub fn resolve(
+        &self,
+    ) -> reshard_core::Result<(ModelConfig, PublisherTopology, ReceiverTopology)> {
         let model = preset(&self.preset)?.with_overrides(self.layers, self.experts, self.vocab)?;
         Ok((model, self.publishers.parse()?, self.receivers.parse()?))
     }
@@ -86,7 +88,10 @@ fn presets(args: PresetsArgs) -> reshard_core::Result<Outcome> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(Outcome(true));
     }
-    println!("{:<16} {:>8} {:>10}  description", "preset", "tensors", "GiB");
+    println!(
+        "{:<16} {:>8} {:>10}  description",
+        "preset", "tensors", "GiB"
+    );
     for p in &all {
         println!(
             "{:<16} {:>8} {:>10.2}  {}",

@@ -164,7 +164,11 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(Outcome(true));
     }
-    let arm_name = if args.no_dedup { "without dedup (counterfactual)" } else { "with dedup" };
+    let arm_name = if args.no_dedup {
+        "without dedup (counterfactual)"
+    } else {
+        "with dedup"
+    };
     println!(
         "{} ({} layers), publishers {pubs}, receivers {recv}: plan {arm_name}",
         model.name, model.layers
@@ -182,7 +186,10 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
         // The counterfactual, so the dedup win is visible in one run.
         let (other, osecs, _) = arm(&tables, &model, &recv, false, args.full_pull_threshold)?;
         println!();
-        print_rows("without dedup (counterfactual arm, benchmarks only):", &other);
+        print_rows(
+            "without dedup (counterfactual arm, benchmarks only):",
+            &other,
+        );
         println!("  plan seconds, all ranks: {osecs:.4}");
         for (a, b) in rows.iter().zip(&other) {
             println!(

@@ -17,7 +17,12 @@ use reshard_runtime::{Receiver, ReceiverOptions, StageTimes, SyntheticCluster, U
 
 use crate::{transports, ModelArgs, Outcome};
 
-/// Flags of `reshard refit`.
+/// Layers a refit keeps unless `--layers` says otherwise.
+const DEFAULT_LAYERS: u64 = 4;
+/// Experts per layer a refit keeps unless `--experts` says otherwise.
+const DEFAULT_EXPERTS: u64 = 32;
+
+/// Flags of `reshard refit` (defaults to --layers 4 and, on MoE presets, --experts 32).
 #[derive(Args)]
 pub struct RefitArgs {
     /// Transport scheme (overrides `RESHARD_TRANSPORT__KIND` and `reshard.toml`).
@@ -74,7 +79,9 @@ pub fn run(args: RefitArgs) -> Result<Outcome> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| Error::new(ErrorKind::Internal, "cannot start the async runtime").with_source(e))?;
+        .map_err(|e| {
+            Error::new(ErrorKind::Internal, "cannot start the async runtime").with_source(e)
+        })?;
     rt.block_on(refit(args))
 }
 
@@ -87,20 +94,32 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     if args.no_dedup {
         cfg.planner.dedup = false;
     }
-    let (model, pubs, recv) = args.model.resolve()?;
+    let mut margs = args.model.clone();
+    // Scaled down by default so publishers and receivers share one machine; the full model
+    // is --layers 48 --experts 128 (about 57 GiB of publisher memory for qwen3-30b-a3b).
+    margs.layers = margs.layers.or(Some(DEFAULT_LAYERS));
+    if margs.experts.is_none() && reshard_planner::presets::preset(&margs.preset)?.moe.is_some() {
+        margs.experts = Some(DEFAULT_EXPERTS);
+    }
+    let (model, pubs, recv) = margs.resolve()?;
     let registry = transports::registry();
     let tcfg = cfg.transport.clone();
     let make = |agent: String| registry.create(&agent, &tcfg);
 
-    let mut cluster =
-        SyntheticCluster::new(model.clone(), pubs, args.seed, |rank| make(format!("publisher-{rank}")))
-            .await?;
+    let mut cluster = SyntheticCluster::new(model.clone(), pubs, args.seed, |rank| {
+        make(format!("publisher-{rank}"))
+    })
+    .await?;
     let mut receivers = Vec::new();
     for rank in 0..recv.tp {
         let t: Arc<dyn Transport> = make(format!("receiver-{rank}"))?;
         cluster.connect(t.as_ref()).await?;
         let layout = receiver_layout(&model, &recv, rank)?;
-        receivers.push(Receiver::new(t, layout, ReceiverOptions::from_config(&cfg))?);
+        receivers.push(Receiver::new(
+            t,
+            layout,
+            ReceiverOptions::from_config(&cfg),
+        )?);
     }
 
     let total = (args.updates as u64 + 1) * recv.tp as u64;
@@ -169,13 +188,21 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     let med_stages: Vec<f64> = stage_cols.into_iter().map(median).collect();
     let med_e2e = median(e2e);
     let stages_sum: f64 = med_stages.iter().sum();
-    let attribution = if med_e2e > 0.0 { stages_sum / med_e2e } else { 0.0 };
+    let attribution = if med_e2e > 0.0 {
+        stages_sum / med_e2e
+    } else {
+        0.0
+    };
     let last: Vec<&UpdateReport> = reports.iter().filter_map(|r| r.last()).collect();
     let reads: u64 = last.iter().map(|r| r.plan.reads).sum();
     let coalesced: u64 = last.iter().map(|r| r.plan.coalesced_reads).sum();
     let wire_bytes: u64 = last.iter().map(|r| r.wire_bytes).sum();
     let wire_med = med_stages[6];
-    let gbps = if wire_med > 0.0 { wire_bytes as f64 / wire_med / 1e9 } else { 0.0 };
+    let gbps = if wire_med > 0.0 {
+        wire_bytes as f64 / wire_med / 1e9
+    } else {
+        0.0
+    };
     let checked: u64 = last.iter().map(|r| r.checked_bytes).sum();
     let ranks: Vec<RankSummary> = reports
         .iter()

@@ -48,7 +48,10 @@ async fn refit_all(h: &Harness, model: reshard_planner::presets::ModelConfig, to
         let mut rx = h.receiver(&cluster, tp, rank).await;
         let report = rx.update(&cluster.tables()).await.expect("refit");
         assert_eq!(report.wire_bytes, report.plan.wire_bytes);
-        assert!(report.checks_passed > 0, "some offers were verified by digest");
+        assert!(
+            report.checks_passed > 0,
+            "some offers were verified by digest"
+        );
         assert_installed(&cluster, &rx);
     }
 }
@@ -97,7 +100,9 @@ pub async fn row_parallel_full_pulls_are_byte_exact(h: &Harness) {
 /// receiver executes is the one the planner builds from the same tables.
 pub async fn executed_reads_equal_the_plan(h: &Harness) {
     let cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;
-    let rec = Arc::new(RecordingTransport::new(h.endpoint("recorder").expect("endpoint")));
+    let rec = Arc::new(RecordingTransport::new(
+        h.endpoint("recorder").expect("endpoint"),
+    ));
     let mut rx = h
         .receiver_on(&cluster, rec.clone(), 2, 0, ReceiverOptions::default())
         .await;
@@ -130,7 +135,9 @@ pub async fn executed_reads_equal_the_plan(h: &Harness) {
 /// Plan and descriptors are built once and reused by later updates.
 pub async fn descriptors_are_reused_across_updates(h: &Harness) {
     let mut cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;
-    let rec = Arc::new(RecordingTransport::new(h.endpoint("recorder").expect("endpoint")));
+    let rec = Arc::new(RecordingTransport::new(
+        h.endpoint("recorder").expect("endpoint"),
+    ));
     let mut rx = h
         .receiver_on(&cluster, rec.clone(), 2, 1, ReceiverOptions::default())
         .await;
@@ -176,7 +183,10 @@ pub async fn missing_coverage_is_typed_and_names_tensor_and_box(h: &Harness) {
     let e = rx.update(&tables).await.expect_err("coverage is missing");
     assert_eq!(e.kind(), ErrorKind::MissingCoverage, "{e}");
     let tensor = e.context().tensor.clone().expect("names the tensor");
-    assert!(tensor.contains("experts.6.") || tensor.contains("experts.7."), "{tensor}");
+    assert!(
+        tensor.contains("experts.6.") || tensor.contains("experts.7."),
+        "{tensor}"
+    );
     match e.detail() {
         Some(ErrorDetail::MissingCoverage { tensor: t, missing }) => {
             assert_eq!(t, &tensor);
@@ -246,7 +256,10 @@ pub async fn transport_failing_mid_batch_leaves_live_weights(h: &Harness) {
     ));
     cluster.connect(failing.as_ref()).await.expect("connect");
     rx.set_transport(failing);
-    let e = rx.update(&cluster.tables()).await.expect_err("owner 3 fails");
+    let e = rx
+        .update(&cluster.tables())
+        .await
+        .expect_err("owner 3 fails");
     assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
     assert_eq!(e.context().owner, Some(3));
     assert!(e.context().tensor.is_some(), "names a tensor: {e}");
@@ -296,8 +309,14 @@ pub async fn abort_stops_a_posted_batch(h: &Harness) {
     let src_data: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
     let src = Arc::new(HostBuffer::from_bytes(&src_data));
     let dst = Arc::new(HostBuffer::zeroed(len));
-    let rs = a.register(src.clone() as Arc<dyn MemoryBlock>).await.expect("register");
-    let rd = b.register(dst.clone() as Arc<dyn MemoryBlock>).await.expect("register");
+    let rs = a
+        .register(src.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register");
+    let rd = b
+        .register(dst.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register");
     b.load_peer(7, a.export_metadata().await.expect("metadata"))
         .await
         .expect("load");

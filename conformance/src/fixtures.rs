@@ -44,9 +44,11 @@ impl Harness {
     pub async fn cluster(&self, model: ModelConfig, topo: &str) -> SyntheticCluster {
         let topo: PublisherTopology = topo.parse().expect("valid publisher topology");
         let make = self.make.clone();
-        SyntheticCluster::new(model, topo, 42, move |rank| make(&format!("publisher-{rank}")))
-            .await
-            .expect("synthetic cluster")
+        SyntheticCluster::new(model, topo, 42, move |rank| {
+            make(&format!("publisher-{rank}"))
+        })
+        .await
+        .expect("synthetic cluster")
     }
 
     /// Receiver rank `rank` of a TP-`tp` engine over `transport`, connected to `cluster`.

@@ -132,7 +132,12 @@ impl Transport for FailingTransport {
         self.inner.prepare(batch).await
     }
     async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        let first = batch.batch().reads.iter().find(|r| r.owner == self.owner).copied();
+        let first = batch
+            .batch()
+            .reads
+            .iter()
+            .find(|r| r.owner == self.owner)
+            .copied();
         let inner = self.inner.post(batch).await?;
         let Some(r) = first else {
             return Ok(inner);

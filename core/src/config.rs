@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The whole configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Which transport moves the bytes.
@@ -84,16 +84,6 @@ impl Default for ReceiverConfig {
     }
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            transport: TransportConfig::default(),
-            planner: PlannerConfig::default(),
-            receiver: ReceiverConfig::default(),
-        }
-    }
-}
-
 /// Environment variable naming the config file (default `./reshard.toml` when present).
 pub const CONFIG_PATH_ENV: &str = "RESHARD_CONFIG";
 
@@ -159,7 +149,10 @@ impl Config {
             ));
         }
         if self.transport.workers == Some(0) {
-            return Err(Error::new(ErrorKind::Config, "transport.workers must be at least 1"));
+            return Err(Error::new(
+                ErrorKind::Config,
+                "transport.workers must be at least 1",
+            ));
         }
         if let Some(g) = self.receiver.max_wire_gbps {
             if !(g.is_finite() && g > 0.0) {
@@ -212,16 +205,24 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("reshard-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("reshard.toml");
-        std::fs::write(&p, "[transport]\nkind = \"ucx\"\nworkers = 3\n[planner]\nfull_pull_threshold = 8\n")
-            .unwrap();
+        std::fs::write(
+            &p,
+            "[transport]\nkind = \"ucx\"\nworkers = 3\n[planner]\nfull_pull_threshold = 8\n",
+        )
+        .unwrap();
         let c = Config::load(Some(&p), None).unwrap();
-        assert_eq!((c.transport.kind.as_str(), c.transport.workers), ("ucx", Some(3)));
+        assert_eq!(
+            (c.transport.kind.as_str(), c.transport.workers),
+            ("ucx", Some(3))
+        );
         let cli = serde_json::json!({"transport": {"kind": "nixl"}});
         let c = Config::load(Some(&p), Some(cli)).unwrap();
         assert_eq!(c.transport.kind, "nixl");
         assert_eq!(c.planner.full_pull_threshold, 8);
         assert_eq!(
-            Config::load(Some(&dir.join("missing.toml")), None).unwrap_err().kind(),
+            Config::load(Some(&dir.join("missing.toml")), None)
+                .unwrap_err()
+                .kind(),
             ErrorKind::Config
         );
         std::fs::remove_dir_all(&dir).ok();
@@ -235,7 +236,11 @@ mod tests {
             "[receiver]\nmin_coverage = 2.0\n",
             "[transport]\nworkers = 0\n",
         ] {
-            assert_eq!(Config::from_toml(t).unwrap_err().kind(), ErrorKind::Config, "{t}");
+            assert_eq!(
+                Config::from_toml(t).unwrap_err().kind(),
+                ErrorKind::Config,
+                "{t}"
+            );
         }
     }
 }

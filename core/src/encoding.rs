@@ -35,8 +35,9 @@
 //!
 //! [`ErrorKind::Decode`] means the bytes (or JSON) are not a well-formed version-1 encoding: bad
 //! magic, another schema version, truncation (the message names the field), trailing bytes,
-//! invalid UTF-8, an unknown dtype, memory or digest tag, a malformed varint, or a name longer
-//! than [`MAX_NAME_LEN`]. [`ErrorKind::InvalidTable`] means a well-formed encoding of a table that
+//! invalid UTF-8, an unknown dtype, memory or digest tag, a malformed varint, a name longer than
+//! [`MAX_NAME_LEN`], or offers whose copied tensor names would take more than 64 times the input
+//! size (plus 1 MiB) in memory. [`ErrorKind::InvalidTable`] means a well-formed encoding of a table that
 //! [`ShardTable::validate`] refuses, or an offer whose tensor index is out of range. Errors carry
 //! the publisher rank and tensor name once they are known.
 
@@ -84,11 +85,12 @@ const NAME_COPY_FLOOR: usize = 1 << 20;
 ///
 /// Writes what it is given: a table that fails [`ShardTable::validate`] encodes to bytes that
 /// [`decode_table`] rejects (an offer naming an undeclared tensor gets an out-of-range index, a box
-/// with fewer offsets than extents is padded with values that cannot validate).
+/// whose offsets and extents differ in length is padded with values that cannot validate).
 pub fn encode_table(t: &ShardTable) -> Vec<u8> {
     let names: usize = t.tensors.iter().map(|s| s.name.len()).sum();
-    let mut w = Vec::with_capacity(32 + t.publisher.agent.len() + names + 16 * t.tensors.len());
-    w.reserve(40 * t.offers.len());
+    let mut w = Vec::with_capacity(
+        32 + t.publisher.agent.len() + names + 16 * t.tensors.len() + 40 * t.offers.len(),
+    );
     w.extend_from_slice(&MAGIC);
     w.extend_from_slice(&SCHEMA_VERSION.to_le_bytes());
     w.extend_from_slice(&t.publisher.rank.to_le_bytes());
@@ -110,7 +112,10 @@ pub fn encode_table(t: &ShardTable) -> Vec<u8> {
     put_varint(&mut w, t.offers.len() as u64);
     for o in &t.offers {
         // An undeclared tensor gets the first out-of-range index, which the decoder rejects.
-        let i = index.get(o.tensor.as_str()).copied().unwrap_or(t.tensors.len());
+        let i = index
+            .get(o.tensor.as_str())
+            .copied()
+            .unwrap_or(t.tensors.len());
         put_varint(&mut w, i as u64);
         let b = &o.tensor_box;
         let rank = b.offset.len().max(b.extent.len());
@@ -556,13 +561,28 @@ mod tests {
             owner: None,
         };
         let v = r.varint("v")?;
-        assert_eq!(r.pos, bytes.len(), "varint must consume all of {bytes:02x?}");
+        assert_eq!(
+            r.pos,
+            bytes.len(),
+            "varint must consume all of {bytes:02x?}"
+        );
         Ok(v)
     }
 
     #[test]
     fn varint_round_trips_at_the_edges() {
-        for v in [0, 1, 127, 128, 255, 16_383, 16_384, u32::MAX as u64, u64::MAX - 1, u64::MAX] {
+        for v in [
+            0,
+            1,
+            127,
+            128,
+            255,
+            16_383,
+            16_384,
+            u32::MAX as u64,
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
             let mut w = Vec::new();
             put_varint(&mut w, v);
             assert!(w.len() <= 10);

@@ -123,8 +123,10 @@ pub enum ErrorDetail {
     },
 }
 
-/// The public error of every reshard crate.
-pub struct Error {
+/// The public error of every reshard crate (boxed, so `Result`s stay one pointer wide).
+pub struct Error(Box<Inner>);
+
+struct Inner {
     kind: ErrorKind,
     message: String,
     context: ErrorContext,
@@ -139,82 +141,82 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// A new error of `kind` with a human message.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error {
+        Error(Box::new(Inner {
             kind,
             message: message.into(),
             context: ErrorContext::default(),
             detail: None,
             retryable: false,
             source: None,
-        }
+        }))
     }
 
     /// The kind, for matching.
     pub fn kind(&self) -> ErrorKind {
-        self.kind
+        self.0.kind
     }
 
     /// The message without context.
     pub fn message(&self) -> &str {
-        &self.message
+        &self.0.message
     }
 
     /// The context collected so far.
     pub fn context(&self) -> &ErrorContext {
-        &self.context
+        &self.0.context
     }
 
     /// Structured facts, for the errors that have them.
     pub fn detail(&self) -> Option<&ErrorDetail> {
-        self.detail.as_deref()
+        self.0.detail.as_deref()
     }
 
     /// Attaches structured facts.
     pub fn with_detail(mut self, detail: ErrorDetail) -> Self {
-        self.detail = Some(Box::new(detail));
+        self.0.detail = Some(Box::new(detail));
         self
     }
 
     /// Whether retrying the same operation may succeed.
     pub fn is_retryable(&self) -> bool {
-        self.retryable
+        self.0.retryable
     }
 
     /// Names the tensor (keeps an existing one).
     pub fn with_tensor(mut self, tensor: impl Into<String>) -> Self {
-        if self.context.tensor.is_none() {
-            self.context.tensor = Some(tensor.into());
+        if self.0.context.tensor.is_none() {
+            self.0.context.tensor = Some(tensor.into());
         }
         self
     }
 
     /// Names the owner (keeps an existing one).
     pub fn with_owner(mut self, owner: u32) -> Self {
-        if self.context.owner.is_none() {
-            self.context.owner = Some(owner);
+        if self.0.context.owner.is_none() {
+            self.0.context.owner = Some(owner);
         }
         self
     }
 
     /// Names the byte range (keeps an existing one).
     pub fn with_range(mut self, range: Range<u64>) -> Self {
-        if self.context.range.is_none() {
-            self.context.range = Some(range);
+        if self.0.context.range.is_none() {
+            self.0.context.range = Some(range);
         }
         self
     }
 
     /// Names the backend (keeps an existing one).
     pub fn with_backend(mut self, backend: impl Into<String>) -> Self {
-        if self.context.backend.is_none() {
-            self.context.backend = Some(backend.into());
+        if self.0.context.backend.is_none() {
+            self.0.context.backend = Some(backend.into());
         }
         self
     }
 
     /// Marks the error retryable or not.
     pub fn set_retryable(mut self, retryable: bool) -> Self {
-        self.retryable = retryable;
+        self.0.retryable = retryable;
         self
     }
 
@@ -223,15 +225,15 @@ impl Error {
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
-        self.source = Some(source.into());
+        self.0.source = Some(source.into());
         self
     }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.kind, self.message)?;
-        let c = &self.context;
+        write!(f, "{}: {}", self.0.kind, self.0.message)?;
+        let c = &self.0.context;
         if let Some(t) = &c.tensor {
             write!(f, " [tensor {t}]")?;
         }
@@ -244,10 +246,10 @@ impl fmt::Display for Error {
         if let Some(b) = &c.backend {
             write!(f, " [backend {b}]")?;
         }
-        if self.retryable {
+        if self.0.retryable {
             f.write_str(" (retryable)")?;
         }
-        if let Some(s) = &self.source {
+        if let Some(s) = &self.0.source {
             write!(f, ": {s}")?;
         }
         Ok(())
@@ -262,7 +264,8 @@ impl fmt::Debug for Error {
 
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
+        self.0
+            .source
             .as_deref()
             .map(|e| e as &(dyn std::error::Error + 'static))
     }

@@ -66,11 +66,16 @@ impl WantedLayout {
                 .iter()
                 .try_fold(p.dtype.size(), |a, &x| a.checked_mul(x))
                 .ok_or_else(|| {
-                    Error::new(ErrorKind::Layout, format!("parameter {} overflows u64", p.name))
+                    Error::new(
+                        ErrorKind::Layout,
+                        format!("parameter {} overflows u64", p.name),
+                    )
                 })?;
             for c in &p.copies {
                 let err = |m: String| Error::new(ErrorKind::Layout, m).with_tensor(&c.tensor);
-                if c.dst_strides.len() != c.src_box.rank() || c.src_box.offset.len() != c.src_box.rank() {
+                if c.dst_strides.len() != c.src_box.rank()
+                    || c.src_box.offset.len() != c.src_box.rank()
+                {
                     return Err(err(format!(
                         "copy into {} has {} strides for a rank-{} box",
                         p.name,
@@ -86,7 +91,9 @@ impl WantedLayout {
                     .extent
                     .iter()
                     .zip(&c.dst_strides)
-                    .try_fold(0u64, |a, (&e, &s)| (e - 1).checked_mul(s).and_then(|v| a.checked_add(v)))
+                    .try_fold(0u64, |a, (&e, &s)| {
+                        (e - 1).checked_mul(s).and_then(|v| a.checked_add(v))
+                    })
                     .and_then(|v| v.checked_add(1))
                     .and_then(|v| v.checked_mul(p.dtype.size()))
                     .and_then(|v| v.checked_add(c.dst_offset));

@@ -22,7 +22,9 @@ pub use model::{
     DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable, TensorBox,
     TensorSpec,
 };
-pub use plan::{Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer};
+pub use plan::{
+    Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer,
+};
 pub use transport::{
     Capability, InFlight, PreparedBatch, ReadBatch, ReadDesc, Registration, Transport, WireReport,
 };

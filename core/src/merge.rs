@@ -279,9 +279,15 @@ mod tests {
     use super::*;
     use crate::model::{DType, MemoryKind, ShardOffer};
 
-    fn table(rank: u32, shape: Vec<u64>, boxes: &[(u64, u64)], digest: Option<Digest>) -> ShardTable {
+    fn table(
+        rank: u32,
+        shape: Vec<u64>,
+        boxes: &[(u64, u64)],
+        digest: Option<Digest>,
+    ) -> ShardTable {
         let mut t = ShardTable::new(rank, format!("agent{rank}"), 7);
-        t.tensors.push(TensorSpec::new("w", DType::Bf16, shape.clone()));
+        t.tensors
+            .push(TensorSpec::new("w", DType::Bf16, shape.clone()));
         for (k, &(off, ext)) in boxes.iter().enumerate() {
             let mut o = vec![0; shape.len()];
             let mut e = shape.clone();
@@ -303,11 +309,19 @@ mod tests {
 
     #[test]
     fn merge_rejects_inconsistent_shapes_naming_both_ranks() {
-        let e = merge(&[table(0, vec![4, 4], &[(0, 4)], None), table(3, vec![4, 8], &[(0, 4)], None)])
-            .unwrap_err();
+        let e = merge(&[
+            table(0, vec![4, 4], &[(0, 4)], None),
+            table(3, vec![4, 8], &[(0, 4)], None),
+        ])
+        .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InconsistentTensor);
         match e.detail() {
-            Some(ErrorDetail::InconsistentTensor { tensor, rank_a, rank_b, .. }) => {
+            Some(ErrorDetail::InconsistentTensor {
+                tensor,
+                rank_a,
+                rank_b,
+                ..
+            }) => {
                 assert_eq!((tensor.as_str(), *rank_a, *rank_b), ("w", 0, 3));
             }
             other => panic!("unexpected detail {other:?}"),
@@ -316,7 +330,10 @@ mod tests {
 
     #[test]
     fn dedup_keeps_lowest_owner_and_reports() {
-        let tables: Vec<_> = (0..8).rev().map(|r| table(r, vec![4, 4], &[(0, 2), (2, 2)], None)).collect();
+        let tables: Vec<_> = (0..8)
+            .rev()
+            .map(|r| table(r, vec![4, 4], &[(0, 2), (2, 2)], None))
+            .collect();
         let m = merge(&tables).unwrap();
         let (d, rep) = dedup(&m, DedupOptions::default()).unwrap();
         assert_eq!(rep.offers_in, 16);
@@ -330,7 +347,9 @@ mod tests {
     fn dedup_spreading_is_deterministic_by_receiver_rank() {
         let tables: Vec<_> = (0..4).map(|r| table(r, vec![4], &[(0, 4)], None)).collect();
         let m = merge(&tables).unwrap();
-        let opts = DedupOptions { spread_receiver_rank: Some(6) };
+        let opts = DedupOptions {
+            spread_receiver_rank: Some(6),
+        };
         let (d, _) = dedup(&m, opts).unwrap();
         assert_eq!(d.get("w").unwrap().offers[0].owner, 2);
     }

@@ -272,9 +272,9 @@ impl TensorBox {
             if self.extent[d] == 0 {
                 return Err(err(format!("box {self} has zero extent in dimension {d}")));
             }
-            let end = self.offset[d].checked_add(self.extent[d]).ok_or_else(|| {
-                err(format!("box {self} overflows u64 in dimension {d}"))
-            })?;
+            let end = self.offset[d]
+                .checked_add(self.extent[d])
+                .ok_or_else(|| err(format!("box {self} overflows u64 in dimension {d}")))?;
             if end > spec.shape[d] {
                 return Err(err(format!(
                     "box {self} lies outside the global shape {:?} in dimension {d}",
@@ -455,7 +455,10 @@ mod tests {
     fn box_intersection() {
         let a = TensorBox::new(vec![0, 0], vec![4, 8]);
         let b = TensorBox::new(vec![2, 4], vec![4, 8]);
-        assert_eq!(a.intersect(&b), Some(TensorBox::new(vec![2, 4], vec![2, 4])));
+        assert_eq!(
+            a.intersect(&b),
+            Some(TensorBox::new(vec![2, 4], vec![2, 4]))
+        );
         let c = TensorBox::new(vec![4, 0], vec![1, 1]);
         assert_eq!(a.intersect(&c), None);
         assert!(a.contains(&TensorBox::new(vec![1, 1], vec![2, 2])));

@@ -168,7 +168,10 @@ impl Plan {
         }
         f.u64(self.staging.len() as u64);
         for s in &self.staging {
-            f.u64(s.tensor as u64).u64(s.row_start).u64(s.rows).u64(s.bytes);
+            f.u64(s.tensor as u64)
+                .u64(s.row_start)
+                .u64(s.rows)
+                .u64(s.bytes);
         }
         f.u64(self.reslices.len() as u64);
         for r in &self.reslices {
@@ -178,7 +181,9 @@ impl Plan {
                 .u64(r.dst_offset)
                 .u64(r.elem);
             for d in 0..r.extent.len() {
-                f.u64(r.extent[d]).u64(r.src_strides[d]).u64(r.dst_strides[d]);
+                f.u64(r.extent[d])
+                    .u64(r.src_strides[d])
+                    .u64(r.dst_strides[d]);
             }
         }
         f.finish()

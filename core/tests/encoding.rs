@@ -3,8 +3,7 @@
 
 use proptest::prelude::*;
 use reshard_core::encoding::{
-    decode_table, encode_table, table_from_json, table_to_json, MAGIC, MAX_NAME_LEN,
-    SCHEMA_VERSION,
+    decode_table, encode_table, table_from_json, table_to_json, MAGIC, MAX_NAME_LEN, SCHEMA_VERSION,
 };
 use reshard_core::{
     DType, Digest, ErrorKind, MemoryKind, OfferLocation, ShardOffer, ShardTable, TensorBox,
@@ -31,9 +30,21 @@ fn offer(tensor: &str, offset: &[u64], extent: &[u64], at: u64, memory: MemoryKi
 fn sample() -> ShardTable {
     let mut t = ShardTable::new(3, "trainer-3", 1_234_567);
     t.tensors = vec![
-        TensorSpec::new("model.layers.0.self_attn.q_proj.weight", DType::Bf16, vec![64, 32]),
-        TensorSpec::new("model.layers.0.input_layernorm.weight", DType::F32, vec![32]),
-        TensorSpec::new("model.layers.0.mlp.experts.w13", DType::F8E4m3, vec![4, 16, 32]),
+        TensorSpec::new(
+            "model.layers.0.self_attn.q_proj.weight",
+            DType::Bf16,
+            vec![64, 32],
+        ),
+        TensorSpec::new(
+            "model.layers.0.input_layernorm.weight",
+            DType::F32,
+            vec![32],
+        ),
+        TensorSpec::new(
+            "model.layers.0.mlp.experts.w13",
+            DType::F8E4m3,
+            vec![4, 16, 32],
+        ),
     ];
     let mut q0 = offer(&t.tensors[0].name, &[0, 0], &[32, 32], 0, MemoryKind::Dram);
     q0.digest = Some(Digest::of(b"q rows 0..32"));
@@ -52,7 +63,13 @@ fn sample() -> ShardTable {
         MemoryKind::Vram { device: u32::MAX },
     );
     ln.digest = Some(Digest::of(b"norm"));
-    let w13 = offer(&t.tensors[2].name, &[1, 8, 0], &[2, 8, 32], 1 << 40, MemoryKind::Dram);
+    let w13 = offer(
+        &t.tensors[2].name,
+        &[1, 8, 0],
+        &[2, 8, 32],
+        1 << 40,
+        MemoryKind::Dram,
+    );
     t.offers = vec![q0, q1, ln, w13];
     t.validate().unwrap();
     t
@@ -161,7 +178,10 @@ fn binary_round_trip_keeps_vram_devices_and_digests() {
     assert_eq!(&bytes[..4], b"RSHT");
     let back = decode_table(&bytes).unwrap();
     assert_eq!(back, t);
-    assert_eq!(back.offers[1].location.memory, MemoryKind::Vram { device: 5 });
+    assert_eq!(
+        back.offers[1].location.memory,
+        MemoryKind::Vram { device: 5 }
+    );
     assert_eq!(back.offers[0].digest, t.offers[0].digest);
     assert_eq!(encode_table(&back), bytes, "encoding is canonical");
 }
@@ -175,7 +195,10 @@ fn json_round_trip_keeps_vram_devices_and_digests() {
     assert!(json.contains('\n'), "pretty-printed for people");
     let back = table_from_json(&json).unwrap();
     assert_eq!(back, t);
-    assert_eq!(back.offers[2].location.memory, MemoryKind::Vram { device: u32::MAX });
+    assert_eq!(
+        back.offers[2].location.memory,
+        MemoryKind::Vram { device: u32::MAX }
+    );
 }
 
 #[test]
@@ -188,8 +211,15 @@ fn empty_table_round_trips() {
 #[test]
 fn encoding_matches_the_documented_layout() {
     let mut t = ShardTable::new(0x0102_0304, "ag", 300);
-    t.tensors.push(TensorSpec::new("w", DType::Bf16, vec![200, 3]));
-    let mut o = offer("w", &[100, 0], &[100, 3], 600, MemoryKind::Vram { device: 2 });
+    t.tensors
+        .push(TensorSpec::new("w", DType::Bf16, vec![200, 3]));
+    let mut o = offer(
+        "w",
+        &[100, 0],
+        &[100, 3],
+        600,
+        MemoryKind::Vram { device: 2 },
+    );
     o.location.region = 1;
     o.digest = Some(Digest([0xab; 16]));
     t.offers.push(o);
@@ -240,17 +270,47 @@ fn full_model_table() -> ShardTable {
         }
         t.tensors.push(spec);
     };
-    push(&mut t, "model.embed_tokens.weight".into(), vec![151_936, 2048], 1);
+    push(
+        &mut t,
+        "model.embed_tokens.weight".into(),
+        vec![151_936, 2048],
+        1,
+    );
     for l in 0..48 {
         let p = format!("model.layers.{l}");
-        push(&mut t, format!("{p}.self_attn.q_proj.weight"), vec![4096, 2048], 4);
-        push(&mut t, format!("{p}.self_attn.k_proj.weight"), vec![512, 2048], 4);
-        push(&mut t, format!("{p}.self_attn.v_proj.weight"), vec![512, 2048], 4);
-        push(&mut t, format!("{p}.self_attn.o_proj.weight"), vec![2048, 4096], 1);
+        push(
+            &mut t,
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![4096, 2048],
+            4,
+        );
+        push(
+            &mut t,
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![512, 2048],
+            4,
+        );
+        push(
+            &mut t,
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![512, 2048],
+            4,
+        );
+        push(
+            &mut t,
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![2048, 4096],
+            1,
+        );
         push(&mut t, format!("{p}.self_attn.q_norm.weight"), vec![128], 1);
         push(&mut t, format!("{p}.self_attn.k_norm.weight"), vec![128], 1);
         push(&mut t, format!("{p}.input_layernorm.weight"), vec![2048], 1);
-        push(&mut t, format!("{p}.post_attention_layernorm.weight"), vec![2048], 1);
+        push(
+            &mut t,
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![2048],
+            1,
+        );
         push(&mut t, format!("{p}.mlp.gate.weight"), vec![128, 2048], 1);
         for e in 0..128 {
             let x = format!("{p}.mlp.experts.{e}");
@@ -327,7 +387,10 @@ fn truncation_errors_carry_the_owner_once_known() {
     let bytes = encode_table(&sample());
     let e = decode_table(&bytes[..bytes.len() - 3]).unwrap_err();
     assert_eq!(e.context().owner, Some(3));
-    assert!(e.context().tensor.is_some(), "inside an offer the tensor is known");
+    assert!(
+        e.context().tensor.is_some(),
+        "inside an offer the tensor is known"
+    );
 }
 
 #[test]
@@ -418,7 +481,11 @@ fn huge_counts_are_rejected_before_allocating() {
         assert_eq!(decode_kind(&tensors.0), ErrorKind::Decode);
         let offers = Raw::header(1, b"a", 0).varint(0).varint(count);
         assert_eq!(decode_kind(&offers.0), ErrorKind::Decode);
-        let rank = Raw::header(1, b"a", 0).varint(1).str(b"w").u8(0).varint(count);
+        let rank = Raw::header(1, b"a", 0)
+            .varint(1)
+            .str(b"w")
+            .u8(0)
+            .varint(count);
         assert_eq!(decode_kind(&rank.0), ErrorKind::Decode);
         let agent = Raw::header(1, b"", 0);
         let mut agent = agent.0;
@@ -431,7 +498,11 @@ fn huge_counts_are_rejected_before_allocating() {
 #[test]
 fn rejects_overlong_tensor_names() {
     let mut t = ShardTable::new(1, "a", 0);
-    t.tensors.push(TensorSpec::new("x".repeat(MAX_NAME_LEN + 1), DType::U8, vec![1]));
+    t.tensors.push(TensorSpec::new(
+        "x".repeat(MAX_NAME_LEN + 1),
+        DType::U8,
+        vec![1],
+    ));
     assert_eq!(binary_kind(&t), ErrorKind::Decode);
     assert_eq!(
         table_from_json(&table_to_json(&t)).unwrap_err().kind(),
@@ -439,6 +510,21 @@ fn rejects_overlong_tensor_names() {
     );
     t.tensors[0].name.truncate(MAX_NAME_LEN);
     assert!(decode_table(&encode_table(&t)).is_ok());
+}
+
+#[test]
+fn refuses_to_expand_long_names_across_many_tiny_offers() {
+    // Every decoded offer owns a copy of its tensor name: 200k six-byte offers of a 1 KiB name
+    // would expand 1.2 MB of input into 200 MB of names.
+    let n = 200_000;
+    let mut raw = Raw::header(1, b"a", 0)
+        .varint(1)
+        .tensor(&[b'x'; MAX_NAME_LEN], DType::U8.code(), &[1])
+        .varint(n);
+    for _ in 0..n {
+        raw = raw.bytes(&[0, 0, 0, 0, 0, 0]); // index 0, rank 0, region 0, offset 0, dram, none
+    }
+    assert_eq!(decode_kind(&raw.0), ErrorKind::Decode);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -533,7 +619,11 @@ fn rejects_duplicate_tensor_names() {
 fn json_rejects_other_schema_versions() {
     let json = table_to_json(&sample());
     let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
-    for bad in [serde_json::json!(2), serde_json::json!(0), serde_json::json!("1")] {
+    for bad in [
+        serde_json::json!(2),
+        serde_json::json!(0),
+        serde_json::json!("1"),
+    ] {
         v["schema_version"] = bad.clone();
         let e = table_from_json(&v.to_string()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Decode, "schema_version {bad}");
@@ -555,10 +645,17 @@ fn json_rejects_malformed_text() {
         r#"{"schema_version": 1, "table": {}}"#,
         r#"{"schema_version": 1, "table": null, "extra": 0}"#,
     ] {
-        assert_eq!(table_from_json(bad).unwrap_err().kind(), ErrorKind::Decode, "{bad}");
+        assert_eq!(
+            table_from_json(bad).unwrap_err().kind(),
+            ErrorKind::Decode,
+            "{bad}"
+        );
     }
     let deep = "[".repeat(100_000);
-    assert_eq!(table_from_json(&deep).unwrap_err().kind(), ErrorKind::Decode);
+    assert_eq!(
+        table_from_json(&deep).unwrap_err().kind(),
+        ErrorKind::Decode
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -589,8 +686,11 @@ fn valid_table() -> impl Strategy<Value = ShardTable> {
         .prop_map(|(rank, agent, step, tensors, offers)| {
             let mut t = ShardTable::new(rank, agent, step);
             for (i, (dtype, shape, name)) in tensors.into_iter().enumerate() {
-                t.tensors
-                    .push(TensorSpec::new(format!("{name}#{i}"), DType::ALL[dtype], shape));
+                t.tensors.push(TensorSpec::new(
+                    format!("{name}#{i}"),
+                    DType::ALL[dtype],
+                    shape,
+                ));
             }
             if t.tensors.is_empty() {
                 return t;
@@ -609,9 +709,8 @@ fn valid_table() -> impl Strategy<Value = ShardTable> {
                     location: OfferLocation {
                         region,
                         offset: at % (u64::MAX - bytes + 1),
-                        memory: device.map_or(MemoryKind::Dram, |device| MemoryKind::Vram {
-                            device,
-                        }),
+                        memory: device
+                            .map_or(MemoryKind::Dram, |device| MemoryKind::Vram { device }),
                     },
                     digest: digest.map(Digest),
                 });

@@ -13,7 +13,7 @@ use reshard_core::{
     Error, ErrorKind, ParamSpec, Result, TensorBox, TensorSpec, WantedCopy, WantedLayout,
 };
 
-use crate::presets::{expert_tensor, layer_tensor, ModelConfig};
+use crate::presets::{expert_tensor, layer_norm_suffixes, layer_tensor, ModelConfig};
 use crate::topology::ReceiverTopology;
 
 /// Part `index` of `parts` equal slices of `shape` along dimension `dim`, whole in every other
@@ -236,14 +236,7 @@ pub fn receiver_layout(
         });
         let o = spec("self_attn.o_proj.weight")?;
         params.push(sliced(o, row_parallel(o, tp, rank)?));
-        let mut norms = Vec::new();
-        if model.qk_norm {
-            norms.push("self_attn.q_norm.weight");
-            norms.push("self_attn.k_norm.weight");
-        }
-        norms.push("input_layernorm.weight");
-        norms.push("post_attention_layernorm.weight");
-        for n in norms {
+        for n in layer_norm_suffixes(model) {
             params.push(replicated(spec(n)?));
         }
         match &model.moe {

@@ -208,6 +208,10 @@ fn tiles_dim0(t: &MergedTensor) -> bool {
     if !t.offers.iter().all(spans_rows) {
         return false;
     }
+    if let [only] = t.offers.as_slice() {
+        // The common case (one whole replica after dedup) needs no sort.
+        return only.tensor_box.offset[0] == 0 && only.tensor_box.extent[0] == shape[0];
+    }
     let mut rows: Vec<(u64, u64)> = t
         .offers
         .iter()
@@ -801,4 +805,76 @@ fn reslices_disjoint(reslices: &[Reslice]) -> bool {
     spans
         .windows(2)
         .all(|w| w[0].0 != w[1].0 || w[1].1 > w[0].2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_shape_collapses_while_both_sides_are_row_major() {
+        // Whole rows of a [4, 8] offer into a [4, 8] parameter: one run of 32 elements.
+        let rs = run_shape(&[4, 8], &[8, 1], &[8, 1]);
+        assert_eq!((rs.outer, rs.runs, rs.block), (0, 1, 32));
+        // A column half: one run per row.
+        let rs = run_shape(&[4, 4], &[8, 1], &[4, 1]);
+        assert_eq!((rs.outer, rs.runs, rs.block), (1, 4, 4));
+        // Non-unit innermost destination stride: every element is a run.
+        let rs = run_shape(&[4, 4], &[4, 1], &[1, 4]);
+        assert_eq!((rs.outer, rs.runs, rs.block), (2, 16, 1));
+    }
+
+    fn overlaps(boxes: &[(&[u64], &[u64])]) -> Overlaps {
+        let mut ov = Overlaps::default();
+        ov.reset(boxes[0].0.len());
+        let whole = TensorBox::new(vec![0; ov.rank], vec![u64::MAX / 2; ov.rank]);
+        for (k, (o, e)) in boxes.iter().enumerate() {
+            ov.push_intersection(k, &whole, &TensorBox::new(o.to_vec(), e.to_vec()));
+        }
+        ov
+    }
+
+    #[test]
+    fn uncovered_box_is_found_between_overlapping_pieces() {
+        let ov = overlaps(&[(&[0, 0], &[4, 4]), (&[2, 0], &[4, 2]), (&[0, 0], &[6, 1])]);
+        assert_eq!(find_uncovered(&ov, &[0, 0], &[4, 4]), None);
+        let hole = find_uncovered(&ov, &[0, 0], &[6, 4]).unwrap();
+        assert_eq!(hole, TensorBox::new(vec![4, 2], vec![2, 2]));
+        assert!(ov.intersect(0, 1) && ov.intersect(1, 2));
+        let apart = overlaps(&[(&[0, 0], &[2, 4]), (&[2, 0], &[2, 4])]);
+        assert!(!apart.intersect(0, 1));
+    }
+
+    #[test]
+    fn coalescing_needs_contiguity_on_both_sides() {
+        let r = |src_offset, dst_offset| PlannedRead {
+            owner: 1,
+            src_region: 0,
+            src_offset,
+            len: 8,
+            dst: Dest::Param(0),
+            dst_offset,
+            tensor: 0,
+        };
+        let out = coalesce(vec![r(8, 8), r(0, 0), r(16, 32)]);
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].src_offset, out[0].len), (0, 16));
+    }
+
+    #[test]
+    fn reslice_spans_overlap_only_within_one_param() {
+        let r = |param, dst_offset| Reslice {
+            staging: 0,
+            src_offset: 0,
+            src_strides: vec![1],
+            extent: vec![4],
+            elem: 2,
+            param,
+            dst_offset,
+            dst_strides: vec![1],
+            tensor: 0,
+        };
+        assert!(reslices_disjoint(&[r(0, 0), r(0, 8), r(1, 0)]));
+        assert!(!reslices_disjoint(&[r(0, 0), r(0, 7)]));
+    }
 }

@@ -137,6 +137,21 @@ pub fn expert_tensor(layer: u64, expert: u64, proj: &str) -> String {
     format!("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight")
 }
 
+/// Suffixes of a layer's whole (never split) norm tensors: q/k norms when present, then the two
+/// layer norms.
+pub(crate) fn layer_norm_suffixes(model: &ModelConfig) -> &'static [&'static str] {
+    if model.qk_norm {
+        &[
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ]
+    } else {
+        &["input_layernorm.weight", "post_attention_layernorm.weight"]
+    }
+}
+
 impl ModelConfig {
     /// Scales the model down: fewer layers, fewer experts or a smaller vocabulary. Overrides only
     /// shrink (a larger model than the preset is not the preset any more); zero, growth, or
@@ -217,7 +232,40 @@ impl ModelConfig {
                 ),
             ));
         }
+        // Every tensor and fused parameter is at most the model's size, so one checked total
+        // keeps all later unchecked shape arithmetic in range.
+        if self.checked_total_bytes().is_none() {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("model {}: total size overflows u64 bytes", self.name),
+            ));
+        }
         Ok(())
+    }
+
+    /// Total bytes from the architecture formula, `None` on overflow.
+    fn checked_total_bytes(&self) -> Option<u64> {
+        let mul = |v: &[u64]| v.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
+        let add = |v: &[Option<u64>]| v.iter().try_fold(0u64, |a, x| a.checked_add((*x)?));
+        let h = self.hidden;
+        let q = mul(&[self.heads, self.head_dim, h]);
+        let kv = mul(&[2, self.kv_heads, self.head_dim, h]);
+        let norms = mul(&[if self.qk_norm { 2 } else { 0 }, self.head_dim]);
+        let mlp = match &self.moe {
+            Some(m) => add(&[
+                mul(&[m.experts, h]),
+                mul(&[m.experts, 3, m.expert_intermediate, h]),
+            ]),
+            None => mul(&[3, self.intermediate, h]),
+        };
+        let layer = add(&[q, q, kv, norms, mul(&[2, h]), mlp]);
+        let heads = if self.tied_embeddings { 1 } else { 2 };
+        let elements = add(&[
+            mul(&[self.layers, layer?]),
+            mul(&[heads, self.vocab, h]),
+            Some(h),
+        ]);
+        elements?.checked_mul(self.dtype.size())
     }
 
     /// Rows of `q_proj` (query heads x head size).
@@ -247,12 +295,14 @@ impl ModelConfig {
             out.push(t("self_attn.k_proj.weight", vec![self.kv_rows(), h]));
             out.push(t("self_attn.v_proj.weight", vec![self.kv_rows(), h]));
             out.push(t("self_attn.o_proj.weight", vec![h, self.q_rows()]));
-            if self.qk_norm {
-                out.push(t("self_attn.q_norm.weight", vec![self.head_dim]));
-                out.push(t("self_attn.k_norm.weight", vec![self.head_dim]));
+            for n in layer_norm_suffixes(self) {
+                let len = if n.starts_with("self_attn.") {
+                    self.head_dim
+                } else {
+                    h
+                };
+                out.push(t(n, vec![len]));
             }
-            out.push(t("input_layernorm.weight", vec![h]));
-            out.push(t("post_attention_layernorm.weight", vec![h]));
             match &self.moe {
                 Some(m) => {
                     out.push(t("mlp.gate.weight", vec![m.experts, h]));
@@ -291,9 +341,10 @@ impl ModelConfig {
         (self.layers * per_layer + globals) as usize
     }
 
-    /// Total bytes of all tensors.
+    /// Total bytes of all tensors, computed without building them (saturates at `u64::MAX` for
+    /// a configuration that [`ModelConfig::validate`] rejects as overflowing).
     pub fn total_bytes(&self) -> u64 {
-        self.tensors().iter().map(TensorSpec::bytes).sum()
+        self.checked_total_bytes().unwrap_or(u64::MAX)
     }
 }
 
@@ -309,6 +360,26 @@ mod tests {
         assert_eq!(m.tensor_count(), 18_867);
         // 30.5 B parameters in BF16.
         assert_eq!(m.total_bytes(), 61_064_245_248);
+        assert_eq!(
+            t.iter().map(TensorSpec::bytes).sum::<u64>(),
+            m.total_bytes()
+        );
+    }
+
+    #[test]
+    fn formula_total_matches_tensors_for_tied_and_overflow_is_rejected() {
+        let mut m = preset("qwen3-30b-a3b").unwrap();
+        m.tied_embeddings = true;
+        m.qk_norm = false;
+        let t = m.tensors();
+        assert_eq!(t.len(), m.tensor_count());
+        assert_eq!(
+            t.iter().map(TensorSpec::bytes).sum::<u64>(),
+            m.total_bytes()
+        );
+        m.vocab = u64::MAX / 2;
+        assert_eq!(m.validate().unwrap_err().kind(), ErrorKind::Config);
+        assert_eq!(m.total_bytes(), u64::MAX);
     }
 
     #[test]
@@ -324,5 +395,9 @@ mod tests {
         assert_eq!(k.shape, vec![1024, 4096]);
         // 8.03 B parameters in BF16.
         assert_eq!(m.total_bytes(), 16_060_522_496);
+        assert_eq!(
+            t.iter().map(TensorSpec::bytes).sum::<u64>(),
+            m.total_bytes()
+        );
     }
 }

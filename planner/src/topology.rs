@@ -17,7 +17,7 @@ use reshard_core::{
 use crate::layouts::{
     check_heads, column_parallel, kv_rows_for_rank, row_block, row_parallel, TensorIndex,
 };
-use crate::presets::{expert_tensor, layer_tensor, ModelConfig};
+use crate::presets::{expert_tensor, layer_norm_suffixes, layer_tensor, ModelConfig};
 
 /// How the trainer shards the model: tensor, expert, data and pipeline parallel degrees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -52,7 +52,7 @@ impl PublisherTopology {
     /// `(tp_rank, dp_rank, pp_rank)` of a global rank, in Megatron order.
     pub fn coords(&self, rank: u32) -> (u32, u32, u32) {
         let (tp, dp) = (self.tp.max(1), self.dp.max(1));
-        (rank % tp, (rank / tp) % dp, rank / (tp * dp))
+        (rank % tp, (rank / tp) % dp, rank / tp.saturating_mul(dp))
     }
 
     /// Checks degrees are non-zero and the world size fits in a `u32`.
@@ -336,14 +336,7 @@ fn rank_shards(
         }
         let o = idx.spec(&layer_tensor(l, "self_attn.o_proj.weight"))?;
         push(&o.name, row_parallel(o, tp, t)?)?;
-        let mut norms = Vec::with_capacity(4);
-        if model.qk_norm {
-            norms.push("self_attn.q_norm.weight");
-            norms.push("self_attn.k_norm.weight");
-        }
-        norms.push("input_layernorm.weight");
-        norms.push("post_attention_layernorm.weight");
-        for n in norms {
+        for n in layer_norm_suffixes(model) {
             let name = layer_tensor(l, n);
             push(&name, whole(&name)?)?;
         }

@@ -27,11 +27,11 @@ fn off<'a>(tensor: &'a str, offset: &[u64], extent: &[u64]) -> Off<'a> {
 }
 
 /// One publisher's table: its offers laid out back to back (plus gaps) in region 7.
-fn table(rank: u32, specs: &[TensorSpec], offers: &[Off]) -> ShardTable {
+fn table(rank: u32, specs: &[&TensorSpec], offers: &[Off]) -> ShardTable {
     let mut t = ShardTable::new(rank, format!("agent{rank}"), 1);
     for s in specs {
         if offers.iter().any(|o| o.tensor == s.name) {
-            t.tensors.push(s.clone());
+            t.tensors.push((*s).clone());
         }
     }
     let mut at = 0;
@@ -112,7 +112,7 @@ fn default_plan(t: &MergedTable, l: &WantedLayout) -> Plan {
 #[test]
 fn column_slice_of_dim0_is_one_read() {
     let w = bf16("w", &[8, 4]);
-    let t = deduped(&[table(0, &[w.clone()], &[off("w", &[0, 0], &[8, 4])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[8, 4])])]);
     let l = layout(vec![param(
         "p",
         DType::Bf16,
@@ -135,7 +135,7 @@ fn column_slice_of_dim0_is_one_read() {
 #[test]
 fn dim1_slice_with_few_rows_reads_each_row() {
     let w = bf16("w", &[4, 8]);
-    let t = deduped(&[table(3, &[w], &[off("w", &[0, 0], &[4, 8])])]);
+    let t = deduped(&[table(3, &[&w], &[off("w", &[0, 0], &[4, 8])])]);
     let l = layout(vec![param(
         "p",
         DType::Bf16,
@@ -158,8 +158,8 @@ fn dim1_slice_with_few_rows_reads_each_row() {
 fn row_parallel_case() -> (MergedTable, WantedLayout) {
     let w = bf16("w", &[128, 8]);
     let t = deduped(&[
-        table(0, &[w.clone()], &[off("w", &[0, 0], &[64, 8])]),
-        table(1, &[w.clone()], &[off("w", &[64, 0], &[64, 8])]),
+        table(0, &[&w], &[off("w", &[0, 0], &[64, 8])]),
+        table(1, &[&w], &[off("w", &[64, 0], &[64, 8])]),
     ]);
     let l = layout(vec![param(
         "p",
@@ -240,7 +240,7 @@ fn staging_holds_only_offers_the_full_pulled_copies_touch() {
     let w = bf16("w", &[128, 8]);
     let t = deduped(&[table(
         2,
-        &[w],
+        &[&w],
         &[
             off("w", &[0, 0], &[32, 8]),
             off("w", &[32, 0], &[32, 8]),
@@ -275,7 +275,7 @@ fn staging_holds_only_offers_the_full_pulled_copies_touch() {
 #[test]
 fn two_copies_of_one_tensor_share_one_staging_buffer() {
     let w = bf16("w", &[128, 8]);
-    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[128, 8])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[128, 8])])]);
     let l = layout(vec![
         param(
             "a",
@@ -303,7 +303,7 @@ fn two_copies_of_one_tensor_share_one_staging_buffer() {
 #[test]
 fn overlapping_reslice_destinations_are_reported() {
     let w = bf16("w", &[128, 8]);
-    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[128, 8])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[128, 8])])]);
     // Two copies write alternating columns of one parameter: their bytes are disjoint, but
     // their [first, last] spans overlap, and the check is deliberately conservative.
     let strided = |col: u64| WantedCopy {
@@ -328,8 +328,8 @@ fn non_tiling_offers_fall_back_to_exact_reads() {
     // Offers split along dim 1 do not tile dim 0: 2 x 128 per-row reads despite the threshold.
     let w = bf16("w", &[128, 8]);
     let t = deduped(&[
-        table(0, &[w.clone()], &[off("w", &[0, 0], &[128, 4])]),
-        table(1, &[w.clone()], &[off("w", &[0, 4], &[128, 4])]),
+        table(0, &[&w], &[off("w", &[0, 0], &[128, 4])]),
+        table(1, &[&w], &[off("w", &[0, 4], &[128, 4])]),
     ]);
     let l = layout(vec![param(
         "p",
@@ -349,10 +349,9 @@ fn non_tiling_offers_fall_back_to_exact_reads() {
 #[test]
 fn fused_destination_places_three_sources_and_coalesces_them() {
     let (q, k, v) = (bf16("q", &[4, 2]), bf16("k", &[2, 2]), bf16("v", &[2, 2]));
-    let specs = [q, k, v];
     let t = deduped(&[table(
         5,
-        &specs,
+        &[&q, &k, &v],
         &[
             off("q", &[0, 0], &[4, 2]),
             off("k", &[0, 0], &[2, 2]),
@@ -387,7 +386,7 @@ fn adjacent_offers_of_one_owner_coalesce_but_gaps_do_not() {
     let whole = |gap| {
         deduped(&[table(
             0,
-            &[w.clone()],
+            &[&w],
             &[
                 off("w", &[0, 0], &[4, 4]),
                 Off {
@@ -415,7 +414,7 @@ fn runs_contiguous_on_both_sides_merge_within_an_overlap() {
     // Dim 1 has extent 1 and an arbitrary destination stride, so the rule does not collapse it
     // (2 exact runs), yet the two runs are adjacent on both sides and become one read.
     let w = bf16("w", &[2, 1, 4]);
-    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0, 0], &[2, 1, 4])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0, 0], &[2, 1, 4])])]);
     let c = WantedCopy {
         tensor: "w".into(),
         src_box: TensorBox::new(vec![0, 0, 0], vec![2, 1, 4]),
@@ -432,7 +431,7 @@ fn runs_contiguous_on_both_sides_merge_within_an_overlap() {
 #[test]
 fn non_unit_innermost_destination_stride_is_one_run_per_element() {
     let w = TensorSpec::new("w", DType::F32, vec![3]);
-    let t = deduped(&[table(0, &[w], &[off("w", &[0], &[3])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0], &[3])])]);
     let c = WantedCopy {
         tensor: "w".into(),
         src_box: TensorBox::new(vec![0], vec![3]),
@@ -453,7 +452,7 @@ fn missing_coverage_names_tensor_and_an_unoffered_box() {
     let w = bf16("w", &[8, 4]);
     let t = deduped(&[table(
         0,
-        &[w],
+        &[&w],
         &[off("w", &[0, 0], &[4, 4]), off("w", &[4, 0], &[4, 2])],
     )]);
     let l = layout(vec![param(
@@ -488,7 +487,7 @@ fn missing_coverage_names_tensor_and_an_unoffered_box() {
 #[test]
 fn a_tensor_nobody_offers_is_missing_as_a_whole() {
     let w = bf16("w", &[8, 4]);
-    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[8, 4])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[8, 4])])]);
     let l = layout(vec![param(
         "p",
         DType::Bf16,
@@ -511,8 +510,8 @@ fn a_tensor_nobody_offers_is_missing_as_a_whole() {
 fn partially_overlapping_offers_are_an_error() {
     let w = bf16("w", &[8, 4]);
     let t = deduped(&[
-        table(0, &[w.clone()], &[off("w", &[0, 0], &[6, 4])]),
-        table(1, &[w.clone()], &[off("w", &[4, 0], &[4, 4])]),
+        table(0, &[&w], &[off("w", &[0, 0], &[6, 4])]),
+        table(1, &[&w], &[off("w", &[4, 0], &[4, 4])]),
     ]);
     let l = layout(vec![param(
         "p",
@@ -538,7 +537,7 @@ fn partially_overlapping_offers_are_an_error() {
 fn allow_overlap_arm_reads_every_replica() {
     let w = bf16("w", &[4, 4]);
     let tables: Vec<_> = (0..3)
-        .map(|r| table(r, &[w.clone()], &[off("w", &[0, 0], &[4, 4])]))
+        .map(|r| table(r, &[&w], &[off("w", &[0, 0], &[4, 4])]))
         .collect();
     let merged = merge(&tables).unwrap();
     let l = layout(vec![param(
@@ -573,7 +572,7 @@ fn replicated_offers_do_not_tile_so_no_dedup_reads_per_row() {
     // wanted. With dedup: one full pull; without: 2 x 128 exact rows.
     let w = bf16("w", &[128, 8]);
     let tables: Vec<_> = (0..2)
-        .map(|r| table(r, &[w.clone()], &[off("w", &[0, 0], &[128, 8])]))
+        .map(|r| table(r, &[&w], &[off("w", &[0, 0], &[128, 8])]))
         .collect();
     let l = layout(vec![param(
         "p",
@@ -597,7 +596,7 @@ fn digest_checks_cover_whole_offers_and_full_pulls() {
     let (a, b) = (bf16("a", &[4, 4]), bf16("b", &[128, 8]));
     let t = deduped(&[table(
         0,
-        &[a, b],
+        &[&a, &b],
         &[
             off("a", &[0, 0], &[2, 4]),
             off("a", &[2, 0], &[2, 4]),
@@ -653,7 +652,7 @@ fn fingerprint_is_stable_and_tracks_the_layout() {
 #[test]
 fn layout_errors_name_tensor_and_parameter() {
     let w = bf16("w", &[8, 4]);
-    let t = deduped(&[table(0, &[w], &[off("w", &[0, 0], &[8, 4])])]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[8, 4])])]);
     let wrong_dtype = layout(vec![param(
         "p",
         DType::F32,

@@ -28,6 +28,8 @@ struct RawWant {
     column_major: bool,
     /// Share the previous parameter (a fused destination) when dtypes agree.
     fuse: bool,
+    /// Want the whole tensor (replicated parameters such as norms).
+    whole: bool,
 }
 
 /// One tensor, how publishers split it, and what the receiver wants of it.
@@ -42,6 +44,8 @@ struct RawTensor {
     misaligned: bool,
     /// Drop one part from every replica: a coverage gap.
     drop_part: Option<usize>,
+    /// Keep all parts of a replica at one owner (adjacent offers coalesce on the wire).
+    one_owner_per_replica: bool,
     wants: Vec<RawWant>,
 }
 
@@ -61,14 +65,16 @@ fn want_strategy() -> impl Strategy<Value = RawWant> {
         any::<[u64; 3]>(),
         prop::bool::weighted(0.2),
         any::<bool>(),
+        prop::bool::weighted(0.3),
     )
-        .prop_map(|(lo, len, pad, pos, column_major, fuse)| RawWant {
+        .prop_map(|(lo, len, pad, pos, column_major, fuse, whole)| RawWant {
             lo,
             len,
             pad,
             pos,
             column_major,
             fuse,
+            whole,
         })
 }
 
@@ -81,18 +87,22 @@ fn tensor_strategy() -> impl Strategy<Value = RawTensor> {
         1u32..=3,
         prop::bool::weighted(0.15),
         prop::option::weighted(0.15, any::<usize>()),
+        any::<bool>(),
         prop::collection::vec(want_strategy(), 1..=3),
     )
         .prop_map(
-            |(shape, dtype, split_dim, cuts, replicas, misaligned, drop_part, wants)| RawTensor {
-                shape,
-                dtype,
-                split_dim,
-                cuts,
-                replicas,
-                misaligned,
-                drop_part,
-                wants,
+            |(shape, dtype, split_dim, cuts, replicas, misaligned, drop_part, one_owner, wants)| {
+                RawTensor {
+                    shape,
+                    dtype,
+                    split_dim,
+                    cuts,
+                    replicas,
+                    misaligned,
+                    drop_part,
+                    one_owner_per_replica: one_owner,
+                    wants,
+                }
             },
         )
 }
@@ -101,8 +111,8 @@ fn case_strategy() -> impl Strategy<Value = RawCase> {
     (
         prop::collection::vec(tensor_strategy(), 1..=3),
         0u64..12,
-        prop_oneof![2 => Just(0u64), 1 => 1u64..4],
-        any::<bool>(),
+        prop_oneof![3 => Just(0u64), 1 => 1u64..4],
+        prop::bool::weighted(0.3),
     )
         .prop_map(|(tensors, threshold, gap, two_regions)| RawCase {
             tensors,
@@ -190,7 +200,13 @@ fn build(raw: &RawCase) -> Case {
                 if rt.drop_part.is_some_and(|k| k % (b.len() - 1) == p) {
                     continue;
                 }
-                let owner = (p as u32 + r + ti as u32) % PUBLISHERS;
+                // Replicas always land on distinct owners (replicas < PUBLISHERS).
+                let spread = if rt.one_owner_per_replica {
+                    0
+                } else {
+                    p as u32
+                };
+                let owner = (spread + r + ti as u32) % PUBLISHERS;
                 let region = if raw.two_regions { p as u64 % 2 } else { 0 };
                 let mut offset = vec![0; rt.shape.len()];
                 let mut extent = rt.shape.clone();
@@ -250,8 +266,12 @@ fn build(raw: &RawCase) -> Case {
             let mut padded = vec![0; rank];
             let mut pos = vec![0; rank];
             for d in 0..rank {
-                lo[d] = w.lo[d] % spec.shape[d];
-                ext[d] = 1 + w.len[d] % (spec.shape[d] - lo[d]);
+                if w.whole {
+                    ext[d] = spec.shape[d];
+                } else {
+                    lo[d] = w.lo[d] % spec.shape[d];
+                    ext[d] = 1 + w.len[d] % (spec.shape[d] - lo[d]);
+                }
                 padded[d] = ext[d] + w.pad[d] % 3;
                 pos[d] = w.pos[d] % (padded[d] - ext[d] + 1);
             }
@@ -313,8 +333,11 @@ fn expected_params(specs: &[TensorSpec], layout: &WantedLayout) -> Vec<Vec<u64>>
                 let elem = p.dtype.size();
                 let gs = row_major(&specs[ti].shape);
                 for_each_index(&c.src_box, |idx| {
-                    let local: Vec<u64> =
-                        idx.iter().zip(&c.src_box.offset).map(|(i, o)| i - o).collect();
+                    let local: Vec<u64> = idx
+                        .iter()
+                        .zip(&c.src_box.offset)
+                        .map(|(i, o)| i - o)
+                        .collect();
                     let at = c.dst_offset + elem * dot(&local, &c.dst_strides);
                     for b in 0..elem {
                         buf[(at + b) as usize] = tag(ti, dot(idx, &gs), elem, b);
@@ -337,10 +360,12 @@ fn oracle(table: &MergedTable, layout: &WantedLayout, allow_overlap: bool) -> Op
             for_each_index(&c.src_box, |idx| {
                 let n = offers
                     .iter()
-                    .filter(|o| (0..idx.len()).all(|d| {
-                        let b = &o.tensor_box;
-                        idx[d] >= b.offset[d] && idx[d] < b.end(d)
-                    }))
+                    .filter(|o| {
+                        (0..idx.len()).all(|d| {
+                            let b = &o.tensor_box;
+                            idx[d] >= b.offset[d] && idx[d] < b.end(d)
+                        })
+                    })
                     .count();
                 double |= n > 1;
                 missing |= n == 0;
@@ -393,10 +418,26 @@ struct Installed {
 /// Fails (as a test case error) on any access outside an offer, a staging buffer or a parameter.
 fn execute(case: &Case, table: &MergedTable, plan: &Plan) -> Result<Installed, TestCaseError> {
     let ranges = offer_ranges(table);
-    let mut params: Vec<Vec<u64>> = plan.params.iter().map(|p| vec![0; p.bytes as usize]).collect();
-    let mut writes: Vec<Vec<u32>> = plan.params.iter().map(|p| vec![0; p.bytes as usize]).collect();
-    let mut staging: Vec<Vec<u64>> = plan.staging.iter().map(|s| vec![0; s.bytes as usize]).collect();
-    let mut staged: Vec<Vec<u32>> = plan.staging.iter().map(|s| vec![0; s.bytes as usize]).collect();
+    let mut params: Vec<Vec<u64>> = plan
+        .params
+        .iter()
+        .map(|p| vec![0; p.bytes as usize])
+        .collect();
+    let mut writes: Vec<Vec<u32>> = plan
+        .params
+        .iter()
+        .map(|p| vec![0; p.bytes as usize])
+        .collect();
+    let mut staging: Vec<Vec<u64>> = plan
+        .staging
+        .iter()
+        .map(|s| vec![0; s.bytes as usize])
+        .collect();
+    let mut staged: Vec<Vec<u32>> = plan
+        .staging
+        .iter()
+        .map(|s| vec![0; s.bytes as usize])
+        .collect();
     for r in &plan.reads {
         let (s, e) = (r.src_offset, r.src_offset + r.len);
         let inside = ranges
@@ -409,7 +450,10 @@ fn execute(case: &Case, table: &MergedTable, plan: &Plan) -> Result<Installed, T
             Dest::Staging(i) => (&mut staging[i as usize], &mut staged[i as usize]),
         };
         let d = r.dst_offset as usize;
-        prop_assert!(d + src.len() <= buf.len(), "read {r:?} overruns its destination");
+        prop_assert!(
+            d + src.len() <= buf.len(),
+            "read {r:?} overruns its destination"
+        );
         buf[d..d + src.len()].copy_from_slice(src);
         count[d..d + src.len()].iter_mut().for_each(|c| *c += 1);
     }
@@ -453,7 +497,11 @@ fn deduped(case: &Case) -> MergedTable {
 }
 
 /// Checks a missing-coverage error names a box inside a wanted box and outside every offer.
-fn check_missing(case: &Case, table: &MergedTable, e: &reshard_core::Error) -> Result<(), TestCaseError> {
+fn check_missing(
+    case: &Case,
+    table: &MergedTable,
+    e: &reshard_core::Error,
+) -> Result<(), TestCaseError> {
     let Some(ErrorDetail::MissingCoverage { tensor, missing }) = e.detail() else {
         return Err(TestCaseError::fail(format!("no missing box in {e}")));
     };
@@ -466,12 +514,14 @@ fn check_missing(case: &Case, table: &MergedTable, e: &reshard_core::Error) -> R
         .any(|c| &c.tensor == tensor && c.src_box.contains(missing));
     prop_assert!(wanted, "missing box {} is not inside a wanted box", missing);
     let offers = table.get(tensor).map_or(&[][..], |t| &t.offers);
-    prop_assert!(offers.iter().all(|o| o.tensor_box.intersect(missing).is_none()));
+    prop_assert!(offers
+        .iter()
+        .all(|o| o.tensor_box.intersect(missing).is_none()));
     Ok(())
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Every wanted byte lands exactly right and is written exactly once; nothing else is
     /// written; every read stays inside offers; or the planner fails as the oracle says.

@@ -6,7 +6,10 @@ use reshard_core::TensorBox;
 
 /// Per-tensor key mixing seed, step and name.
 pub fn tensor_key(seed: u64, step: u64, name: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    xxhash_rust::xxh3::xxh3_64_with_seed(
+        name.as_bytes(),
+        seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    )
 }
 
 #[inline]
@@ -22,14 +25,22 @@ fn word(key: u64, w: u64) -> [u8; 8] {
 
 /// Fills `dst` with the bytes at global byte positions `start..start+dst.len()` of a tensor.
 pub fn fill(dst: &mut [u8], key: u64, start: u64) {
-    let mut pos = start;
-    let mut i = 0usize;
-    while i < dst.len() {
-        let off = (pos % 8) as usize;
-        let n = (8 - off).min(dst.len() - i);
-        dst[i..i + n].copy_from_slice(&word(key, pos / 8)[off..off + n]);
-        i += n;
-        pos += n as u64;
+    // Unaligned head, then whole 8-byte words, then the tail.
+    let head = (((8 - start % 8) % 8) as usize).min(dst.len());
+    if head > 0 {
+        let off = (start % 8) as usize;
+        dst[..head].copy_from_slice(&word(key, start / 8)[off..off + head]);
+    }
+    let mut w = (start + head as u64) / 8;
+    let mut chunks = dst[head..].chunks_exact_mut(8);
+    for c in &mut chunks {
+        c.copy_from_slice(&word(key, w));
+        w += 1;
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let n = tail.len();
+        tail.copy_from_slice(&word(key, w)[..n]);
     }
 }
 

@@ -9,12 +9,20 @@ pub fn reslice(r: &Reslice, src: &[u8], dst: &mut [u8], tensor: &str) -> Result<
     let n = r.extent.len();
     let e = r.elem;
     let last = |off: u64, strides: &[u64]| -> u64 {
-        off + e * (1 + r.extent.iter().zip(strides).map(|(x, s)| (x - 1) * s).sum::<u64>())
+        off + e
+            * (1 + r
+                .extent
+                .iter()
+                .zip(strides)
+                .map(|(x, s)| (x - 1) * s)
+                .sum::<u64>())
     };
     if last(r.src_offset, &r.src_strides) > src.len() as u64
         || last(r.dst_offset, &r.dst_strides) > dst.len() as u64
     {
-        return Err(Error::new(ErrorKind::Internal, "re-slice outside its buffers").with_tensor(tensor));
+        return Err(
+            Error::new(ErrorKind::Internal, "re-slice outside its buffers").with_tensor(tensor),
+        );
     }
     // Collapse: dims k.. form one contiguous run in both buffers.
     let mut k = n;
@@ -32,11 +40,12 @@ pub fn reslice(r: &Reslice, src: &[u8], dst: &mut [u8], tensor: &str) -> Result<
     let mut idx = vec![0u64; k];
     for _ in 0..outer {
         let (mut s, mut d) = (r.src_offset, r.dst_offset);
-        for j in 0..k {
-            s += idx[j] * r.src_strides[j] * e;
-            d += idx[j] * r.dst_strides[j] * e;
+        for (j, &i) in idx.iter().enumerate() {
+            s += i * r.src_strides[j] * e;
+            d += i * r.dst_strides[j] * e;
         }
-        dst[d as usize..d as usize + run_bytes].copy_from_slice(&src[s as usize..s as usize + run_bytes]);
+        dst[d as usize..d as usize + run_bytes]
+            .copy_from_slice(&src[s as usize..s as usize + run_bytes]);
         for j in (0..k).rev() {
             idx[j] += 1;
             if idx[j] < r.extent[j] {
@@ -71,7 +80,10 @@ mod tests {
         reslice(&r, &src, &mut dst, "t").unwrap();
         assert_eq!(dst, vec![3, 4, 5, 9, 10, 11, 15, 16, 17, 21, 22, 23]);
         let mut small = vec![0u8; 11];
-        assert_eq!(reslice(&r, &src, &mut small, "t").unwrap_err().kind(), ErrorKind::Internal);
+        assert_eq!(
+            reslice(&r, &src, &mut small, "t").unwrap_err().kind(),
+            ErrorKind::Internal
+        );
     }
 
     #[test]

@@ -76,13 +76,17 @@ impl ReceiverOptions {
     fn plan_options(&self) -> PlanOptions {
         PlanOptions {
             allow_overlap: !self.dedup,
-            ..self.plan.clone()
+            ..self.plan
         }
     }
 
     /// Options that change the plan or its descriptors (the "arm").
     fn arm_key(&self) -> (bool, bool, u64) {
-        (self.dedup, self.spread_owners, self.plan.full_pull_threshold)
+        (
+            self.dedup,
+            self.spread_owners,
+            self.plan.full_pull_threshold,
+        )
     }
 }
 
@@ -339,10 +343,7 @@ impl Receiver {
         tick(&mut st.merge);
 
         let (table, dedup_report) = if self.opts.dedup {
-            let spread = self
-                .opts
-                .spread_owners
-                .then_some(self.layout.receiver_rank);
+            let spread = self.opts.spread_owners.then_some(self.layout.receiver_rank);
             dedup(
                 &merged,
                 DedupOptions {
@@ -382,9 +383,10 @@ impl Receiver {
 
         let transport = self.transport.clone();
         let cache = self.opts.cache_descriptors;
-        let prep = self.prepared.as_mut().ok_or_else(|| {
-            Error::new(ErrorKind::Internal, "receiver has no prepared plan")
-        })?;
+        let prep = self
+            .prepared
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "receiver has no prepared plan"))?;
         let bank = prep.next;
         let epoch = transport.epoch();
         let valid = cache && matches!(&prep.descriptors[bank], Some(c) if c.epoch == epoch);
@@ -500,7 +502,11 @@ impl Receiver {
         let mut regs = Vec::with_capacity(plan.params.len());
         for p in &plan.params {
             let buf = Arc::new(HostBuffer::zeroed(to_usize(p.bytes)?.max(1)));
-            regs.push(self.transport.register(buf.clone() as Arc<dyn MemoryBlock>).await?);
+            regs.push(
+                self.transport
+                    .register(buf.clone() as Arc<dyn MemoryBlock>)
+                    .await?,
+            );
             params.push(buf);
         }
         Ok(Bank { params, regs })
@@ -512,13 +518,20 @@ impl Receiver {
         geometry: u64,
         arm: (bool, bool, u64),
     ) -> Result<Prepared> {
+        let params: u64 = plan.params.iter().map(|p| p.bytes).sum();
+        let staging: u64 = plan.staging.iter().map(|s| s.bytes).sum();
+        crate::memory_check(2 * params + staging, "receiver banks and staging")?;
         let b0 = self.bank(&plan).await?;
         let b1 = self.bank(&plan).await?;
         let mut staging = Vec::with_capacity(plan.staging.len());
         let mut staging_regs = Vec::with_capacity(plan.staging.len());
         for s in &plan.staging {
             let buf = Arc::new(HostBuffer::zeroed(to_usize(s.bytes)?.max(1)));
-            staging_regs.push(self.transport.register(buf.clone() as Arc<dyn MemoryBlock>).await?);
+            staging_regs.push(
+                self.transport
+                    .register(buf.clone() as Arc<dyn MemoryBlock>)
+                    .await?,
+            );
             staging.push(buf);
         }
         let staging_ids = staging_regs.iter().map(|r| r.id()).collect();
@@ -554,7 +567,10 @@ fn to_usize(v: u64) -> Result<usize> {
 
 fn single_step(tables: &[ShardTable]) -> Result<u64> {
     let Some(first) = tables.first() else {
-        return Err(Error::new(ErrorKind::InvalidInput, "no shard tables to refit from"));
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "no shard tables to refit from",
+        ));
     };
     if let Some(t) = tables.iter().find(|t| t.step != first.step) {
         return Err(Error::new(

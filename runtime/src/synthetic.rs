@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use reshard_core::{
-    Digest, Error, ErrorKind, HostBuffer, MemoryKind, OfferLocation, OwnerId, Registration,
-    Result, ShardOffer, ShardTable, TensorBox, TensorSpec, Transport, WantedLayout,
+    Digest, Error, ErrorKind, HostBuffer, MemoryKind, OfferLocation, OwnerId, Registration, Result,
+    ShardOffer, ShardTable, TensorBox, TensorSpec, Transport, WantedLayout,
 };
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{publisher_geometry, PublisherTopology};
@@ -89,8 +89,12 @@ impl SyntheticCluster {
             per_rank.push((rank.rank, shards));
         }
         let len = usize::try_from(cursor).map_err(|_| {
-            Error::new(ErrorKind::InvalidInput, "publisher arena does not fit in memory")
+            Error::new(
+                ErrorKind::InvalidInput,
+                "publisher arena does not fit in memory",
+            )
         })?;
+        crate::memory_check(cursor, "publisher buffers")?;
         let arena = Arc::new(HostBuffer::zeroed(len.max(1)));
         let mut ranks = Vec::with_capacity(per_rank.len());
         for (rank, shards) in per_rank {

@@ -6,10 +6,11 @@ use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
 use reshard_core::{
     Capability, Error, ErrorKind, InFlight, MemoryBlock, MemoryKind, OwnerId, PreparedBatch,
-    ReadBatch, Registration, Result, Transport, WireReport,
+    ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
 };
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -87,7 +88,7 @@ impl Faults {
     }
 }
 
-fn oob(owner: OwnerId, range: std::ops::Range<u64>, msg: String) -> Error {
+fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
     Error::new(ErrorKind::OutOfBounds, msg)
         .with_owner(owner)
         .with_range(range)
@@ -184,33 +185,22 @@ impl LoopbackTransport {
         let mut dsts: Vec<DstRef> = Vec::new();
         let mut dst_ix: HashMap<u64, u32> = HashMap::new();
         let mut whole = Vec::with_capacity(batch.reads.len());
+        let mut last_src: Option<(OwnerId, u64, u32, u64)> = None;
+        let mut last_dst: Option<(u64, u32, u64)> = None;
         for (i, r) in batch.reads.iter().enumerate() {
             let remote = span(r.remote_offset, r.len);
             if r.len == 0 {
                 return Err(oob(r.owner, remote, format!("read {i} has zero length")));
             }
-            let peer = peers.get(&r.owner).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::PeerUnknown,
-                    format!(
-                        "read {i} names owner {} whose metadata was never loaded",
-                        r.owner
-                    ),
-                )
-                .with_owner(r.owner)
-                .with_range(remote.clone())
-                .with_backend(BACKEND)
-            })?;
-            let rlen = *peer.regions.get(&r.remote_region).ok_or_else(|| {
-                oob(
-                    r.owner,
-                    remote.clone(),
-                    format!(
-                        "read {i}: owner {} has no region {}",
-                        r.owner, r.remote_region
-                    ),
-                )
-            })?;
+            // Consecutive reads mostly share regions: skip the map look-ups when they do.
+            let (s, rlen) = match last_src {
+                Some((o, g, s, len)) if (o, g) == (r.owner, r.remote_region) => (s, len),
+                _ => {
+                    let hit = self.lookup_src(&peers, &mut srcs, &mut src_ix, i, r)?;
+                    last_src = Some((r.owner, r.remote_region, hit.0, hit.1));
+                    hit
+                }
+            };
             let rend = r.remote_offset.checked_add(r.len).filter(|&e| e <= rlen);
             let rend = rend.ok_or_else(|| {
                 oob(
@@ -223,16 +213,31 @@ impl LoopbackTransport {
                 )
             })?;
             let lrange = span(r.local_offset, r.len);
-            let llen = local.get(&r.local_region).map(|g| g.len).ok_or_else(|| {
-                oob(
-                    r.owner,
-                    lrange.clone(),
-                    format!(
-                        "read {i}: local region {} is not registered on agent {:?}",
-                        r.local_region, self.agent.name
-                    ),
-                )
-            })?;
+            let (d, llen) = match last_dst {
+                Some((g, d, len)) if g == r.local_region => (d, len),
+                _ => {
+                    let llen = local.get(&r.local_region).map(|g| g.len).ok_or_else(|| {
+                        oob(
+                            r.owner,
+                            lrange.clone(),
+                            format!(
+                                "read {i}: local region {} is not registered on agent {:?}",
+                                r.local_region, self.agent.name
+                            ),
+                        )
+                    })?;
+                    let d = *dst_ix.entry(r.local_region).or_insert_with(|| {
+                        dsts.push(DstRef {
+                            region: r.local_region,
+                            max_end: 0,
+                            first_read: i,
+                        });
+                        (dsts.len() - 1) as u32
+                    });
+                    last_dst = Some((r.local_region, d, llen));
+                    (d, llen)
+                }
+            };
             let lend = r.local_offset.checked_add(r.len).filter(|&e| e <= llen);
             let lend = lend.ok_or_else(|| {
                 oob(
@@ -244,26 +249,10 @@ impl LoopbackTransport {
                     ),
                 )
             })?;
-            let s = *src_ix.entry((r.owner, r.remote_region)).or_insert_with(|| {
-                srcs.push(SrcRef {
-                    owner: r.owner,
-                    agent: Weak::clone(&peer.agent),
-                    region: r.remote_region,
-                    max_end: 0,
-                    first_read: i,
-                });
-                (srcs.len() - 1) as u32
-            });
-            srcs[s as usize].max_end = srcs[s as usize].max_end.max(rend);
-            let d = *dst_ix.entry(r.local_region).or_insert_with(|| {
-                dsts.push(DstRef {
-                    region: r.local_region,
-                    max_end: 0,
-                    first_read: i,
-                });
-                (dsts.len() - 1) as u32
-            });
-            dsts[d as usize].max_end = dsts[d as usize].max_end.max(lend);
+            let src = &mut srcs[s as usize];
+            src.max_end = src.max_end.max(rend);
+            let dst = &mut dsts[d as usize];
+            dst.max_end = dst.max_end.max(lend);
             whole.push(Piece {
                 read: i as u32,
                 src: s,
@@ -286,6 +275,52 @@ impl LoopbackTransport {
         })
     }
 
+    /// Finds (or adds) the source reference of read `i`: its index and the region length the
+    /// peer's metadata lists.
+    fn lookup_src(
+        &self,
+        peers: &HashMap<OwnerId, Arc<Peer>>,
+        srcs: &mut Vec<SrcRef>,
+        src_ix: &mut HashMap<(OwnerId, u64), u32>,
+        i: usize,
+        r: &ReadDesc,
+    ) -> Result<(u32, u64)> {
+        let remote = span(r.remote_offset, r.len);
+        let peer = peers.get(&r.owner).ok_or_else(|| {
+            Error::new(
+                ErrorKind::PeerUnknown,
+                format!(
+                    "read {i} names owner {} whose metadata was never loaded",
+                    r.owner
+                ),
+            )
+            .with_owner(r.owner)
+            .with_range(remote.clone())
+            .with_backend(BACKEND)
+        })?;
+        let rlen = *peer.regions.get(&r.remote_region).ok_or_else(|| {
+            oob(
+                r.owner,
+                remote,
+                format!(
+                    "read {i}: owner {} has no region {}",
+                    r.owner, r.remote_region
+                ),
+            )
+        })?;
+        let s = *src_ix.entry((r.owner, r.remote_region)).or_insert_with(|| {
+            srcs.push(SrcRef {
+                owner: r.owner,
+                agent: Weak::clone(&peer.agent),
+                region: r.remote_region,
+                max_end: 0,
+                first_read: i,
+            });
+            (srcs.len() - 1) as u32
+        });
+        Ok((s, rlen))
+    }
+
     /// Resolves every region of a prepared batch to its live block, re-checking bounds.
     fn resolve(&self, prepared: &PreparedBatch, st: &Prepared) -> Result<(Vec<Live>, Vec<Live>)> {
         let reads = &prepared.batch().reads;
@@ -297,17 +332,20 @@ impl LoopbackTransport {
                 .with_backend(BACKEND)
                 .set_retryable(false)
         };
-        let check = |owner: OwnerId, first_read: usize, region: &Region, max_end: u64| {
-            if max_end <= region.len && max_end <= region.block.len() as u64 {
-                Ok(())
+        // Reads the block's address once and re-checks what prepare assumed about it: the
+        // copies use exactly this address, so it must cover every byte they touch.
+        let check = |owner: OwnerId, range: Range<u64>, region: &Region, max_end: u64| {
+            let (addr, len) = (region.block.addr(), region.block.len());
+            let fits = max_end <= region.len && max_end <= len as u64;
+            if fits && addr != 0 && addr.checked_add(len).is_some() {
+                Ok(addr)
             } else {
-                let r = &reads[first_read];
                 Err(oob(
                     owner,
-                    span(r.remote_offset, r.len),
+                    range,
                     format!(
-                        "region shrank below {max_end} bytes since prepare ({} now)",
-                        region.block.len()
+                        "registered block no longer covers {max_end} bytes \
+                         (now {len} bytes at {addr:#x})"
                     ),
                 ))
             }
@@ -338,10 +376,11 @@ impl LoopbackTransport {
                         ),
                     )
                 })?;
-            check(s.owner, s.first_read, &region, s.max_end)?;
+            let r = &reads[s.first_read];
+            let addr = check(s.owner, span(r.remote_offset, r.len), &region, s.max_end)?;
             srcs.push(Live {
                 owner: Some(s.owner),
-                addr: region.block.addr(),
+                addr,
                 _block: region.block,
             });
         }
@@ -365,10 +404,11 @@ impl LoopbackTransport {
                     .with_backend(BACKEND)
                     .set_retryable(false)
                 })?;
-                check(owner, d.first_read, &region, d.max_end)?;
+                let r = &reads[d.first_read];
+                let addr = check(owner, span(r.local_offset, r.len), &region, d.max_end)?;
                 dsts.push(Live {
                     owner: None,
-                    addr: region.block.addr(),
+                    addr,
                     _block: region.block,
                 });
             }

@@ -26,7 +26,7 @@ pub(crate) struct Piece {
 }
 
 /// Splits `reads` (each a whole read as a piece) into at most `workers` lists balanced by bytes.
-/// Empty lists are dropped; the total is returned alongside.
+/// Empty lists are dropped.
 pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
     let workers = workers.max(1);
     let total: u64 = reads.iter().map(|p| p.len).sum();
@@ -37,7 +37,8 @@ pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
             ((w as u128 + 1) * total as u128 / workers as u128) as u64
         }
     };
-    let mut lists: Vec<Vec<Piece>> = vec![Vec::new(); workers];
+    let per = reads.len() / workers + 2;
+    let mut lists: Vec<Vec<Piece>> = (0..workers).map(|_| Vec::with_capacity(per)).collect();
     let mut w = 0usize;
     let mut consumed = 0u64;
     for r in reads {

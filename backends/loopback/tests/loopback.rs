@@ -293,7 +293,8 @@ async fn out_of_bounds_local_reads_name_owner_and_range() {
         .await
         .unwrap();
     let mut r = read(0, &s.src, 0, &s.dst, 0, 8);
-    r.local_region = other.id() + 100;
+    assert_ne!(other.id(), s.dst.id());
+    r.local_region = other.id();
     let e = s
         .receiver
         .prepare(ReadBatch { reads: vec![r] })
@@ -695,4 +696,60 @@ async fn the_factory_creates_agents_through_the_registry() {
         .await
         .unwrap();
     assert!(dst_buf.read()[..] == src_buf.read()[..]);
+}
+
+/// A host block whose reported length can shrink, to exercise the re-check at post.
+#[derive(Debug)]
+struct Shrinking {
+    buf: HostBuffer,
+    len: std::sync::atomic::AtomicUsize,
+}
+impl MemoryBlock for Shrinking {
+    fn addr(&self) -> usize {
+        self.buf.addr()
+    }
+    fn len(&self) -> usize {
+        self.len.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Dram
+    }
+}
+
+#[tokio::test]
+async fn post_rechecks_bounds_against_the_live_block() {
+    let s = simple().await;
+    let block = Arc::new(Shrinking {
+        buf: HostBuffer::zeroed(4096),
+        len: 4096.into(),
+    });
+    let reg = s.publisher.register(block.clone()).await.unwrap();
+    s.receiver
+        .load_peer(0, s.publisher.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let prepared = s
+        .receiver
+        .prepare(ReadBatch {
+            reads: vec![read(0, &reg, 1000, &s.dst, 0, 3000)],
+        })
+        .await
+        .unwrap();
+    s.receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    block.len.store(2048, std::sync::atomic::Ordering::Relaxed);
+    let e = s
+        .receiver
+        .post(&prepared)
+        .await
+        .err()
+        .expect("post must fail");
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds);
+    assert_eq!(e.context().owner, Some(0));
+    assert_eq!(e.context().range, Some(1000..4000));
 }

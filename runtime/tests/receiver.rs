@@ -1,0 +1,200 @@
+//! Receiver runtime behaviour over the loopback backend: descriptor-cache invalidation (one test
+//! per DESIGN §5 condition), batched versus per-copy re-slice, and stage accounting.
+
+use std::sync::Arc;
+
+use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
+use reshard_core::{DType, Transport};
+use reshard_planner::layouts::receiver_layout;
+use reshard_planner::presets::{ModelConfig, MoeConfig};
+use reshard_planner::topology::ReceiverTopology;
+use reshard_runtime::{Receiver, ReceiverOptions, StageTimes, SyntheticCluster};
+
+fn model() -> ModelConfig {
+    ModelConfig {
+        name: "tiny-moe".into(),
+        layers: 2,
+        hidden: 128,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 16,
+        intermediate: 0,
+        moe: Some(MoeConfig {
+            experts: 8,
+            expert_intermediate: 96,
+        }),
+        vocab: 256,
+        tied_embeddings: false,
+        qk_norm: true,
+        dtype: DType::Bf16,
+    }
+}
+
+struct Setup {
+    fabric: LoopbackFabric,
+    cluster: SyntheticCluster,
+    rx: Receiver,
+}
+
+fn endpoint(fabric: &LoopbackFabric, agent: &str) -> Arc<dyn Transport> {
+    Arc::new(LoopbackTransport::new(fabric, agent, 2).expect("endpoint"))
+}
+
+async fn setup(topo: &str, opts: ReceiverOptions) -> Setup {
+    let fabric = LoopbackFabric::new();
+    let f = fabric.clone();
+    let cluster = SyntheticCluster::new(model(), topo.parse().unwrap(), 1, move |r| {
+        Ok(endpoint(&f, &format!("pub-{r}")))
+    })
+    .await
+    .expect("cluster");
+    let t = endpoint(&fabric, "rx");
+    cluster.connect(t.as_ref()).await.expect("connect");
+    let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp: 2 }, 0).unwrap();
+    let rx = Receiver::new(t, layout, opts).expect("receiver");
+    Setup {
+        fabric,
+        cluster,
+        rx,
+    }
+}
+
+fn assert_exact(s: &Setup) {
+    let want = s.cluster.expected_params(s.rx.layout()).unwrap();
+    for (got, want) in s.rx.live_params().unwrap().iter().zip(&want) {
+        assert!(got.read()[..] == want[..]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stable_plan_reuses_descriptors() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    let first = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(first.plan_rebuilt && first.descriptors_rebuilt);
+    let builds = s.rx.descriptor_builds();
+    for step in 1..4 {
+        s.cluster.publish_step(step);
+        let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+        assert!(!r.plan_rebuilt && !r.descriptors_rebuilt);
+        assert_exact(&s);
+    }
+    assert_eq!(s.rx.descriptor_builds(), builds);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_rebuild_invalidates_descriptors() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let builds = s.rx.descriptor_builds();
+    s.cluster.publish_step(1);
+    let mut tables = s.cluster.tables();
+    for t in tables.iter_mut().filter(|t| t.publisher.rank == 0) {
+        // Rank 0 stops offering the final norm; rank 1's replica becomes the kept offer.
+        t.offers.retain(|o| o.tensor != "model.norm.weight");
+    }
+    let r = s.rx.update(&tables).await.unwrap();
+    assert!(r.plan_rebuilt, "geometry changed");
+    assert!(r.descriptors_rebuilt);
+    assert!(s.rx.descriptor_builds() > builds);
+    assert_eq!(s.rx.plan_builds(), 2);
+    assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arm_change_invalidates_plan_and_descriptors() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    // A knob that is not part of the arm keeps everything cached.
+    s.rx.set_options(ReceiverOptions {
+        batched_reslice: false,
+        ..ReceiverOptions::default()
+    });
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(!r.plan_rebuilt && !r.descriptors_rebuilt);
+    // The no-dedup arm is a different plan.
+    s.rx.set_options(ReceiverOptions {
+        dedup: false,
+        ..ReceiverOptions::default()
+    });
+    s.cluster.publish_step(2);
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(r.plan_rebuilt && r.descriptors_rebuilt);
+    assert!(r.plan.reads > 0);
+    assert_exact(&s);
+    // Spreading owners is another arm.
+    s.rx.set_options(ReceiverOptions {
+        spread_owners: true,
+        ..ReceiverOptions::default()
+    });
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(r.plan_rebuilt && r.descriptors_rebuilt);
+    assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_change_invalidates_descriptors() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let t = endpoint(&s.fabric, "rx-2");
+    s.cluster.connect(t.as_ref()).await.unwrap();
+    s.rx.set_transport(t);
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(r.descriptors_rebuilt);
+    assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_change_invalidates_descriptors_but_not_the_plan() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let builds = s.rx.descriptor_builds();
+    // Publishers re-announce their registrations (e.g. after re-registering memory).
+    s.cluster.connect(s.rx.transport().as_ref()).await.unwrap();
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(!r.plan_rebuilt);
+    assert!(r.descriptors_rebuilt);
+    assert!(s.rx.descriptor_builds() > builds);
+    assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncached_arm_rebuilds_every_update_and_is_still_exact() {
+    let opts = ReceiverOptions {
+        cache_descriptors: false,
+        batched_reslice: false,
+        ..ReceiverOptions::default()
+    };
+    let mut s = setup("ep=4,dp=4", opts).await;
+    for step in 0..3 {
+        s.cluster.publish_step(step);
+        let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+        assert!(r.descriptors_rebuilt);
+        assert_exact(&s);
+    }
+    assert_eq!(s.rx.descriptor_builds(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_are_attributed_and_named() {
+    let mut s = setup("ep=2,dp=2", ReceiverOptions::default()).await;
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert_eq!(StageTimes::NAMES.len(), r.stages.values().len());
+    assert!(r.stages.sum() <= r.e2e_s * 1.0001);
+    assert!(
+        r.attribution > 0.5 && r.attribution <= 1.0001,
+        "{}",
+        r.attribution
+    );
+    assert!(r.stages.wire > 0.0);
+    assert_eq!(r.wire_bytes, r.plan.wire_bytes);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_at_different_steps_are_rejected() {
+    let mut s = setup("ep=2,dp=2", ReceiverOptions::default()).await;
+    let mut tables = s.cluster.tables();
+    tables[1].step = 99;
+    let e = s.rx.update(&tables).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::InvalidInput);
+    assert_eq!(e.context().owner, Some(1));
+}
