@@ -98,7 +98,11 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     // Scaled down by default so publishers and receivers share one machine; the full model
     // is --layers 48 --experts 128 (about 57 GiB of publisher memory for qwen3-30b-a3b).
     margs.layers = margs.layers.or(Some(DEFAULT_LAYERS));
-    if margs.experts.is_none() && reshard_planner::presets::preset(&margs.preset)?.moe.is_some() {
+    if margs.experts.is_none()
+        && reshard_planner::presets::preset(&margs.preset)?
+            .moe
+            .is_some()
+    {
         margs.experts = Some(DEFAULT_EXPERTS);
     }
     let (model, pubs, recv) = margs.resolve()?;
