@@ -243,6 +243,32 @@ pub async fn corrupted_source_bytes_fail_verification(h: &Harness) {
     assert_eq!(rx.live_step(), Some(0));
 }
 
+/// Corruption inside the rows one TP rank reads of a partially read offer (a TP half of an
+/// expert's gate rows) is caught by the offer's row-chunk digests; the rank reading the other
+/// half never sees those bytes and installs cleanly.
+pub async fn corrupted_rows_of_a_partial_read_fail_verification(h: &Harness) {
+    let mut cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;
+    let mut rx0 = h.receiver(&cluster, 2, 0).await;
+    let mut rx1 = h.receiver(&cluster, 2, 1).await;
+    rx0.update(&cluster.tables()).await.expect("refit");
+    rx1.update(&cluster.tables()).await.expect("refit");
+    let before = snapshot(&rx1);
+    cluster.publish_step(1);
+    // gate_proj is [96, 128] bf16: row 60 lies in rank 1's half (rows 48..96).
+    let name = "model.layers.0.mlp.experts.5.gate_proj.weight";
+    cluster.corrupt(name, 60 * 128 * 2 + 6).expect("corrupt");
+    let e = rx1.update(&cluster.tables()).await.expect_err("corruption");
+    assert_eq!(e.kind(), ErrorKind::Verification, "{e}");
+    assert_eq!(e.context().tensor.as_deref(), Some(name));
+    assert_eq!(snapshot(&rx1), before, "live weights must be untouched");
+    let r = rx0
+        .update(&cluster.tables())
+        .await
+        .expect("rank 0 reads clean rows");
+    assert!(r.checked_bytes > 0);
+    assert_installed(&cluster, &rx0);
+}
+
 /// A peer fails mid-batch: the error names the owner (and tensor); live weights stay.
 pub async fn transport_failing_mid_batch_leaves_live_weights(h: &Harness) {
     let mut cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;

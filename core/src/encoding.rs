@@ -28,6 +28,10 @@
 //!   byte offset  varint    of the offer's first byte inside the region
 //!   memory       u8        0 = DRAM, 1 = VRAM followed by its device (varint, fits u32)
 //!   digest       u8        0 = none, 1 = followed by 16 digest bytes
+//!   chunks       u8        0 = none, 1 = followed by:
+//!     rows       varint    dim-0 rows per chunk (at least 1)
+//!     count      varint    ceil(extent[0] / rows)
+//!     digests    count x 16 bytes
 //! (end of input: trailing bytes are an error)
 //! ```
 //!
@@ -48,7 +52,8 @@ use serde::{Deserialize, Serialize};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{
-    DType, MemoryKind, OfferLocation, PublisherId, ShardOffer, ShardTable, TensorBox, TensorSpec,
+    ChunkDigests, DType, MemoryKind, OfferLocation, PublisherId, ShardOffer, ShardTable, TensorBox,
+    TensorSpec,
 };
 
 /// Schema version written by this build and the only one its decoders accept.
@@ -71,7 +76,7 @@ const DIGEST_SOME: u8 = 1;
 /// Smallest possible encodings, used to reject counts the remaining input cannot hold before
 /// anything is allocated for them.
 const MIN_TENSOR_BYTES: usize = 3; // name length, dtype, rank
-const MIN_OFFER_BYTES: usize = 6; // tensor, rank, region, byte offset, memory, digest
+const MIN_OFFER_BYTES: usize = 7; // tensor, rank, region, byte offset, memory, digest, chunks
 
 /// The decoder copies each offer's tensor name; together those copies may take at most this many
 /// bytes per input byte (plus [`NAME_COPY_FLOOR`]). Real tables stay far below (about 1.5).
@@ -142,6 +147,17 @@ pub fn encode_table(t: &ShardTable) -> Vec<u8> {
             Some(d) => {
                 w.push(DIGEST_SOME);
                 w.extend_from_slice(&d.0);
+            }
+        }
+        match &o.chunks {
+            None => w.push(DIGEST_NONE),
+            Some(c) => {
+                w.push(DIGEST_SOME);
+                put_varint(&mut w, c.rows);
+                put_varint(&mut w, c.digests.len() as u64);
+                for d in &c.digests {
+                    w.extend_from_slice(&d.0);
+                }
             }
         }
     }
@@ -328,6 +344,35 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
             ))
         }
     };
+    let at = r.pos;
+    let chunks = match r.u8("chunk digests flag")? {
+        DIGEST_NONE => None,
+        DIGEST_SOME => {
+            let rows = r.varint("chunk rows")?;
+            let at = r.pos;
+            let count = r.varint("chunk count")?;
+            // Bounded by the input before allocating: each digest takes 16 bytes.
+            if count > (r.remaining() / 16) as u64 {
+                return Err(r.fail_at(
+                    at,
+                    format!("truncated: {count} chunk digests announced, input too short"),
+                ));
+            }
+            let mut digests = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                let mut d = [0u8; 16];
+                d.copy_from_slice(r.take(16, "chunk digest")?);
+                digests.push(Digest(d));
+            }
+            Some(ChunkDigests { rows, digests })
+        }
+        flag => {
+            return Err(r.fail_at(
+                at,
+                format!("unknown chunk digests flag {flag} (known: 0 = none, 1 = present)"),
+            ))
+        }
+    };
     Ok(ShardOffer {
         tensor: tensor.to_owned(),
         tensor_box: TensorBox { offset, extent },
@@ -337,6 +382,7 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
             memory,
         },
         digest,
+        chunks,
     })
 }
 

@@ -19,8 +19,8 @@ pub use layout::{ParamSpec, WantedCopy, WantedLayout};
 pub use memory::{HostBuffer, MemoryBlock};
 pub use merge::{dedup, merge, DedupOptions, DedupReport, MergedOffer, MergedTable, MergedTensor};
 pub use model::{
-    DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable, TensorBox,
-    TensorSpec,
+    ChunkDigests, DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable,
+    TensorBox, TensorSpec,
 };
 pub use plan::{
     Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer,

@@ -2,12 +2,13 @@
 //! (DESIGN §3).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use crate::digest::{Digest, Fingerprinter};
 use crate::error::{Error, ErrorDetail, ErrorKind, Result};
-use crate::model::{OfferLocation, OwnerId, ShardTable, TensorBox, TensorSpec};
+use crate::model::{ChunkDigests, OfferLocation, OwnerId, ShardTable, TensorBox, TensorSpec};
 
 /// One offer after merge: the owner is explicit because offers of many tables are mixed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +21,8 @@ pub struct MergedOffer {
     pub location: OfferLocation,
     /// Digest of the bytes, if published.
     pub digest: Option<Digest>,
+    /// Dim-0 row-chunk digests, if published (shared: dedup clones offers).
+    pub chunks: Option<Arc<ChunkDigests>>,
 }
 
 /// A tensor with every offer any publisher made of it.
@@ -71,9 +74,11 @@ impl MergedTable {
             }
             f.u64(t.offers.len() as u64);
             for o in &t.offers {
+                // Chunk rows decide which chunk checks the plan holds.
                 f.u64(o.owner as u64)
                     .u64(o.location.region)
-                    .u64(o.location.offset);
+                    .u64(o.location.offset)
+                    .u64(o.chunks.as_ref().map_or(0, |c| c.rows));
                 for d in 0..o.tensor_box.rank() {
                     f.u64(o.tensor_box.offset[d]).u64(o.tensor_box.extent[d]);
                 }
@@ -156,6 +161,7 @@ pub fn merge(tables: &[ShardTable]) -> Result<MergedTable> {
                 tensor_box: offer.tensor_box.clone(),
                 location: offer.location,
                 digest: offer.digest,
+                chunks: offer.chunks.clone().map(Arc::new),
             });
         }
     }
@@ -245,33 +251,63 @@ pub fn dedup(merged: &MergedTable, opts: DedupOptions) -> Result<(MergedTable, D
 }
 
 fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
+    // Whole digests decide; chunk digests (same rows, same content) must agree too.
+    let chunks = group
+        .iter()
+        .filter_map(|o| o.chunks.as_ref().map(|c| (o.owner, c)));
+    let mut chunk_pairs = chunks.clone().zip(chunks.skip(1));
+    if let Some(((owner_a, a), (owner_b, b))) =
+        chunk_pairs.find(|((_, a), (_, b))| a.rows == b.rows && a.digests != b.digests)
+    {
+        let (x, y) = a
+            .digests
+            .iter()
+            .zip(&b.digests)
+            .find(|(x, y)| x != y)
+            .map(|(x, y)| (x.prefix(12), y.prefix(12)))
+            .unwrap_or_default();
+        return Err(divergence(spec, group, (owner_a, owner_b), (x, y)));
+    }
     let mut with_digest = group.iter().filter_map(|o| o.digest.map(|d| (o.owner, d)));
     let Some((owner_a, da)) = with_digest.next() else {
         return Ok(());
     };
     for (owner_b, db) in with_digest {
         if db != da {
-            let b = &group[0].tensor_box;
-            return Err(Error::new(
-                ErrorKind::ReplicaDivergence,
-                format!(
-                    "offers of box {b} by owners {owner_a} and {owner_b} have different digests \
-                     ({}.. vs {}..): they are not replicas (two publishers using one name?)",
-                    da.prefix(12),
-                    db.prefix(12)
-                ),
-            )
-            .with_tensor(&spec.name)
-            .with_owner(owner_b)
-            .with_detail(ErrorDetail::ReplicaDivergence {
-                tensor: spec.name.clone(),
-                tensor_box: b.clone(),
-                owners: (owner_a, owner_b),
-                digest_prefixes: (da.prefix(12), db.prefix(12)),
-            }));
+            return Err(divergence(
+                spec,
+                group,
+                (owner_a, owner_b),
+                (da.prefix(12), db.prefix(12)),
+            ));
         }
     }
     Ok(())
+}
+
+fn divergence(
+    spec: &TensorSpec,
+    group: &[&MergedOffer],
+    owners: (OwnerId, OwnerId),
+    prefixes: (String, String),
+) -> Error {
+    let b = &group[0].tensor_box;
+    Error::new(
+        ErrorKind::ReplicaDivergence,
+        format!(
+            "offers of box {b} by owners {} and {} have different digests ({}.. vs {}..): \
+             they are not replicas (two publishers using one name?)",
+            owners.0, owners.1, prefixes.0, prefixes.1
+        ),
+    )
+    .with_tensor(&spec.name)
+    .with_owner(owners.1)
+    .with_detail(ErrorDetail::ReplicaDivergence {
+        tensor: spec.name.clone(),
+        tensor_box: b.clone(),
+        owners,
+        digest_prefixes: prefixes,
+    })
 }
 
 #[cfg(test)]
@@ -302,6 +338,7 @@ mod tests {
                     memory: MemoryKind::Dram,
                 },
                 digest,
+                chunks: None,
             });
         }
         t

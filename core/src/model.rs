@@ -337,6 +337,35 @@ pub struct OfferLocation {
     pub memory: MemoryKind,
 }
 
+/// Digests of consecutive dim-0 row chunks of an offer, so a receiver that reads only some rows
+/// (a TP slice) can still check what it read. Chunk `k` covers offer rows
+/// `k * rows .. min((k + 1) * rows, extent[0])`, each digest taken over those rows' bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkDigests {
+    /// Dim-0 rows per chunk (the last chunk may be shorter).
+    pub rows: u64,
+    /// One digest per chunk, in row order.
+    pub digests: Vec<Digest>,
+}
+
+impl ChunkDigests {
+    /// Digests `offer_bytes` (a row-major offer of `rows_total` dim-0 rows) in chunks of `rows`.
+    pub fn of(offer_bytes: &[u8], rows_total: u64, rows: u64) -> Self {
+        let rows = rows.max(1);
+        let row_bytes = offer_bytes.len() as u64 / rows_total.max(1);
+        let chunk = (rows * row_bytes).max(1) as usize;
+        ChunkDigests {
+            rows,
+            digests: offer_bytes.chunks(chunk).map(Digest::of).collect(),
+        }
+    }
+
+    /// Number of chunks an offer of `rows_total` dim-0 rows has.
+    pub fn expected_count(rows_total: u64, rows: u64) -> u64 {
+        rows_total.div_ceil(rows.max(1))
+    }
+}
+
 /// One publisher's contiguous, row-major buffer holding a box of one tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardOffer {
@@ -348,6 +377,9 @@ pub struct ShardOffer {
     pub location: OfferLocation,
     /// Content digest of the buffer's bytes, when the publisher computed one.
     pub digest: Option<Digest>,
+    /// Digests of dim-0 row chunks, when the publisher computed them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<ChunkDigests>,
 }
 
 /// Who published a table.
@@ -421,6 +453,22 @@ impl ShardTable {
             o.tensor_box
                 .validate_in(&self.tensors[i])
                 .map_err(|e| e.with_owner(self.publisher.rank))?;
+            if let Some(c) = &o.chunks {
+                let want = ChunkDigests::expected_count(o.tensor_box.extent[0], c.rows);
+                if c.rows == 0 || c.digests.len() as u64 != want {
+                    return Err(Error::new(
+                        ErrorKind::InvalidTable,
+                        format!(
+                            "offer of box {} has {} chunk digests of {} rows; expected {want}",
+                            o.tensor_box,
+                            c.digests.len(),
+                            c.rows
+                        ),
+                    )
+                    .with_tensor(&o.tensor)
+                    .with_owner(self.publisher.rank));
+                }
+            }
             let bytes = o.tensor_box.elements() * self.tensors[i].dtype.size();
             if o.location.offset.checked_add(bytes).is_none() {
                 return Err(Error::new(
@@ -496,6 +544,7 @@ mod tests {
                 memory: MemoryKind::Dram,
             },
             digest: None,
+            chunks: None,
         });
         let e = t.validate().unwrap_err();
         assert_eq!(e.context().tensor.as_deref(), Some("x"));

@@ -77,8 +77,8 @@ impl Reslice {
     }
 }
 
-/// An offer whose every byte lands contiguously in one receiver buffer, so the receiver can
-/// check it against the publisher's digest.
+/// Bytes of an offer (whole, or one dim-0 chunk) that all land in one receiver buffer as
+/// equally spaced rows, so the receiver can gather and check them against the publisher's digest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct DigestCheck {
     /// Index into [`Plan::tensors`].
@@ -89,12 +89,25 @@ pub struct DigestCheck {
     pub src_region: u64,
     /// Offer's byte offset in that region.
     pub src_offset: u64,
-    /// Where its bytes land.
+    /// `None`: the offer's whole digest; `Some(k)`: its dim-0 chunk digest `k`.
+    pub chunk: Option<u32>,
+    /// Where the bytes land.
     pub dst: Dest,
-    /// Byte offset there.
+    /// Byte offset of the first row there.
     pub dst_offset: u64,
-    /// Length of the offer in bytes.
-    pub len: u64,
+    /// Number of rows.
+    pub rows: u64,
+    /// Bytes per row (contiguous in the destination).
+    pub row_bytes: u64,
+    /// Bytes from one row's start to the next in the destination.
+    pub row_stride: u64,
+}
+
+impl DigestCheck {
+    /// Bytes this check covers.
+    pub fn bytes(&self) -> u64 {
+        self.rows * self.row_bytes
+    }
 }
 
 /// A receiver parameter as the plan sees it.

@@ -6,8 +6,8 @@ use reshard_core::encoding::{
     decode_table, encode_table, table_from_json, table_to_json, MAGIC, MAX_NAME_LEN, SCHEMA_VERSION,
 };
 use reshard_core::{
-    DType, Digest, ErrorKind, MemoryKind, OfferLocation, ShardOffer, ShardTable, TensorBox,
-    TensorSpec,
+    ChunkDigests, DType, Digest, ErrorKind, MemoryKind, OfferLocation, ShardOffer, ShardTable,
+    TensorBox, TensorSpec,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -23,6 +23,7 @@ fn offer(tensor: &str, offset: &[u64], extent: &[u64], at: u64, memory: MemoryKi
             memory,
         },
         digest: None,
+        chunks: None,
     }
 }
 
@@ -88,6 +89,7 @@ fn single(b: TensorBox) -> ShardTable {
             memory: MemoryKind::Dram,
         },
         digest: None,
+        chunks: None,
     });
     t
 }
@@ -222,6 +224,10 @@ fn encoding_matches_the_documented_layout() {
     );
     o.location.region = 1;
     o.digest = Some(Digest([0xab; 16]));
+    o.chunks = Some(ChunkDigests {
+        rows: 50,
+        digests: vec![Digest([0xcd; 16]), Digest([0xef; 16])],
+    });
     t.offers.push(o);
     let expected = Raw::header(0x0102_0304, b"ag", 300)
         .varint(1)
@@ -233,7 +239,12 @@ fn encoding_matches_the_documented_layout() {
         .u8(1) // vram
         .varint(2) // device
         .u8(1) // digest present
-        .bytes(&[0xab; 16]);
+        .bytes(&[0xab; 16])
+        .u8(1) // chunk digests present
+        .varint(50) // rows per chunk
+        .varint(2) // chunks
+        .bytes(&[0xcd; 16])
+        .bytes(&[0xef; 16]);
     let bytes = encode_table(&t);
     assert_eq!(bytes, expected.0);
     assert_eq!(
@@ -266,6 +277,7 @@ fn full_model_table() -> ShardTable {
                     memory: MemoryKind::Vram { device: 0 },
                 },
                 digest: Some(Digest::of(at.to_le_bytes().as_slice())),
+                chunks: None,
             });
         }
         t.tensors.push(spec);
@@ -705,7 +717,7 @@ fn valid_table() -> impl Strategy<Value = ShardTable> {
                 let bytes = b.elements() * spec.dtype.size();
                 t.offers.push(ShardOffer {
                     tensor: spec.name.clone(),
-                    tensor_box: b,
+                    tensor_box: b.clone(),
                     location: OfferLocation {
                         region,
                         offset: at % (u64::MAX - bytes + 1),
@@ -713,6 +725,16 @@ fn valid_table() -> impl Strategy<Value = ShardTable> {
                             .map_or(MemoryKind::Dram, |device| MemoryKind::Vram { device }),
                     },
                     digest: digest.map(Digest),
+                    // Derived from the digest bytes so the strategy stays small.
+                    chunks: digest.map(|d| {
+                        let rows = 1 + u64::from(d[0]) % b.extent[0];
+                        ChunkDigests {
+                            rows,
+                            digests: (0..b.extent[0].div_ceil(rows))
+                                .map(|k| Digest([d[1] ^ k as u8; 16]))
+                                .collect(),
+                        }
+                    }),
                 });
             }
             t
@@ -820,4 +842,54 @@ proptest! {
         both.truncate(cut.index(both.len() + 1));
         check(&both)?;
     }
+}
+
+fn chunked(rows: u64, count: usize) -> ShardTable {
+    let mut t = ShardTable::new(3, "a", 1);
+    t.tensors
+        .push(TensorSpec::new("w", DType::Bf16, vec![200, 3]));
+    let mut o = offer("w", &[0, 0], &[100, 3], 0, MemoryKind::Dram);
+    o.chunks = Some(ChunkDigests {
+        rows,
+        digests: (0..count).map(|i| Digest([i as u8; 16])).collect(),
+    });
+    t.offers.push(o);
+    t
+}
+
+#[test]
+fn chunk_digests_round_trip_in_both_forms() {
+    let t = chunked(13, 8);
+    assert_eq!(decode_table(&encode_table(&t)).unwrap(), t);
+    assert_eq!(table_from_json(&table_to_json(&t)).unwrap(), t);
+}
+
+#[test]
+fn rejects_chunk_count_that_does_not_match_rows() {
+    let e = decode_table(&encode_table(&chunked(13, 7))).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidTable);
+    assert_eq!(e.context().tensor.as_deref(), Some("w"));
+}
+
+#[test]
+fn rejects_zero_rows_per_chunk() {
+    let e = decode_table(&encode_table(&chunked(0, 0))).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidTable);
+}
+
+#[test]
+fn rejects_chunk_count_beyond_the_input() {
+    let mut bytes = encode_table(&chunked(50, 2));
+    // Drop the two digests and announce a huge count instead of 2.
+    bytes.truncate(bytes.len() - 33);
+    bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
+    assert_eq!(decode_table(&bytes).unwrap_err().kind(), ErrorKind::Decode);
+}
+
+#[test]
+fn rejects_unknown_chunk_flag() {
+    let mut bytes = encode_table(&chunked(50, 2));
+    bytes.truncate(bytes.len() - 2 * 16 - 3);
+    bytes.push(7);
+    assert_eq!(decode_table(&bytes).unwrap_err().kind(), ErrorKind::Decode);
 }

@@ -601,21 +601,64 @@ impl<'a> Planner<'a> {
                 break;
             }
         }
-        // One read carrying the whole offer: its bytes can be checked against the digest.
-        if self.reads.len() == first + 1
-            && o_off == b.offset.as_slice()
-            && o_ext == b.extent.as_slice()
-        {
-            let r = self.reads[first];
-            self.checks.push(DigestCheck {
-                tensor: slot,
-                owner: offer.owner,
-                src_region: offer.location.region,
-                src_offset: offer.location.offset,
-                dst: r.dst,
-                dst_offset: r.dst_offset,
-                len: r.len,
-            });
+        self.overlap_checks(slot, pi, offer, c, k, elem, rs.outer);
+    }
+
+    /// Digest checks for overlap `k`: the whole offer when all of it is read, else every dim-0
+    /// chunk (when the publisher sent chunk digests) whose rows are all read. Only overlaps made
+    /// of whole offer rows landing at one destination stride per row can be gathered for hashing.
+    #[allow(clippy::too_many_arguments)]
+    fn overlap_checks(
+        &mut self,
+        slot: u32,
+        pi: u32,
+        offer: &MergedOffer,
+        c: &WantedCopy,
+        k: usize,
+        elem: u64,
+        outer: usize,
+    ) {
+        let b = &offer.tensor_box;
+        let (o_off, o_ext) = (self.ov.off(k), self.ov.ext(k));
+        if outer > 1 || o_ext[1..] != b.extent[1..] {
+            return;
+        }
+        let ds = &c.dst_strides;
+        let row_bytes = elem * o_ext[1..].iter().product::<u64>();
+        let row_stride = elem * ds[0];
+        let dst0 = c.dst_offset
+            + elem
+                * (0..o_ext.len())
+                    .map(|d| (o_off[d] - c.src_box.offset[d]) * ds[d])
+                    .sum::<u64>();
+        let (r0, r1) = (o_off[0] - b.offset[0], o_off[0] - b.offset[0] + o_ext[0]);
+        let check = |chunk: Option<u32>, first_row: u64, rows: u64| DigestCheck {
+            tensor: slot,
+            owner: offer.owner,
+            src_region: offer.location.region,
+            src_offset: offer.location.offset,
+            chunk,
+            dst: Dest::Param(pi),
+            dst_offset: dst0 + (first_row - r0) * row_stride,
+            rows,
+            row_bytes,
+            row_stride,
+        };
+        if r0 == 0 && r1 == b.extent[0] {
+            self.checks.push(check(None, 0, r1));
+            return;
+        }
+        let Some(chunks) = &offer.chunks else {
+            return;
+        };
+        let per = chunks.rows.max(1);
+        let first = r0.div_ceil(per);
+        for ci in first..chunks.digests.len() as u64 {
+            let (a, z) = (ci * per, ((ci + 1) * per).min(b.extent[0]));
+            if z > r1 {
+                break;
+            }
+            self.checks.push(check(Some(ci as u32), a, z - a));
         }
     }
 
@@ -668,9 +711,12 @@ impl<'a> Planner<'a> {
                     owner: o.owner,
                     src_region: o.location.region,
                     src_offset: o.location.offset,
+                    chunk: None,
                     dst: Dest::Staging(si),
                     dst_offset,
-                    len,
+                    rows: 1,
+                    row_bytes: len,
+                    row_stride: len,
                 });
             }
             staging.push(StagingBuffer {
@@ -719,7 +765,7 @@ impl<'a> Planner<'a> {
         owners.sort_unstable();
         owners.dedup();
         let reads = coalesce(reads);
-        let checked_bytes = self.checks.iter().map(|c| c.len).sum();
+        let checked_bytes = self.checks.iter().map(|c| c.bytes()).sum();
 
         let stats = PlanStats {
             copies: layout.copies() as u64,

@@ -403,6 +403,7 @@ pub fn geometry_tables(
                     memory: MemoryKind::Dram,
                 },
                 digest: None,
+                chunks: None,
             });
             offset = offset.checked_add(bytes).ok_or_else(|| {
                 Error::new(

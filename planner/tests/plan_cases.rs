@@ -47,6 +47,7 @@ fn table(rank: u32, specs: &[&TensorSpec], offers: &[Off]) -> ShardTable {
                 memory: MemoryKind::Dram,
             },
             digest: None,
+            chunks: None,
         });
         at += o.extent.iter().product::<u64>() * spec.dtype.size();
     }
@@ -444,7 +445,14 @@ fn non_unit_innermost_destination_stride_is_one_run_per_element() {
         .map(|i| read(0, 4 * i, 4, Dest::Param(0), 4 + 8 * i, 0))
         .collect();
     assert_eq!(p.reads, want);
-    assert!(p.checks.is_empty());
+    // The whole offer still lands, one element per destination "row": it can be gathered.
+    assert_eq!(p.checks.len(), 1);
+    let c = p.checks[0];
+    assert_eq!(
+        (c.chunk, c.rows, c.row_bytes, c.row_stride),
+        (None, 3, 4, 8)
+    );
+    assert_eq!(c.dst_offset, 4);
 }
 
 #[test]
@@ -623,7 +631,7 @@ fn digest_checks_cover_whole_offers_and_full_pulls() {
     let c = &p.checks[0];
     assert_eq!((c.tensor, c.owner, c.src_region), (0, 0, 7));
     assert_eq!(
-        (c.src_offset, c.dst, c.dst_offset, c.len),
+        (c.src_offset, c.dst, c.dst_offset, c.bytes()),
         (16, Dest::Param(0), 8, 16)
     );
     let c = &p.checks[1];
@@ -631,7 +639,7 @@ fn digest_checks_cover_whole_offers_and_full_pulls() {
         (c.tensor, c.src_offset, c.dst, c.dst_offset),
         (1, 32, Dest::Staging(0), 0)
     );
-    assert_eq!(c.len, 128 * 16);
+    assert_eq!(c.bytes(), 128 * 16);
     assert_eq!(p.stats.checked_bytes, 16 + 128 * 16);
 }
 
@@ -687,4 +695,100 @@ fn empty_layout_is_an_empty_plan() {
     assert!(p.reads.is_empty() && p.staging.is_empty() && p.checks.is_empty());
     assert!(p.reslice_disjoint);
     assert_eq!(p.stats, Default::default());
+}
+
+fn with_chunks(mut t: ShardTable, rows: u64) -> ShardTable {
+    for o in &mut t.offers {
+        let n = o.tensor_box.extent[0].div_ceil(rows);
+        o.chunks = Some(reshard_core::ChunkDigests {
+            rows,
+            digests: (0..n)
+                .map(|k| reshard_core::Digest([k as u8; 16]))
+                .collect(),
+        });
+    }
+    t
+}
+
+#[test]
+fn a_partial_row_read_is_checked_by_the_chunks_it_covers_whole() {
+    let w = bf16("w", &[16, 4]);
+    // TP2 rank 1: rows 8..16 of a whole-tensor offer.
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[8, 4],
+        vec![copy("w", &[8, 0], &[8, 4], 0)],
+    )]);
+    let t = deduped(&[with_chunks(
+        table(0, &[&w], &[off("w", &[0, 0], &[16, 4])]),
+        2,
+    )]);
+    let p = default_plan(&t, &l);
+    let chunks: Vec<_> = p
+        .checks
+        .iter()
+        .map(|c| (c.chunk, c.dst_offset, c.bytes()))
+        .collect();
+    assert_eq!(
+        chunks,
+        vec![
+            (Some(4), 0, 16),
+            (Some(5), 16, 16),
+            (Some(6), 32, 16),
+            (Some(7), 48, 16)
+        ]
+    );
+    assert_eq!(p.stats.checked_bytes, 64);
+    // Chunks of 3 rows: [9,12), [12,15) and [15,16) lie inside 8..16; [6,9) does not.
+    let t = deduped(&[with_chunks(
+        table(0, &[&w], &[off("w", &[0, 0], &[16, 4])]),
+        3,
+    )]);
+    let p = default_plan(&t, &l);
+    let chunks: Vec<_> = p
+        .checks
+        .iter()
+        .map(|c| (c.chunk, c.dst_offset, c.rows))
+        .collect();
+    assert_eq!(
+        chunks,
+        vec![(Some(3), 8, 3), (Some(4), 32, 3), (Some(5), 56, 1)]
+    );
+    // Without chunk digests a partial read has no check.
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[16, 4])])]);
+    assert!(default_plan(&t, &l).checks.is_empty());
+}
+
+#[test]
+fn whole_offer_rows_landing_strided_are_gathered() {
+    // Two column blocks of [4, 8] (publisher TP2 row-parallel) into a [4, 8] parameter:
+    // each offer's rows land 16 bytes apart.
+    let w = bf16("w", &[4, 8]);
+    let t = deduped(&[
+        table(0, &[&w], &[off("w", &[0, 0], &[4, 4])]),
+        table(1, &[&w], &[off("w", &[0, 4], &[4, 4])]),
+    ]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4, 8],
+        vec![copy("w", &[0, 0], &[4, 8], 0)],
+    )]);
+    let p = default_plan(&t, &l);
+    let got: Vec<_> = p
+        .checks
+        .iter()
+        .map(|c| {
+            (
+                c.owner,
+                c.chunk,
+                c.dst_offset,
+                c.rows,
+                c.row_bytes,
+                c.row_stride,
+            )
+        })
+        .collect();
+    assert_eq!(got, vec![(0, None, 0, 4, 8, 16), (1, None, 8, 4, 8, 16)]);
 }

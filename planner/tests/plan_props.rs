@@ -228,6 +228,7 @@ fn build(raw: &RawCase) -> Case {
                         memory: MemoryKind::Dram,
                     },
                     digest: None,
+                    chunks: None,
                 });
                 placed.push((owner, region, *at, ti, bx.clone()));
                 *at += bx.elements() * dtype.size();
@@ -638,7 +639,7 @@ proptest! {
             .sum();
         prop_assert_eq!(s.wire_bytes, written - resliced + staged);
         prop_assert_eq!(s.extra_wire_bytes, staged.saturating_sub(resliced));
-        prop_assert_eq!(s.checked_bytes, p.checks.iter().map(|c| c.len).sum::<u64>());
+        prop_assert_eq!(s.checked_bytes, p.checks.iter().map(|c| c.bytes()).sum::<u64>());
         prop_assert!(p.tensors.iter().all(|t| case.specs.iter().any(|s| &s.name == t)));
         let mut owners: Vec<u32> = p.reads.iter().map(|r| r.owner).collect();
         owners.sort_unstable();

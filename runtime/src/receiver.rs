@@ -13,8 +13,8 @@ use std::time::Instant;
 use reshard_core::config::Config;
 use reshard_core::{
     dedup, merge, DedupOptions, DedupReport, Dest, Digest, Error, ErrorKind, HostBuffer,
-    MemoryBlock, MergedTable, OwnerId, Plan, PlanStats, PreparedBatch, ReadBatch, ReadDesc,
-    Registration, Result, ShardTable, Transport, WantedLayout,
+    MemoryBlock, MergedOffer, MergedTable, OwnerId, Plan, PlanStats, PreparedBatch, ReadBatch,
+    ReadDesc, Registration, Result, ShardTable, Transport, WantedLayout,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 
@@ -656,6 +656,26 @@ fn run_reslices(
     }
 }
 
+/// Hashes a check's rows in order, as if they were contiguous (streaming XXH3-128 equals the
+/// one-shot digest of the concatenation).
+fn gather_digest(bytes: &[u8], c: &reshard_core::DigestCheck) -> Option<Digest> {
+    let at = |i: u64| {
+        let s = c.dst_offset.checked_add(i.checked_mul(c.row_stride)?)? as usize;
+        bytes.get(s..s.checked_add(c.row_bytes as usize)?)
+    };
+    if c.rows == 1 || c.row_stride == c.row_bytes {
+        let s = c.dst_offset as usize;
+        return bytes
+            .get(s..s.checked_add(c.bytes() as usize)?)
+            .map(Digest::of);
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for i in 0..c.rows {
+        h.update(at(i)?);
+    }
+    Some(Digest(h.digest128().to_le_bytes()))
+}
+
 #[derive(Default)]
 struct Verdict {
     passed: u64,
@@ -669,19 +689,25 @@ fn verify(
     params: &[Arc<HostBuffer>],
     staging: &[Arc<HostBuffer>],
 ) -> Result<Verdict> {
-    let mut digests: HashMap<(OwnerId, u64, u64), Digest> = HashMap::new();
+    let mut offers: HashMap<(OwnerId, u64, u64), &MergedOffer> = HashMap::new();
     for t in &table.tensors {
         for o in &t.offers {
-            if let Some(d) = o.digest {
-                digests.insert((o.owner, o.location.region, o.location.offset), d);
-            }
+            offers.insert((o.owner, o.location.region, o.location.offset), o);
         }
     }
     let results: Vec<Result<Option<u64>>> = plan
         .checks
         .par_iter()
         .map(|c| {
-            let Some(want) = digests.get(&(c.owner, c.src_region, c.src_offset)) else {
+            let offer = offers.get(&(c.owner, c.src_region, c.src_offset));
+            let want = offer.and_then(|o| match c.chunk {
+                None => o.digest,
+                Some(k) => o
+                    .chunks
+                    .as_ref()
+                    .and_then(|ch| ch.digests.get(k as usize).copied()),
+            });
+            let Some(want) = want else {
                 return Ok(None);
             };
             let buf = match c.dst {
@@ -689,22 +715,29 @@ fn verify(
                 Dest::Staging(i) => &staging[i as usize],
             };
             let bytes = buf.read();
-            let got = Digest::of(&bytes[c.dst_offset as usize..(c.dst_offset + c.len) as usize]);
-            if got != *want {
+            let got = gather_digest(&bytes, c).ok_or_else(|| {
+                Error::new(ErrorKind::Internal, "digest check outside its buffer")
+                    .with_tensor(plan.tensors[c.tensor as usize].clone())
+            })?;
+            if got != want {
+                let what = match c.chunk {
+                    None => "the offer".to_string(),
+                    Some(k) => format!("row chunk {k} of the offer"),
+                };
                 return Err(Error::new(
                     ErrorKind::Verification,
                     format!(
-                        "received bytes hash to {}.. but the publisher's digest is {}..; \
-                         live weights left untouched",
+                        "received bytes of {what} hash to {}.. but the publisher's digest is \
+                         {}..; live weights left untouched",
                         got.prefix(12),
                         want.prefix(12)
                     ),
                 )
                 .with_tensor(plan.tensors[c.tensor as usize].clone())
                 .with_owner(c.owner)
-                .with_range(c.src_offset..c.src_offset + c.len));
+                .with_range(c.src_offset..c.src_offset + c.bytes()));
             }
-            Ok(Some(c.len))
+            Ok(Some(c.bytes()))
         })
         .collect();
     let mut v = Verdict::default();

@@ -10,13 +10,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use reshard_core::{
-    Digest, Error, ErrorKind, HostBuffer, MemoryKind, OfferLocation, OwnerId, Registration, Result,
-    ShardOffer, ShardTable, TensorBox, TensorSpec, Transport, WantedLayout,
+    ChunkDigests, Digest, Error, ErrorKind, HostBuffer, MemoryKind, OfferLocation, OwnerId,
+    Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec, Transport, WantedLayout,
 };
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{publisher_geometry, PublisherTopology};
 
 use crate::content;
+
+/// Dim-0 chunks each offer's digest is also split into.
+pub const CHUNKS_PER_OFFER: u64 = 8;
 
 /// One distinct (tensor, box) buffer in the shared arena.
 #[derive(Debug, Clone)]
@@ -26,6 +29,7 @@ struct Distinct {
     offset: u64,
     bytes: u64,
     digest: Option<Digest>,
+    chunks: Option<ChunkDigests>,
 }
 
 /// One publisher rank: its transport endpoint, its registration and its offers.
@@ -80,6 +84,7 @@ impl SyntheticCluster {
                         offset: cursor,
                         bytes,
                         digest: None,
+                        chunks: None,
                     });
                     cursor += bytes;
                     distinct.len() - 1
@@ -157,16 +162,26 @@ impl SyntheticCluster {
     fn recompute_digests(&mut self) {
         let arena = self.arena.read();
         let on = self.digests;
-        let digests: Vec<Option<Digest>> = self
+        let digests: Vec<(Option<Digest>, Option<ChunkDigests>)> = self
             .distinct
             .par_iter()
             .map(|d| {
-                on.then(|| Digest::of(&arena[d.offset as usize..(d.offset + d.bytes) as usize]))
+                if !on {
+                    return (None, None);
+                }
+                let bytes = &arena[d.offset as usize..(d.offset + d.bytes) as usize];
+                let rows = d.tensor_box.extent[0];
+                // Eight chunks per offer: every TP1/2/4/8 dim-0 slice of an offer whose rows
+                // divide by 8 is a whole number of chunks, so receivers can check it.
+                let chunks = (rows >= 2)
+                    .then(|| ChunkDigests::of(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER)));
+                (Some(Digest::of(bytes)), chunks)
             })
             .collect();
         drop(arena);
-        for (d, g) in self.distinct.iter_mut().zip(digests) {
+        for (d, (g, c)) in self.distinct.iter_mut().zip(digests) {
             d.digest = g;
+            d.chunks = c;
         }
     }
 
@@ -212,6 +227,7 @@ impl SyntheticCluster {
                             memory: MemoryKind::Dram,
                         },
                         digest: d.digest,
+                        chunks: d.chunks.clone(),
                     });
                 }
                 t
