@@ -21,4 +21,14 @@ if ! command -v cargo >/dev/null 2>&1; then
     echo "install-deps: cargo not found; install Rust with rustup (https://rustup.rs)" >&2
     exit 1
 fi
+# rust-toolchain.toml pins the toolchain by version. Where rustup cannot download (closed
+# networks) but its stable toolchain is that version, link it under the pinned name.
+pinned=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' "$(dirname "$0")/../rust-toolchain.toml")
+if command -v rustup >/dev/null 2>&1 && ! rustup toolchain list | grep -q "^$pinned"; then
+    if rustc +stable --version 2>/dev/null | grep -q "^rustc $pinned "; then
+        rustup toolchain link "$pinned" "$(rustc +stable --print sysroot)"
+    else
+        rustup toolchain install "$pinned" --profile minimal --component rustfmt,clippy
+    fi
+fi
 echo "install-deps: system dependencies present"

@@ -175,6 +175,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     let n = args.updates as usize;
     let mut stage_cols: Vec<Vec<f64>> = vec![Vec::new(); StageTimes::NAMES.len()];
     let mut e2e = Vec::new();
+    let mut attr = Vec::new();
     for u in 0..n {
         let mut sum = [0.0; 10];
         let mut e = 0.0;
@@ -187,16 +188,18 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         for (i, v) in sum.iter().enumerate() {
             stage_cols[i].push(*v);
         }
+        attr.push(if e > 0.0 {
+            sum.iter().sum::<f64>() / e
+        } else {
+            0.0
+        });
         e2e.push(e);
     }
     let med_stages: Vec<f64> = stage_cols.into_iter().map(median).collect();
     let med_e2e = median(e2e);
-    let stages_sum: f64 = med_stages.iter().sum();
-    let attribution = if med_e2e > 0.0 {
-        stages_sum / med_e2e
-    } else {
-        0.0
-    };
+    // Per update (stages over end-to-end), then the median: medians of different stages may
+    // come from different updates, so their sum is not comparable with the median e2e.
+    let attribution = median(attr);
     let last: Vec<&UpdateReport> = reports.iter().filter_map(|r| r.last()).collect();
     let reads: u64 = last.iter().map(|r| r.plan.reads).sum();
     let coalesced: u64 = last.iter().map(|r| r.plan.coalesced_reads).sum();

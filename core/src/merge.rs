@@ -1,7 +1,7 @@
 //! Merging many publishers' shard tables, and replica dedup: one owner per byte-identical offer
 //! (DESIGN §3).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -120,7 +120,8 @@ pub fn merge(tables: &[ShardTable]) -> Result<MergedTable> {
         if !merged.steps.contains(&table.step) {
             merged.steps.push(table.step);
         }
-        let mut local: HashMap<&str, usize> = HashMap::with_capacity(table.tensors.len());
+        let mut local: HashMap<&str, usize> =
+            HashMap::with_capacity_and_hasher(table.tensors.len(), Default::default());
         for spec in &table.tensors {
             let idx = match merged.position(&spec.name) {
                 Some(i) => {

@@ -426,7 +426,8 @@ impl ShardTable {
     /// Checks everything a decoder must not trust: unique tensor names, valid shapes, every
     /// offer naming a known tensor with a box inside its shape.
     pub fn validate(&self) -> Result<()> {
-        let mut seen = std::collections::HashMap::with_capacity(self.tensors.len());
+        let mut seen =
+            rustc_hash::FxHashMap::with_capacity_and_hasher(self.tensors.len(), Default::default());
         for (i, t) in self.tensors.iter().enumerate() {
             t.validate()?;
             if seen.insert(t.name.as_str(), i).is_some() {
