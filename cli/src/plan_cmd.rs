@@ -4,7 +4,7 @@ use clap::Args;
 use serde::Serialize;
 use std::time::Instant;
 
-use reshard_core::{dedup, merge, DedupOptions, DedupReport, PlanStats, Result};
+use reshard_core::{dedup, keep_all, merge, DedupOptions, DedupReport, PlanStats, Result};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::plan::{plan, PlanOptions};
 use reshard_planner::topology::geometry_tables;
@@ -72,13 +72,7 @@ fn arm(
     let (table, report) = if use_dedup {
         dedup(&merged, DedupOptions::default())?
     } else {
-        let n = merged.offer_count() as u64;
-        let r = DedupReport {
-            offers_in: n,
-            kept: n,
-            ..Default::default()
-        };
-        (merged, r)
+        keep_all(merged)
     };
     let opts = PlanOptions {
         full_pull_threshold: threshold,

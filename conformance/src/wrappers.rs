@@ -11,6 +11,38 @@ use reshard_core::{
     Registration, Result, Transport, WireReport,
 };
 
+/// Implements `Transport` for a wrapper with an `inner` transport: everything but the methods
+/// given passes straight through.
+macro_rules! wrapper_transport {
+    ($ty:ty, { $($own:tt)* }) => {
+        #[async_trait]
+        impl Transport for $ty {
+            fn name(&self) -> &'static str {
+                self.inner.name()
+            }
+            fn agent(&self) -> &str {
+                self.inner.agent()
+            }
+            fn capabilities(&self) -> Capability {
+                self.inner.capabilities()
+            }
+            fn epoch(&self) -> u64 {
+                self.inner.epoch()
+            }
+            async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
+                self.inner.register(block).await
+            }
+            async fn export_metadata(&self) -> Result<Bytes> {
+                self.inner.export_metadata().await
+            }
+            async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
+                self.inner.load_peer(owner, metadata).await
+            }
+            $($own)*
+        }
+    };
+}
+
 /// Records the reads of every posted batch, in posting order.
 #[derive(Debug)]
 pub struct RecordingTransport {
@@ -40,29 +72,7 @@ impl RecordingTransport {
     }
 }
 
-#[async_trait]
-impl Transport for RecordingTransport {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn agent(&self) -> &str {
-        self.inner.agent()
-    }
-    fn capabilities(&self) -> Capability {
-        self.inner.capabilities()
-    }
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
-    }
-    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-        self.inner.register(block).await
-    }
-    async fn export_metadata(&self) -> Result<Bytes> {
-        self.inner.export_metadata().await
-    }
-    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
-        self.inner.load_peer(owner, metadata).await
-    }
+wrapper_transport!(RecordingTransport, {
     async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
         *self.prepares.lock() += 1;
         self.inner.prepare(batch).await
@@ -71,7 +81,7 @@ impl Transport for RecordingTransport {
         self.posted.lock().push(batch.batch().clone());
         self.inner.post(batch).await
     }
-}
+});
 
 /// Lets every read run, then reports that `owner`'s reads failed: a peer dying mid-batch after
 /// other owners' bytes (and some of its own) already landed.
@@ -105,29 +115,7 @@ impl InFlight for FailAfter {
     }
 }
 
-#[async_trait]
-impl Transport for FailingTransport {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn agent(&self) -> &str {
-        self.inner.agent()
-    }
-    fn capabilities(&self) -> Capability {
-        self.inner.capabilities()
-    }
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
-    }
-    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-        self.inner.register(block).await
-    }
-    async fn export_metadata(&self) -> Result<Bytes> {
-        self.inner.export_metadata().await
-    }
-    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
-        self.inner.load_peer(owner, metadata).await
-    }
+wrapper_transport!(FailingTransport, {
     async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
         self.inner.prepare(batch).await
     }
@@ -149,4 +137,4 @@ impl Transport for FailingTransport {
             .set_retryable(true);
         Ok(Box::new(FailAfter { inner, error }))
     }
-}
+});

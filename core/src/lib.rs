@@ -17,7 +17,9 @@ pub use digest::Digest;
 pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};
 pub use memory::{HostBuffer, MemoryBlock};
-pub use merge::{dedup, merge, DedupOptions, DedupReport, MergedOffer, MergedTable, MergedTensor};
+pub use merge::{
+    dedup, keep_all, merge, DedupOptions, DedupReport, MergedOffer, MergedTable, MergedTensor,
+};
 pub use model::{
     ChunkDigests, DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable,
     TensorBox, TensorSpec,

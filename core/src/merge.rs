@@ -251,6 +251,17 @@ pub fn dedup(merged: &MergedTable, opts: DedupOptions) -> Result<(MergedTable, D
     Ok((out, report))
 }
 
+/// The no-dedup arm (benchmarks only): every offer kept, with the report dedup would give.
+pub fn keep_all(merged: MergedTable) -> (MergedTable, DedupReport) {
+    let n = merged.offer_count() as u64;
+    let report = DedupReport {
+        offers_in: n,
+        kept: n,
+        ..DedupReport::default()
+    };
+    (merged, report)
+}
+
 fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
     // Whole digests decide; chunk digests (same rows, same content) must agree too.
     let chunks = group

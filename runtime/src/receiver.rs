@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use reshard_core::config::Config;
 use reshard_core::{
-    dedup, merge, DedupOptions, DedupReport, Dest, Digest, Error, ErrorKind, HostBuffer,
+    dedup, keep_all, merge, DedupOptions, DedupReport, Dest, Digest, Error, ErrorKind, HostBuffer,
     MemoryBlock, MergedOffer, MergedTable, OwnerId, Plan, PlanStats, PreparedBatch, ReadBatch,
     ReadDesc, Registration, Result, ShardTable, Transport, WantedLayout,
 };
@@ -351,13 +351,7 @@ impl Receiver {
                 },
             )?
         } else {
-            let n = merged.offer_count() as u64;
-            let report = DedupReport {
-                offers_in: n,
-                kept: n,
-                ..DedupReport::default()
-            };
-            (merged, report)
+            keep_all(merged)
         };
         tick(&mut st.dedup);
 
