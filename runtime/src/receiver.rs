@@ -362,6 +362,14 @@ impl Receiver {
         if !reuse {
             let p = plan(&table, &self.layout, &self.opts.plan_options())?;
             self.plan_builds += 1;
+            tracing::info!(
+                rank = self.layout.receiver_rank,
+                reads = p.stats.reads,
+                wire_bytes = p.stats.wire_bytes,
+                full_pulls = p.stats.full_pull_sources,
+                fingerprint = format_args!("{:016x}", p.fingerprint),
+                "plan built"
+            );
             new_plan = Some(Arc::new(p));
         }
         tick(&mut st.plan);
@@ -395,6 +403,7 @@ impl Receiver {
                 });
                 self.descriptor_builds += 1;
             }
+            tracing::debug!(rank = self.layout.receiver_rank, epoch, "descriptors built");
         }
         tick(&mut st.descriptor_build);
 

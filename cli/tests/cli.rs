@@ -1,0 +1,249 @@
+//! The `reshard` command line as users run it: JSON keys and flags are a contract.
+
+use std::process::{Command, Output};
+
+fn reshard(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_reshard"));
+    c.args(args)
+        .env_remove("RESHARD_CONFIG")
+        .current_dir(env!("CARGO_TARGET_TMPDIR"));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run reshard")
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn plan_json_has_the_contract_keys() {
+    let v = json(&reshard(
+        &[
+            "plan",
+            "--preset",
+            "qwen3-30b-a3b",
+            "--publishers",
+            "ep=8,dp=8",
+            "--receivers",
+            "tp=2",
+            "--layers",
+            "2",
+            "--json",
+        ],
+        &[],
+    ));
+    assert!(v["plan_seconds"].as_f64().is_some());
+    let ranks = v["receivers"].as_array().expect("receivers");
+    assert_eq!(ranks.len(), 2);
+    for (i, r) in ranks.iter().enumerate() {
+        assert_eq!(r["rank"], i);
+        for key in [
+            "copies",
+            "reads",
+            "coalesced_reads",
+            "wire_bytes",
+            "exact_descriptors",
+            "descriptors_saved",
+            "extra_wire_bytes",
+            "full_pull_sources",
+            "owners",
+        ] {
+            assert!(r[key].as_u64().is_some(), "missing {key}");
+        }
+        // 2 layers: 2 x 393 + 3 globals.
+        assert_eq!(r["copies"], 789);
+        assert_eq!(r["full_pull_sources"], 2 * 129);
+    }
+}
+
+#[test]
+fn plan_no_dedup_reads_every_replica() {
+    let args = ["plan", "--layers", "1", "--experts", "8", "--json"];
+    let with = json(&reshard(&args, &[]));
+    let mut no = args.to_vec();
+    no.push("--no-dedup");
+    let without = json(&reshard(&no, &[]));
+    let r = |v: &serde_json::Value| v["receivers"][0]["reads"].as_u64().unwrap();
+    assert!(
+        r(&without) > 10 * r(&with),
+        "{} vs {}",
+        r(&without),
+        r(&with)
+    );
+}
+
+#[test]
+fn refit_json_verifies_and_reports_stages() {
+    let v = json(&reshard(
+        &[
+            "refit",
+            "--transport",
+            "loopback",
+            "--preset",
+            "qwen3-30b-a3b",
+            "--publishers",
+            "ep=4,dp=4",
+            "--receivers",
+            "tp=2",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--vocab",
+            "1024",
+            "--updates",
+            "2",
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(v["verified"], true);
+    assert!(v["reads"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["wire_bytes"], v["checked_bytes"],
+        "every wire byte digest-checked"
+    );
+    assert!(v["attribution"].as_f64().unwrap() > 0.9);
+    assert!(v["median_e2e_s"].as_f64().unwrap() > 0.0);
+    let stages = v["median_stages_s"].as_object().unwrap();
+    for s in [
+        "discover",
+        "merge",
+        "dedup",
+        "plan",
+        "register",
+        "descriptor_build",
+        "wire",
+        "reslice",
+        "install",
+        "verify",
+    ] {
+        assert!(stages.contains_key(s), "missing stage {s}");
+    }
+}
+
+#[test]
+fn dense_preset_refits_with_tp_and_pp_publishers() {
+    let v = json(&reshard(
+        &[
+            "refit",
+            "--preset",
+            "llama-3-8b",
+            "--publishers",
+            "tp=2,pp=2",
+            "--receivers",
+            "tp=4",
+            "--layers",
+            "2",
+            "--vocab",
+            "1024",
+            "--updates",
+            "1",
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(v["verified"], true);
+}
+
+#[test]
+fn unknown_transport_kind_from_env_lists_the_available_ones() {
+    let out = reshard(
+        &[
+            "refit",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--vocab",
+            "1024",
+        ],
+        &[("RESHARD_TRANSPORT__KIND", "carrier-pigeon")],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("carrier-pigeon") && err.contains("loopback"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_cli_flag_overrides_the_environment() {
+    let out = reshard(
+        &[
+            "refit",
+            "--transport",
+            "loopback",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--vocab",
+            "1024",
+            "--updates",
+            "1",
+            "--json",
+        ],
+        &[("RESHARD_TRANSPORT__KIND", "carrier-pigeon")],
+    );
+    assert_eq!(json(&out)["transport"], "loopback");
+}
+
+#[test]
+fn unknown_config_key_is_an_error_naming_known_keys() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("reshard.toml");
+    std::fs::write(&file, "[planner]\nfull_pull_treshold = 8\n").unwrap();
+    let out = reshard(
+        &["refit", "--config", file.to_str().unwrap(), "--layers", "1"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("full_pull_treshold") && err.contains("full_pull_threshold"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_tp_that_does_not_divide_names_tensor_and_extent() {
+    let out = reshard(&["plan", "--layers", "1", "--receivers", "tp=3"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("layout"), "{err}");
+    assert!(
+        err.contains("model.") || err.contains("lm_head"),
+        "names a tensor: {err}"
+    );
+}
+
+#[test]
+fn presets_lists_both_models_with_sources() {
+    let v = json(&reshard(&["presets", "--json"], &[]));
+    let names: Vec<_> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        names.contains(&"qwen3-30b-a3b".to_owned()) && names.contains(&"llama-3-8b".to_owned())
+    );
+    assert_eq!(v[0]["tensors"], 18867);
+    assert!(v
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|p| !p["source"].as_str().unwrap().is_empty()));
+}
