@@ -330,17 +330,24 @@ impl Receiver {
         self.run(tables, Instant::now()).await
     }
 
-    async fn run(&mut self, tables: &[ShardTable], t0: Instant) -> Result<UpdateReport> {
+    /// Prepares without moving any bytes: merge, dedup, plan, allocate and register buffers,
+    /// build descriptors. Later updates with the same geometry reuse all of it; calling this is
+    /// optional (the first update prepares too) but keeps set-up out of the first refit.
+    pub async fn prepare(&mut self, tables: &[ShardTable]) -> Result<StageTimes> {
+        Ok(self.front(tables, Instant::now()).await?.stages)
+    }
+
+    /// Every stage up to and including `descriptor_build`.
+    async fn front(&mut self, tables: &[ShardTable], t0: Instant) -> Result<Front> {
         let mut st = StageTimes::default();
-        // Time spent before `run` (decoding) belongs to discover too.
+        // Time spent before this call (decoding) belongs to discover too.
         let mut watch = Stopwatch(t0);
-        let mut tick = |slot: &mut f64| *slot = watch.lap();
 
         let step = single_step(tables)?;
-        tick(&mut st.discover);
+        st.discover = watch.lap();
 
         let merged = merge(tables)?;
-        tick(&mut st.merge);
+        st.merge = watch.lap();
 
         let (table, dedup_report) = if self.opts.dedup {
             let spread = self.opts.spread_owners.then_some(self.layout.receiver_rank);
@@ -353,7 +360,7 @@ impl Receiver {
         } else {
             keep_all(merged)
         };
-        tick(&mut st.dedup);
+        st.dedup = watch.lap();
 
         let geometry = table.geometry_fingerprint();
         let arm = self.opts.arm_key();
@@ -372,7 +379,7 @@ impl Receiver {
             );
             new_plan = Some(Arc::new(p));
         }
-        tick(&mut st.plan);
+        st.plan = watch.lap();
 
         let plan_rebuilt = new_plan.is_some();
         if let Some(p) = new_plan {
@@ -381,7 +388,7 @@ impl Receiver {
             self.prepared = None;
             self.prepared = Some(self.allocate(p, geometry, arm).await?);
         }
-        tick(&mut st.register);
+        st.register = watch.lap();
 
         let transport = self.transport.clone();
         let cache = self.opts.cache_descriptors;
@@ -405,7 +412,35 @@ impl Receiver {
             }
             tracing::debug!(rank = self.layout.receiver_rank, epoch, "descriptors built");
         }
-        tick(&mut st.descriptor_build);
+        st.descriptor_build = watch.lap();
+        Ok(Front {
+            stages: st,
+            watch,
+            step,
+            table,
+            dedup_report,
+            plan_rebuilt,
+            descriptors_rebuilt: !valid,
+        })
+    }
+
+    async fn run(&mut self, tables: &[ShardTable], t0: Instant) -> Result<UpdateReport> {
+        let Front {
+            stages: mut st,
+            mut watch,
+            step,
+            table,
+            dedup_report,
+            plan_rebuilt,
+            descriptors_rebuilt,
+        } = self.front(tables, t0).await?;
+        let mut tick = |slot: &mut f64| *slot = watch.lap();
+        let transport = self.transport.clone();
+        let prep = self
+            .prepared
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "receiver has no prepared plan"))?;
+        let bank = prep.next;
 
         let cached = prep.descriptors[bank]
             .as_ref()
@@ -467,7 +502,7 @@ impl Receiver {
             e2e_s: e2e,
             attribution: if e2e > 0.0 { st.sum() / e2e } else { 1.0 },
             plan_rebuilt,
-            descriptors_rebuilt: !valid,
+            descriptors_rebuilt,
             plan: plan.stats,
             fingerprint: plan.fingerprint,
             dedup: dedup_report,
@@ -550,6 +585,17 @@ impl Receiver {
             next: 0,
         })
     }
+}
+
+/// What the stages before the wire leg produced.
+struct Front {
+    stages: StageTimes,
+    watch: Stopwatch,
+    step: u64,
+    table: MergedTable,
+    dedup_report: DedupReport,
+    plan_rebuilt: bool,
+    descriptors_rebuilt: bool,
 }
 
 /// Laps of a stage clock: each lap is the time since the previous one.

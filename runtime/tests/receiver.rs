@@ -198,3 +198,16 @@ async fn publishers_at_different_steps_are_rejected() {
     assert_eq!(e.kind(), reshard_core::ErrorKind::InvalidInput);
     assert_eq!(e.context().owner, Some(1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_builds_everything_without_moving_bytes() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    let st = s.rx.prepare(&s.cluster.tables()).await.unwrap();
+    assert_eq!(st.wire, 0.0);
+    assert!(s.rx.live_params().is_none(), "nothing installed yet");
+    assert_eq!(s.rx.plan_builds(), 1);
+    assert_eq!(s.rx.descriptor_builds(), 2, "both banks");
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(!r.plan_rebuilt && !r.descriptors_rebuilt);
+    assert_exact(&s);
+}
