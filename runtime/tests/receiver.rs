@@ -211,3 +211,81 @@ async fn prepare_builds_everything_without_moving_bytes() {
     assert!(!r.plan_rebuilt && !r.descriptors_rebuilt);
     assert_exact(&s);
 }
+
+/// Two full-pulled copies write the same parameter bytes: re-slices run in plan order and the
+/// last writer wins, as specified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_reslices_run_in_plan_order() {
+    use reshard_core::{
+        HostBuffer, MemoryBlock, MemoryKind, OfferLocation, ParamSpec, ShardOffer, ShardTable,
+        TensorBox, TensorSpec, WantedCopy, WantedLayout,
+    };
+    use reshard_planner::plan::PlanOptions;
+
+    let fabric = LoopbackFabric::new();
+    let publisher = endpoint(&fabric, "pub");
+    // Tensors a and b, [4, 8] u8, held back to back in one buffer.
+    let data: Vec<u8> = (0..64u8).map(|i| i + 1).collect();
+    let buf = Arc::new(HostBuffer::from_bytes(&data));
+    let reg = publisher
+        .register(buf.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .unwrap();
+    let mut table = ShardTable::new(0, "pub", 1);
+    for (i, name) in ["a", "b"].into_iter().enumerate() {
+        table
+            .tensors
+            .push(TensorSpec::new(name, DType::U8, vec![4, 8]));
+        table.offers.push(ShardOffer {
+            tensor: name.into(),
+            tensor_box: TensorBox::new(vec![0, 0], vec![4, 8]),
+            location: OfferLocation {
+                region: reg.id(),
+                offset: 32 * i as u64,
+                memory: MemoryKind::Dram,
+            },
+            digest: None,
+            chunks: None,
+        });
+    }
+    // Both copies land on the whole [4, 4] parameter: a's left half, then b's right half.
+    let copy = |tensor: &str, col: u64| WantedCopy {
+        tensor: tensor.into(),
+        src_box: TensorBox::new(vec![0, col], vec![4, 4]),
+        dst_offset: 0,
+        dst_strides: vec![4, 1],
+    };
+    let layout = WantedLayout {
+        receiver_rank: 0,
+        params: vec![ParamSpec {
+            name: "p".into(),
+            dtype: DType::U8,
+            shape: vec![4, 4],
+            copies: vec![copy("a", 0), copy("b", 4)],
+        }],
+    };
+    let rx_t = endpoint(&fabric, "rx");
+    rx_t.load_peer(0, publisher.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let opts = ReceiverOptions {
+        // One run per row is already "too many": both copies become full pulls.
+        plan: PlanOptions {
+            full_pull_threshold: 1,
+            ..PlanOptions::default()
+        },
+        ..ReceiverOptions::default()
+    };
+    let mut rx = Receiver::new(rx_t, layout, opts).unwrap();
+    let r = rx.update(std::slice::from_ref(&table)).await.unwrap();
+    assert_eq!(r.plan.full_pull_sources, 2);
+    assert!(!rx.plan().unwrap().reslice_disjoint);
+    let want: Vec<u8> = (0..4u8)
+        .flat_map(|row| (4..8u8).map(move |c| 32 + row * 8 + c + 1))
+        .collect();
+    assert_eq!(
+        rx.live_params().unwrap()[0].read()[..],
+        want[..],
+        "b wrote last"
+    );
+}
