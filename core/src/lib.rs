@@ -18,7 +18,8 @@ pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};
 pub use memory::{HostBuffer, MemoryBlock};
 pub use merge::{
-    dedup, keep_all, merge, DedupOptions, DedupReport, MergedOffer, MergedTable, MergedTensor,
+    dedup, keep_all, merge, table_geometry_key, DedupOptions, DedupReport, MergedOffer,
+    MergedTable, MergedTensor, ReplicaGroups,
 };
 pub use model::{
     ChunkDigests, DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable,

@@ -229,7 +229,8 @@ pub fn dedup(merged: &MergedTable, opts: DedupOptions) -> Result<(MergedTable, D
                 j += 1;
             }
             let group: Vec<&MergedOffer> = order[i..j].iter().map(|&k| &t.offers[k]).collect();
-            check_replicas(&t.spec, &group)?;
+            let replicas: Vec<Replica<'_>> = group.iter().map(|&o| o.into()).collect();
+            check_replicas(&t.spec.name, &first.tensor_box, &replicas)?;
             let pick = match opts.spread_receiver_rank {
                 Some(r) => r as usize % group.len(),
                 None => 0,
@@ -262,11 +263,27 @@ pub fn keep_all(merged: MergedTable) -> (MergedTable, DedupReport) {
     (merged, report)
 }
 
-fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
-    // Whole digests decide; chunk digests (same rows, same content) must agree too.
-    let chunks = group
-        .iter()
-        .filter_map(|o| o.chunks.as_ref().map(|c| (o.owner, c)));
+/// One replica's owner and digests, as the divergence check sees it.
+struct Replica<'a> {
+    owner: OwnerId,
+    digest: Option<Digest>,
+    chunks: Option<&'a ChunkDigests>,
+}
+
+impl<'a> From<&'a MergedOffer> for Replica<'a> {
+    fn from(o: &'a MergedOffer) -> Self {
+        Replica {
+            owner: o.owner,
+            digest: o.digest,
+            chunks: o.chunks.as_deref(),
+        }
+    }
+}
+
+/// Offers with one box are replicas only if their digests agree: whole digests decide, and
+/// chunk digests of the same row split must agree too.
+fn check_replicas(tensor: &str, tensor_box: &TensorBox, group: &[Replica<'_>]) -> Result<()> {
+    let chunks = group.iter().filter_map(|o| o.chunks.map(|c| (o.owner, c)));
     let mut chunk_pairs = chunks.clone().zip(chunks.skip(1));
     if let Some(((owner_a, a), (owner_b, b))) =
         chunk_pairs.find(|((_, a), (_, b))| a.rows == b.rows && a.digests != b.digests)
@@ -278,7 +295,7 @@ fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
             .find(|(x, y)| x != y)
             .map(|(x, y)| (x.prefix(12), y.prefix(12)))
             .unwrap_or_default();
-        return Err(divergence(spec, group, (owner_a, owner_b), (x, y)));
+        return Err(divergence(tensor, tensor_box, (owner_a, owner_b), (x, y)));
     }
     let mut with_digest = group.iter().filter_map(|o| o.digest.map(|d| (o.owner, d)));
     let Some((owner_a, da)) = with_digest.next() else {
@@ -287,8 +304,8 @@ fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
     for (owner_b, db) in with_digest {
         if db != da {
             return Err(divergence(
-                spec,
-                group,
+                tensor,
+                tensor_box,
                 (owner_a, owner_b),
                 (da.prefix(12), db.prefix(12)),
             ));
@@ -298,12 +315,11 @@ fn check_replicas(spec: &TensorSpec, group: &[&MergedOffer]) -> Result<()> {
 }
 
 fn divergence(
-    spec: &TensorSpec,
-    group: &[&MergedOffer],
+    tensor: &str,
+    b: &TensorBox,
     owners: (OwnerId, OwnerId),
     prefixes: (String, String),
 ) -> Error {
-    let b = &group[0].tensor_box;
     Error::new(
         ErrorKind::ReplicaDivergence,
         format!(
@@ -312,14 +328,105 @@ fn divergence(
             owners.0, owners.1, prefixes.0, prefixes.1
         ),
     )
-    .with_tensor(&spec.name)
+    .with_tensor(tensor)
     .with_owner(owners.1)
     .with_detail(ErrorDetail::ReplicaDivergence {
-        tensor: spec.name.clone(),
+        tensor: tensor.to_owned(),
         tensor_box: b.clone(),
         owners,
         digest_prefixes: prefixes,
     })
+}
+
+/// Fingerprint of one table's geometry (identity, tensors, boxes, locations, chunk splits) and
+/// nothing that changes every step (digests, step): equal keys for every publisher mean the
+/// previous merge, dedup and plan still hold.
+pub fn table_geometry_key(t: &ShardTable) -> u64 {
+    let mut f = Fingerprinter::new();
+    f.u64(t.publisher.rank as u64).str(&t.publisher.agent);
+    f.u64(t.tensors.len() as u64);
+    for s in &t.tensors {
+        f.str(&s.name)
+            .u64(s.dtype.code() as u64)
+            .u64(s.shape.len() as u64);
+        for &d in &s.shape {
+            f.u64(d);
+        }
+    }
+    f.u64(t.offers.len() as u64);
+    for o in &t.offers {
+        f.str(&o.tensor)
+            .u64(o.location.region)
+            .u64(o.location.offset)
+            .u64(match o.location.memory {
+                crate::model::MemoryKind::Dram => u64::MAX,
+                crate::model::MemoryKind::Vram { device } => device as u64,
+            })
+            .u64(o.chunks.as_ref().map_or(0, |c| c.rows))
+            .u64(o.tensor_box.rank() as u64);
+        for d in 0..o.tensor_box.rank() {
+            f.u64(o.tensor_box.offset[d]).u64(o.tensor_box.extent[d]);
+        }
+    }
+    f.finish()
+}
+
+/// Which offers of which tables are replicas of each other (same tensor, same box). Built once
+/// per stable geometry; [`ReplicaGroups::check`] re-runs dedup's divergence check on each new
+/// step's digests without merging again.
+#[derive(Debug, Clone, Default)]
+pub struct ReplicaGroups {
+    /// (table index, offer index) of each group with two or more members.
+    groups: Vec<Vec<(u32, u32)>>,
+}
+
+impl ReplicaGroups {
+    /// Groups the offers of `tables` (in the order they will be passed to `check`).
+    pub fn of(tables: &[ShardTable]) -> Self {
+        let mut by_box: HashMap<(&str, &TensorBox), Vec<(u32, u32)>> = HashMap::default();
+        for (ti, t) in tables.iter().enumerate() {
+            for (oi, o) in t.offers.iter().enumerate() {
+                by_box
+                    .entry((o.tensor.as_str(), &o.tensor_box))
+                    .or_default()
+                    .push((ti as u32, oi as u32));
+            }
+        }
+        let mut groups: Vec<_> = by_box.into_values().filter(|g| g.len() > 1).collect();
+        groups.sort_unstable();
+        ReplicaGroups { groups }
+    }
+
+    /// Fails with `ReplicaDivergence` when replicas' digests disagree in `tables`, which must
+    /// have the geometry the groups were built from.
+    pub fn check(&self, tables: &[ShardTable]) -> Result<()> {
+        let mut members = Vec::new();
+        for g in &self.groups {
+            members.clear();
+            let mut first = None;
+            for &(ti, oi) in g {
+                let t = tables.get(ti as usize).ok_or_else(stale)?;
+                let o = t.offers.get(oi as usize).ok_or_else(stale)?;
+                first.get_or_insert(o);
+                members.push(Replica {
+                    owner: t.publisher.rank,
+                    digest: o.digest,
+                    chunks: o.chunks.as_ref(),
+                });
+            }
+            if let Some(o) = first {
+                check_replicas(&o.tensor, &o.tensor_box, &members)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn stale() -> Error {
+    Error::new(
+        ErrorKind::Internal,
+        "replica groups used with tables of another geometry",
+    )
 }
 
 #[cfg(test)]
@@ -434,5 +541,30 @@ mod tests {
         let c = merge(&[table(0, vec![8], &[(0, 4)], None)]).unwrap();
         assert_eq!(a.geometry_fingerprint(), b.geometry_fingerprint());
         assert_ne!(a.geometry_fingerprint(), c.geometry_fingerprint());
+    }
+
+    #[test]
+    fn table_geometry_key_ignores_digests_and_step() {
+        let a = table(0, vec![8], &[(0, 8)], Some(Digest::of(b"x")));
+        let mut b = table(0, vec![8], &[(0, 8)], Some(Digest::of(b"y")));
+        b.step = 99;
+        assert_eq!(table_geometry_key(&a), table_geometry_key(&b));
+        b.offers[0].location.offset += 64;
+        assert_ne!(table_geometry_key(&a), table_geometry_key(&b));
+    }
+
+    #[test]
+    fn replica_groups_recheck_digests_like_dedup() {
+        let d = Some(Digest::of(b"same"));
+        let mut tables: Vec<_> = (0..3).map(|r| table(r, vec![4], &[(0, 4)], d)).collect();
+        let groups = ReplicaGroups::of(&tables);
+        groups.check(&tables).unwrap();
+        tables[2].offers[0].digest = Some(Digest::of(b"other"));
+        let e = groups.check(&tables).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ReplicaDivergence);
+        assert_eq!(e.context().owner, Some(2));
+        // Dedup over the same tables agrees.
+        let e2 = dedup(&merge(&tables).unwrap(), DedupOptions::default()).unwrap_err();
+        assert_eq!(e2.detail(), e.detail());
     }
 }

@@ -289,3 +289,29 @@ async fn overlapping_reslices_run_in_plan_order() {
         "b wrote last"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn divergence_is_caught_on_the_cached_fast_path_too() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    s.cluster.publish_step(1);
+    // Same geometry: the receiver skips merge and dedup, and must still compare replicas.
+    let mut tables = s.cluster.tables();
+    let o = tables[2]
+        .offers
+        .iter_mut()
+        .find(|o| o.tensor == "model.layers.1.input_layernorm.weight")
+        .unwrap();
+    o.digest = Some(reshard_core::Digest::of(b"a different stage"));
+    let e = s.rx.update(&tables).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::ReplicaDivergence, "{e}");
+    assert_eq!(
+        e.context().tensor.as_deref(),
+        Some("model.layers.1.input_layernorm.weight")
+    );
+    assert_eq!(s.rx.live_step(), Some(0));
+    // And with honest digests the same step installs.
+    let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert!(!r.plan_rebuilt);
+    assert_exact(&s);
+}

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use reshard_benches::{median, reference_geometry, time_plans, LoopbackRig};
-use reshard_core::{dedup, merge, DedupOptions, Result};
+use reshard_core::{dedup, merge, table_geometry_key, DedupOptions, ReplicaGroups, Result};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::plan::{plan, PlanOptions};
 use reshard_planner::presets::preset;
@@ -44,7 +44,7 @@ fn digest_figures(len: usize, reps: usize) -> (f64, f64) {
     (xxh, b3)
 }
 
-fn plan_figures() -> Result<(f64, f64, f64)> {
+fn plan_figures() -> Result<(f64, f64, f64, f64)> {
     let (table, layouts) = reference_geometry()?;
     time_plans(&table, &layouts)?;
     let dedup_s = median(
@@ -62,6 +62,20 @@ fn plan_figures() -> Result<(f64, f64, f64)> {
     let dedup_s2 = t.elapsed().as_secs_f64();
     drop(deduped);
     let merge_dedup_s = merge_s + dedup_s2;
+    // What a receiver does instead on a step with unchanged geometry.
+    let groups = ReplicaGroups::of(&tables);
+    let stable_s = median(
+        (0..7)
+            .map(|_| {
+                let t = Instant::now();
+                let keys: Vec<u64> = tables.iter().map(table_geometry_key).collect();
+                std::hint::black_box(keys);
+                let ok = groups.check(&tables).is_ok();
+                std::hint::black_box(ok);
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    );
     let t = Instant::now();
     for r in 0..2 {
         let l = receiver_layout(&model, &ReceiverTopology { tp: 2 }, r)?;
@@ -75,7 +89,7 @@ fn plan_figures() -> Result<(f64, f64, f64)> {
         )?);
     }
     let no_dedup_s = t.elapsed().as_secs_f64();
-    Ok((dedup_s, merge_dedup_s, no_dedup_s))
+    Ok((dedup_s, merge_dedup_s, no_dedup_s, stable_s))
 }
 
 struct RigFigures {
@@ -169,7 +183,7 @@ fn main() -> Result<()> {
     let json = std::env::args().any(|a| a == "--json");
     let (xxh, b3) = digest_figures(256 << 20, 1);
     let (xxh_l2, b3_l2) = digest_figures(256 << 10, 1024);
-    let (plan_s, merge_dedup_s, no_dedup_s) = plan_figures()?;
+    let (plan_s, merge_dedup_s, no_dedup_s, stable_s) = plan_figures()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -182,6 +196,7 @@ fn main() -> Result<()> {
             "digest_gbytes_per_s": {"xxh3_128": xxh, "blake3": b3, "xxh3_128_in_cache": xxh_l2, "blake3_in_cache": b3_l2},
             "plan_full_scale_both_ranks_s": plan_s,
             "merge_dedup_full_scale_s": merge_dedup_s,
+            "stable_geometry_check_full_scale_s": stable_s,
             "plan_no_dedup_both_ranks_s": no_dedup_s,
             "rig": {"preset": "qwen3-30b-a3b", "layers": layers, "experts": experts, "publishers": "ep=8,dp=8", "receiver": "tp=2 rank 0", "updates": updates},
             "wire_bytes": rig.wire_bytes,
@@ -217,6 +232,10 @@ fn main() -> Result<()> {
     println!(
         "| plan without dedup, both ranks | {:.2} ms |",
         no_dedup_s * 1e3
+    );
+    println!(
+        "| per update with unchanged geometry instead: table keys + replica digest check | {:.2} ms |",
+        stable_s * 1e3
     );
     println!(
         "| rig | qwen3-30b-a3b, {layers} layers, {experts} experts, EP8/DP8 -> TP2 rank 0, {} reads, {} wire bytes, median of {updates} |",
