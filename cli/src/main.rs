@@ -2,6 +2,7 @@
 
 mod plan_cmd;
 mod refit_cmd;
+mod table_cmd;
 mod transports;
 
 use clap::{Args, Parser, Subcommand};
@@ -26,6 +27,8 @@ enum Command {
     Refit(refit_cmd::RefitArgs),
     /// List the model presets.
     Presets(PresetsArgs),
+    /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
+    Table(table_cmd::TableArgs),
 }
 
 /// Model and topology flags shared by `plan` and `refit`.
@@ -118,6 +121,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan_cmd::run(a),
         Command::Presets(a) => presets(a),
         Command::Refit(a) => refit_cmd::run(a),
+        Command::Table(a) => table_cmd::run(a),
     };
     match result {
         Ok(code) => code.into(),

@@ -247,3 +247,24 @@ fn presets_lists_both_models_with_sources() {
         .iter()
         .all(|p| !p["source"].as_str().unwrap().is_empty()));
 }
+
+#[test]
+fn table_round_trips_through_binary_and_rejects_garbage() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-table");
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("rank3.rsht");
+    let args = ["table", "--layers", "1", "--experts", "16", "--rank", "3"];
+    let json_out = json(&reshard(&args, &[]));
+    assert_eq!(json_out["schema_version"], 1);
+    assert_eq!(json_out["table"]["publisher"]["rank"], 3);
+    let mut write = args.to_vec();
+    write.extend(["--binary", bin.to_str().unwrap()]);
+    assert!(reshard(&write, &[]).status.success());
+    let decoded = json(&reshard(&["table", "--decode", bin.to_str().unwrap()], &[]));
+    assert_eq!(decoded, json_out);
+    let bad = dir.join("garbage.rsht");
+    std::fs::write(&bad, b"RSHT\x07\x00junk").unwrap();
+    let out = reshard(&["table", "--decode", bad.to_str().unwrap()], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"));
+}

@@ -315,3 +315,65 @@ async fn divergence_is_caught_on_the_cached_fast_path_too() {
     assert!(!r.plan_rebuilt);
     assert_exact(&s);
 }
+
+/// The coverage gate: a plan that writes too little of the parameters is refused when the gate
+/// is on, and allowed when it is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coverage_floor_refuses_plans_that_write_too_little() {
+    use reshard_core::{
+        HostBuffer, MemoryBlock, MemoryKind, OfferLocation, ParamSpec, ShardOffer, ShardTable,
+        TensorBox, TensorSpec, WantedCopy, WantedLayout,
+    };
+    let fabric = LoopbackFabric::new();
+    let publisher = endpoint(&fabric, "pub");
+    let buf = Arc::new(HostBuffer::from_bytes(&[7u8; 16]));
+    let reg = publisher
+        .register(buf.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .unwrap();
+    let mut table = ShardTable::new(0, "pub", 1);
+    table
+        .tensors
+        .push(TensorSpec::new("a", DType::U8, vec![16]));
+    table.offers.push(ShardOffer {
+        tensor: "a".into(),
+        tensor_box: TensorBox::new(vec![0], vec![16]),
+        location: OfferLocation {
+            region: reg.id(),
+            offset: 0,
+            memory: MemoryKind::Dram,
+        },
+        digest: None,
+        chunks: None,
+    });
+    // The engine's parameter has 32 bytes; publishers fill 16 of them.
+    let layout = WantedLayout {
+        receiver_rank: 0,
+        params: vec![ParamSpec {
+            name: "p".into(),
+            dtype: DType::U8,
+            shape: vec![32],
+            copies: vec![WantedCopy {
+                tensor: "a".into(),
+                src_box: TensorBox::new(vec![0], vec![16]),
+                dst_offset: 0,
+                dst_strides: vec![1],
+            }],
+        }],
+    };
+    let t = endpoint(&fabric, "rx");
+    t.load_peer(0, publisher.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let gated = ReceiverOptions {
+        min_coverage: Some(0.9),
+        ..ReceiverOptions::default()
+    };
+    let mut rx = Receiver::new(t.clone(), layout.clone(), gated).unwrap();
+    let e = rx.update(std::slice::from_ref(&table)).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Guard, "{e}");
+    assert!(rx.live_params().is_none());
+    let mut rx = Receiver::new(t, layout, ReceiverOptions::default()).unwrap();
+    let r = rx.update(std::slice::from_ref(&table)).await.unwrap();
+    assert_eq!((r.plan.written_bytes, r.plan.param_bytes), (16, 32));
+}
