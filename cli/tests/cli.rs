@@ -13,6 +13,12 @@ fn reshard(args: &[&str], env: &[(&str, &str)]) -> Output {
     c.output().expect("run reshard")
 }
 
+/// Asserts the command failed with an error (exit 2) and returns what it printed on stderr.
+fn error_text(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(2), "expected an error exit");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 fn json(out: &Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -168,8 +174,7 @@ fn unknown_transport_kind_from_env_lists_the_available_ones() {
         ],
         &[("RESHARD_TRANSPORT__KIND", "carrier-pigeon")],
     );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = error_text(&out);
     assert!(
         err.contains("carrier-pigeon") && err.contains("loopback"),
         "{err}"
@@ -208,8 +213,7 @@ fn unknown_config_key_is_an_error_naming_known_keys() {
         &["refit", "--config", file.to_str().unwrap(), "--layers", "1"],
         &[],
     );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = error_text(&out);
     assert!(
         err.contains("full_pull_treshold") && err.contains("full_pull_threshold"),
         "{err}"
@@ -219,8 +223,7 @@ fn unknown_config_key_is_an_error_naming_known_keys() {
 #[test]
 fn a_tp_that_does_not_divide_names_tensor_and_extent() {
     let out = reshard(&["plan", "--layers", "1", "--receivers", "tp=3"], &[]);
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = error_text(&out);
     assert!(err.contains("layout"), "{err}");
     assert!(
         err.contains("model.") || err.contains("lm_head"),
@@ -265,6 +268,5 @@ fn table_round_trips_through_binary_and_rejects_garbage() {
     let bad = dir.join("garbage.rsht");
     std::fs::write(&bad, b"RSHT\x07\x00junk").unwrap();
     let out = reshard(&["table", "--decode", bad.to_str().unwrap()], &[]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"));
+    assert!(error_text(&out).contains("decode"));
 }
