@@ -207,6 +207,9 @@ pub trait InFlight: Send {
 ///   translates the batch once; the result is reused by every `post` until any registration
 ///   or peer changes, which [`Transport::epoch`] reports.
 /// - `post` starts every owner's reads before it returns; nothing is awaited per owner.
+/// - Destinations of one batch are normally disjoint. Where they overlap (the benchmark-only
+///   no-dedup arm reads byte-identical replicas into one place), a backend must apply the
+///   overlapping reads in batch order, never as concurrent host writes to the same bytes.
 /// - Errors name owner, byte range and backend; `retryable` says whether trying again may help.
 #[async_trait]
 pub trait Transport: Send + Sync + fmt::Debug {

@@ -262,7 +262,13 @@ impl LoopbackTransport {
                 len: r.len,
             });
         }
-        let work = work::split(&whole, self.workers);
+        // Overlapping destinations run on one worker, in batch order (the last writer wins).
+        let workers = if work::destinations_overlap(&whole) {
+            1
+        } else {
+            self.workers
+        };
+        let work = work::split(&whole, workers);
         Ok(Prepared {
             agent_uid: self.agent.uid,
             srcs,

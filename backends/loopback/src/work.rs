@@ -25,6 +25,20 @@ pub(crate) struct Piece {
     pub(crate) len: u64,
 }
 
+/// True when two pieces write overlapping bytes of one destination region. Such a batch (the
+/// benchmark-only no-dedup arm writes every replica's identical bytes to one place) must not
+/// be spread over workers: concurrent writes to the same bytes are a data race.
+pub(crate) fn destinations_overlap(pieces: &[Piece]) -> bool {
+    let mut spans: Vec<(u32, u64, u64)> = pieces
+        .iter()
+        .map(|p| (p.dst, p.dst_off, p.dst_off + p.len))
+        .collect();
+    spans.sort_unstable();
+    spans
+        .windows(2)
+        .any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+}
+
 /// Splits `reads` (each a whole read as a piece) into at most `workers` lists balanced by bytes.
 /// Empty lists are dropped.
 pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
@@ -167,6 +181,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn overlapping_destinations_are_detected() {
+        let p = |dst: u32, dst_off: u64, len: u64| Piece {
+            read: 0,
+            src: 0,
+            dst,
+            src_off: 0,
+            dst_off,
+            len,
+        };
+        assert!(!destinations_overlap(&[p(0, 0, 8), p(0, 8, 8), p(1, 0, 8)]));
+        assert!(destinations_overlap(&[p(0, 8, 8), p(1, 0, 8), p(0, 0, 9)]));
+        assert!(!destinations_overlap(&[]));
     }
 
     #[test]
