@@ -360,6 +360,26 @@ impl ChunkDigests {
         }
     }
 
+    /// The whole-offer digest and the chunk digests in one pass over the bytes: each chunk is
+    /// hashed while it is in cache and fed to the streaming whole-offer hash.
+    pub fn with_whole(offer_bytes: &[u8], rows_total: u64, rows: u64) -> (Digest, Self) {
+        let rows = rows.max(1);
+        let row_bytes = offer_bytes.len() as u64 / rows_total.max(1);
+        let chunk = (rows * row_bytes).max(1) as usize;
+        let mut whole = xxhash_rust::xxh3::Xxh3::new();
+        let digests = offer_bytes
+            .chunks(chunk)
+            .map(|c| {
+                whole.update(c);
+                Digest::of(c)
+            })
+            .collect();
+        (
+            Digest(whole.digest128().to_le_bytes()),
+            ChunkDigests { rows, digests },
+        )
+    }
+
     /// Number of chunks an offer of `rows_total` dim-0 rows has.
     pub fn expected_count(rows_total: u64, rows: u64) -> u64 {
         rows_total.div_ceil(rows.max(1))
@@ -487,6 +507,18 @@ impl ShardTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_pass_digests_equal_separate_ones() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let (whole, chunks) = ChunkDigests::with_whole(&bytes, 100, 13);
+        assert_eq!(whole, Digest::of(&bytes));
+        assert_eq!(chunks, ChunkDigests::of(&bytes, 100, 13));
+        assert_eq!(
+            chunks.digests.len() as u64,
+            ChunkDigests::expected_count(100, 13)
+        );
+    }
 
     #[test]
     fn dtype_sizes_and_names_round_trip() {

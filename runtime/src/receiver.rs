@@ -604,6 +604,7 @@ impl Receiver {
             staging.push(buf);
         }
         let staging_ids = staging_regs.iter().map(|r| r.id()).collect();
+        make_resident(b0.params.iter().chain(&b1.params).chain(&staging));
         Ok(Prepared {
             geometry,
             arm,
@@ -637,6 +638,22 @@ struct Front {
     dedup_report: DedupReport,
     plan_rebuilt: bool,
     descriptors_rebuilt: bool,
+}
+
+/// Touches every page of freshly zeroed buffers, in parallel, so they are resident before any
+/// timed transfer (registration with a NIC pins them just the same). Otherwise first-touch
+/// page faults land in whichever wire leg writes a buffer first.
+fn make_resident<'a>(bufs: impl Iterator<Item = &'a Arc<HostBuffer>>) {
+    let bufs: Vec<&Arc<HostBuffer>> = bufs.collect();
+    bufs.par_iter().for_each(|b| {
+        let mut bytes = b.write();
+        bytes.par_chunks_mut(1 << 20).for_each(|c| {
+            // Writing the zero a fresh page already holds faults it in.
+            for page in c.chunks_mut(4096) {
+                page[0] = 0;
+            }
+        });
+    });
 }
 
 /// Laps of a stage clock: each lap is the time since the previous one.

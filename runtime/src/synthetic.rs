@@ -173,9 +173,12 @@ impl SyntheticCluster {
                 let rows = d.tensor_box.extent[0];
                 // Eight chunks per offer: every TP1/2/4/8 dim-0 slice of an offer whose rows
                 // divide by 8 is a whole number of chunks, so receivers can check it.
-                let chunks = (rows >= 2)
-                    .then(|| ChunkDigests::of(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER)));
-                (Some(Digest::of(bytes)), chunks)
+                if rows < 2 {
+                    return (Some(Digest::of(bytes)), None);
+                }
+                let (whole, chunks) =
+                    ChunkDigests::with_whole(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER));
+                (Some(whole), Some(chunks))
             })
             .collect();
         drop(arena);
