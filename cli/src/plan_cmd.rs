@@ -39,6 +39,7 @@ struct RankRow {
     descriptors_saved: u64,
     extra_wire_bytes: u64,
     full_pull_sources: u64,
+    staged_offers: u64,
     owners: u64,
     plan_seconds: f64,
     fingerprint: String,
@@ -55,6 +56,7 @@ fn row(rank: u32, s: &PlanStats, secs: f64, fp: u64) -> RankRow {
         descriptors_saved: s.descriptors_saved,
         extra_wire_bytes: s.extra_wire_bytes,
         full_pull_sources: s.full_pull_sources,
+        staged_offers: s.staged_offers,
         owners: s.owners,
         plan_seconds: secs,
         fingerprint: format!("{fp:016x}"),
@@ -107,6 +109,7 @@ fn print_rows(title: &str, rows: &[RankRow]) {
         "wire bytes",
         "extra wire bytes from full pulls",
         "owners (sessions) touched",
+        "staged whole offers",
         "plan seconds",
     ];
     print!("  {:<38}", "per receiver rank");
@@ -127,6 +130,7 @@ fn print_rows(title: &str, rows: &[RankRow]) {
                 6 => r.wire_bytes.to_string(),
                 7 => r.extra_wire_bytes.to_string(),
                 8 => r.owners.to_string(),
+                9 => r.staged_offers.to_string(),
                 _ => format!("{:.4}", r.plan_seconds),
             };
             print!(" {v:>18}");

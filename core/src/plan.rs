@@ -34,15 +34,16 @@ pub struct PlannedRead {
     pub tensor: u32,
 }
 
-/// A staging buffer holding a dim-0 row range of one tensor, filled by full-pull reads.
+/// A staging buffer holding one box of a tensor, row-major: a dim-0 row range (full pull) or
+/// one whole offer (a staged offer).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StagingBuffer {
     /// Index into [`Plan::tensors`].
     pub tensor: u32,
-    /// First dim-0 row held.
-    pub row_start: u64,
-    /// Number of dim-0 rows held.
-    pub rows: u64,
+    /// The box of the tensor it holds.
+    pub tensor_box: crate::model::TensorBox,
+    /// True when it holds one whole offer (a staged offer), false for a dim-0 full pull.
+    pub whole_offer: bool,
     /// Size in bytes.
     pub bytes: u64,
 }
@@ -136,8 +137,11 @@ pub struct PlanStats {
     pub descriptors_saved: u64,
     /// Bytes pulled by full pulls beyond what the copies need.
     pub extra_wire_bytes: u64,
-    /// Source tensors pulled whole and re-sliced locally.
+    /// Source tensors pulled whole (dim-0 full pulls) and re-sliced locally.
     pub full_pull_sources: u64,
+    /// Offers read whole into staging and re-sliced, because they lie inside a copy but would
+    /// land as too many runs (no extra wire bytes).
+    pub staged_offers: u64,
     /// Distinct owners (sessions) read from.
     pub owners: u64,
     /// Parameter bytes the plan writes.
@@ -182,9 +186,11 @@ impl Plan {
         f.u64(self.staging.len() as u64);
         for s in &self.staging {
             f.u64(s.tensor as u64)
-                .u64(s.row_start)
-                .u64(s.rows)
-                .u64(s.bytes);
+                .u64(s.bytes)
+                .u64(s.whole_offer as u64);
+            for d in 0..s.tensor_box.rank() {
+                f.u64(s.tensor_box.offset[d]).u64(s.tensor_box.extent[d]);
+            }
         }
         f.u64(self.reslices.len() as u64);
         for r in &self.reslices {

@@ -79,14 +79,21 @@ struct StagingAcc {
     state: u32,
     /// Offer indices intersecting some full-pulled copy (may repeat; deduplicated at the end).
     offers: Vec<usize>,
+    /// True for a dim-0 full pull (a row range of the tensor); false for one whole offer.
+    rows: bool,
 }
 
-/// A full-pulled copy whose re-slice needs the staging row range, known only after all copies.
+/// A re-slice whose source offset depends on the staging buffer's final extent, known only
+/// after all copies.
 struct PendingReslice<'a> {
     staging: u32,
     param: u32,
-    copy: &'a WantedCopy,
     tensor: u32,
+    /// Box of the tensor to move (the copy box, or a whole offer inside it).
+    src_box: TensorBox,
+    /// Byte offset of that box's first element in the parameter.
+    dst_offset: u64,
+    dst_strides: &'a [u64],
 }
 
 /// Intersections of one copy with the offers of its tensor, stored flat to avoid an allocation
@@ -300,6 +307,8 @@ struct Planner<'a> {
     states: Vec<TensorState>,
     tensor_names: Vec<String>,
     staging: Vec<StagingAcc>,
+    /// (MergedTable tensor index, offer index) -> its whole-offer staging buffer.
+    offer_staging: rustc_hash::FxHashMap<(usize, usize), u32>,
     pending: Vec<PendingReslice<'a>>,
     /// Reads of exact copies, in layout order.
     reads: Vec<PlannedRead>,
@@ -323,6 +332,7 @@ impl<'a> Planner<'a> {
             states: Vec::new(),
             tensor_names: Vec::new(),
             staging: Vec::new(),
+            offer_staging: Default::default(),
             pending: Vec::new(),
             reads: Vec::new(),
             checks: Vec::new(),
@@ -435,11 +445,23 @@ impl<'a> Planner<'a> {
         }
         self.exact_descriptors = self.exact_descriptors.saturating_add(total_runs);
 
-        if total_runs > self.opts.full_pull_threshold && self.states[slot as usize].tiles_dim0 {
+        let too_many = total_runs > self.opts.full_pull_threshold;
+        if too_many && self.states[slot as usize].tiles_dim0 {
             self.full_pull(slot, pi, c, copy_elems * elem);
         } else {
             for k in 0..self.ov.len() {
-                self.exact_overlap(slot, pi, t, c, k);
+                // An offer that lies wholly inside the copy but lands as many runs (a column
+                // block of a row-parallel tensor from a TP>1 publisher): one read of the whole
+                // offer into staging and a local re-slice, at no extra wire bytes.
+                let whole = self.ov.ext(k) == t.offers[self.ov.offers[k]].tensor_box.extent;
+                let b = &t.offers[self.ov.offers[k]].tensor_box;
+                fill_row_major(&b.extent, &mut self.src_strides);
+                let runs = run_shape(self.ov.ext(k), &self.src_strides, &c.dst_strides).runs;
+                if too_many && whole && runs > 1 {
+                    self.stage_offer(slot, pi, t, c, k);
+                } else {
+                    self.exact_overlap(slot, pi, t, c, k);
+                }
             }
         }
         Ok(())
@@ -519,6 +541,7 @@ impl<'a> Planner<'a> {
                 self.staging.push(StagingAcc {
                     state: slot,
                     offers: Vec::new(),
+                    rows: true,
                 });
                 self.states[slot as usize].staging = Some(s);
                 s
@@ -531,8 +554,41 @@ impl<'a> Planner<'a> {
         self.pending.push(PendingReslice {
             staging,
             param: pi,
-            copy: c,
             tensor: slot,
+            src_box: c.src_box.clone(),
+            dst_offset: c.dst_offset,
+            dst_strides: &c.dst_strides,
+        });
+    }
+
+    /// Records overlap `k`, a whole offer inside the copy, as one read of the offer into its own
+    /// staging buffer (shared by every copy that stages it) plus a re-slice into the parameter.
+    fn stage_offer(&mut self, slot: u32, pi: u32, t: &MergedTensor, c: &'a WantedCopy, k: usize) {
+        let oi = self.ov.offers[k];
+        let ti = self.states[slot as usize].table_index;
+        let next = self.staging.len() as u32;
+        let staging = *self.offer_staging.entry((ti, oi)).or_insert(next);
+        if staging == next {
+            self.staging.push(StagingAcc {
+                state: slot,
+                offers: vec![oi],
+                rows: false,
+            });
+        }
+        let b = &t.offers[oi].tensor_box;
+        let elem = t.spec.dtype.size();
+        let dst_offset = c.dst_offset
+            + elem
+                * (0..b.rank())
+                    .map(|d| (b.offset[d] - c.src_box.offset[d]) * c.dst_strides[d])
+                    .sum::<u64>();
+        self.pending.push(PendingReslice {
+            staging,
+            param: pi,
+            tensor: slot,
+            src_box: b.clone(),
+            dst_offset,
+            dst_strides: &c.dst_strides,
         });
     }
 
@@ -669,11 +725,46 @@ impl<'a> Planner<'a> {
         let mut staging = Vec::with_capacity(self.staging.len());
         let mut pull_reads = Vec::new();
         let mut staging_read_bytes = 0u64;
+        let mut staged_offers = 0u64;
         for (si, acc) in self.staging.iter_mut().enumerate() {
             let si = si as u32;
             let state = &self.states[acc.state as usize];
             let t = &table.tensors[state.table_index];
             let elem = t.spec.dtype.size();
+            if !acc.rows {
+                // One whole offer, row-major over its own box.
+                let o = &t.offers[acc.offers[0]];
+                let len = o.tensor_box.elements() * elem;
+                staged_offers += 1;
+                pull_reads.push(PlannedRead {
+                    owner: o.owner,
+                    src_region: o.location.region,
+                    src_offset: o.location.offset,
+                    len,
+                    dst: Dest::Staging(si),
+                    dst_offset: 0,
+                    tensor: acc.state,
+                });
+                self.checks.push(DigestCheck {
+                    tensor: acc.state,
+                    owner: o.owner,
+                    src_region: o.location.region,
+                    src_offset: o.location.offset,
+                    chunk: None,
+                    dst: Dest::Staging(si),
+                    dst_offset: 0,
+                    rows: 1,
+                    row_bytes: len,
+                    row_stride: len,
+                });
+                staging.push(StagingBuffer {
+                    tensor: acc.state,
+                    tensor_box: o.tensor_box.clone(),
+                    whole_offer: true,
+                    bytes: len,
+                });
+                continue;
+            }
             let row_bytes = t.spec.shape[1..].iter().product::<u64>() * elem;
             // Only offers some full-pulled copy intersects are read: rows of the staging buffer
             // between them are never re-sliced, so pulling them would only add wire bytes.
@@ -719,40 +810,37 @@ impl<'a> Planner<'a> {
                     row_stride: len,
                 });
             }
+            let mut offset = vec![0; t.spec.shape.len()];
+            let mut extent = t.spec.shape.clone();
+            offset[0] = row_start;
+            extent[0] = row_end - row_start;
             staging.push(StagingBuffer {
                 tensor: acc.state,
-                row_start,
-                rows: row_end - row_start,
+                tensor_box: TensorBox::new(offset, extent),
+                whole_offer: false,
                 bytes: (row_end - row_start) * row_bytes,
             });
         }
 
         let mut reslices = Vec::with_capacity(self.pending.len());
         for pr in &self.pending {
-            let sb = &staging[pr.staging as usize];
+            // Staging holds its box row-major.
+            let sb = &staging[pr.staging as usize].tensor_box;
             let t = &table.tensors[self.states[pr.tensor as usize].table_index];
             let elem = t.spec.dtype.size();
-            let strides = row_major_strides(&t.spec.shape);
-            let c = pr.copy;
+            let strides = row_major_strides(&sb.extent);
             let within: u64 = (0..strides.len())
-                .map(|d| {
-                    let row = if d == 0 {
-                        c.src_box.offset[0] - sb.row_start
-                    } else {
-                        c.src_box.offset[d]
-                    };
-                    row * strides[d]
-                })
+                .map(|d| (pr.src_box.offset[d] - sb.offset[d]) * strides[d])
                 .sum();
             reslices.push(Reslice {
                 staging: pr.staging,
                 src_offset: elem * within,
                 src_strides: strides,
-                extent: c.src_box.extent.clone(),
+                extent: pr.src_box.extent.clone(),
                 elem,
                 param: pr.param,
-                dst_offset: c.dst_offset,
-                dst_strides: c.dst_strides.clone(),
+                dst_offset: pr.dst_offset,
+                dst_strides: pr.dst_strides.to_vec(),
                 tensor: pr.tensor,
             });
         }
@@ -775,7 +863,8 @@ impl<'a> Planner<'a> {
             exact_descriptors: self.exact_descriptors,
             descriptors_saved: self.exact_descriptors.saturating_sub(read_count),
             extra_wire_bytes: staging_read_bytes.saturating_sub(self.full_pulled_bytes),
-            full_pull_sources: staging.len() as u64,
+            full_pull_sources: staging.len() as u64 - staged_offers,
+            staged_offers,
             owners: owners.len() as u64,
             written_bytes: self.written_bytes,
             param_bytes: layout.bytes(),

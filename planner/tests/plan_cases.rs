@@ -185,7 +185,12 @@ fn dim1_slice_with_many_rows_is_a_full_pull_and_reslice() {
     assert_eq!(p.staging.len(), 1);
     let s = &p.staging[0];
     assert_eq!(
-        (s.tensor, s.row_start, s.rows, s.bytes),
+        (
+            s.tensor,
+            s.tensor_box.offset[0],
+            s.tensor_box.extent[0],
+            s.bytes
+        ),
         (0, 0, 128, 128 * 16)
     );
     assert_eq!(p.reslices.len(), 1);
@@ -261,7 +266,10 @@ fn staging_holds_only_offers_the_full_pulled_copies_touch() {
     };
     let p = plan(&t, &l, &opts).unwrap();
     let s = &p.staging[0];
-    assert_eq!((s.row_start, s.rows, s.bytes), (32, 96, 96 * 16));
+    assert_eq!(
+        (s.tensor_box.offset[0], s.tensor_box.extent[0], s.bytes),
+        (32, 96, 96 * 16)
+    );
     assert_eq!(p.stats.reads, 3);
     // The three blocks are adjacent at one owner and in staging: one read on the wire.
     assert_eq!(
@@ -791,4 +799,57 @@ fn whole_offer_rows_landing_strided_are_gathered() {
         })
         .collect();
     assert_eq!(got, vec![(0, None, 0, 4, 8, 16), (1, None, 8, 4, 8, 16)]);
+}
+
+#[test]
+fn whole_offers_inside_a_copy_are_staged_instead_of_read_row_by_row() {
+    // Row-parallel [128, 64] from TP4 publishers (column blocks of 16) into a TP2 receiver's
+    // column half [128, 32]: the half holds two whole blocks, each 128 rows of 16 columns.
+    let w = bf16("w", &[128, 64]);
+    let tables: Vec<_> = (0..4)
+        .map(|r| table(r, &[&w], &[off("w", &[0, 16 * r as u64], &[128, 16])]))
+        .collect();
+    let t = deduped(&tables);
+    let c = WantedCopy {
+        tensor: "w".into(),
+        src_box: TensorBox::new(vec![0, 32], vec![128, 32]),
+        dst_offset: 0,
+        dst_strides: vec![32, 1],
+    };
+    let l = layout(vec![param("p", DType::Bf16, &[128, 32], vec![c])]);
+    let p = default_plan(&t, &l);
+    assert_eq!(p.stats.exact_descriptors, 256);
+    assert_eq!(p.stats.reads, 2, "one read per whole offer");
+    assert_eq!((p.stats.staged_offers, p.stats.full_pull_sources), (2, 0));
+    assert_eq!(p.stats.extra_wire_bytes, 0);
+    assert_eq!(p.stats.wire_bytes, 128 * 32 * 2);
+    let owners: Vec<_> = p.reads.iter().map(|r| (r.owner, r.len, r.dst)).collect();
+    assert_eq!(
+        owners,
+        vec![(2, 4096, Dest::Staging(0)), (3, 4096, Dest::Staging(1))]
+    );
+    // Block of owner 3 lands at column 16 of the parameter, rows 64 bytes apart.
+    let r = &p.reslices[1];
+    assert_eq!((r.src_offset, r.dst_offset), (0, 32));
+    assert_eq!(
+        (r.src_strides.clone(), r.dst_strides.clone()),
+        (vec![16, 1], vec![32, 1])
+    );
+    assert!(p.staging.iter().all(|s| s.whole_offer));
+    assert_eq!(
+        p.checks.len(),
+        2,
+        "each staged offer is digest-checked whole"
+    );
+    // Below the threshold the same copy stays exact.
+    let exact = plan(
+        &t,
+        &l,
+        &PlanOptions {
+            full_pull_threshold: 1000,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!((exact.stats.reads, exact.stats.staged_offers), (256, 0));
 }

@@ -625,7 +625,7 @@ proptest! {
         prop_assert!(s.coalesced_reads <= s.reads);
         prop_assert_eq!(s.wire_bytes, p.reads.iter().map(|r| r.len).sum::<u64>());
         prop_assert_eq!(s.descriptors_saved, s.exact_descriptors.saturating_sub(s.reads));
-        prop_assert_eq!(s.full_pull_sources, p.staging.len() as u64);
+        prop_assert_eq!(s.full_pull_sources + s.staged_offers, p.staging.len() as u64);
         prop_assert_eq!(s.param_bytes, case.layout.bytes());
         let written: u64 = case.expected.iter().flatten().filter(|&&x| x != 0).count() as u64;
         prop_assert_eq!(s.written_bytes, written);
@@ -638,7 +638,21 @@ proptest! {
             .map(|r| r.len)
             .sum();
         prop_assert_eq!(s.wire_bytes, written - resliced + staged);
-        prop_assert_eq!(s.extra_wire_bytes, staged.saturating_sub(resliced));
+        // Extra bytes come only from dim-0 full pulls; a staged offer is wholly wanted.
+        let full_pull = |i: u32| !p.staging[i as usize].whole_offer;
+        let pulled: u64 = p
+            .reads
+            .iter()
+            .filter(|r| matches!(r.dst, Dest::Staging(i) if full_pull(i)))
+            .map(|r| r.len)
+            .sum();
+        let resliced_pulled: u64 = p
+            .reslices
+            .iter()
+            .filter(|r| full_pull(r.staging))
+            .map(|r| r.bytes())
+            .sum();
+        prop_assert_eq!(s.extra_wire_bytes, pulled.saturating_sub(resliced_pulled));
         prop_assert_eq!(s.checked_bytes, p.checks.iter().map(|c| c.bytes()).sum::<u64>());
         prop_assert!(p.tensors.iter().all(|t| case.specs.iter().any(|s| &s.name == t)));
         let mut owners: Vec<u32> = p.reads.iter().map(|r| r.owner).collect();
