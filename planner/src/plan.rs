@@ -60,6 +60,16 @@ pub fn plan(table: &MergedTable, layout: &WantedLayout, opts: &PlanOptions) -> R
     Ok(p.finish(layout))
 }
 
+/// The `MissingCoverage` error for copy `c`, naming its tensor and an unoffered box.
+fn missing_coverage(c: &WantedCopy, missing: TensorBox, message: String) -> Error {
+    Error::new(ErrorKind::MissingCoverage, message)
+        .with_tensor(&c.tensor)
+        .with_detail(ErrorDetail::MissingCoverage {
+            tensor: c.tensor.clone(),
+            missing,
+        })
+}
+
 /// Sentinel for "tensor not seen yet" in [`Planner::slot_of`].
 const UNSEEN: u32 = u32::MAX;
 
@@ -319,6 +329,8 @@ struct Planner<'a> {
     // Scratch buffers reused across copies.
     ov: Overlaps,
     src_strides: Vec<u64>,
+    /// Runs of each overlap of the current copy.
+    runs: Vec<u64>,
     idx: Vec<u64>,
     order: Vec<usize>,
 }
@@ -341,6 +353,7 @@ impl<'a> Planner<'a> {
             full_pulled_bytes: 0,
             ov: Overlaps::default(),
             src_strides: Vec::new(),
+            runs: Vec::new(),
             idx: Vec::new(),
             order: Vec::new(),
         }
@@ -388,18 +401,14 @@ impl<'a> Planner<'a> {
     fn copy(&mut self, pi: u32, param: &ParamSpec, c: &'a WantedCopy) -> Result<()> {
         let table = self.table;
         let Some(ti) = table.position(&c.tensor) else {
-            return Err(Error::new(
-                ErrorKind::MissingCoverage,
+            return Err(missing_coverage(
+                c,
+                c.src_box.clone(),
                 format!(
                     "parameter {} wants box {} of a tensor no publisher offers",
                     param.name, c.src_box
                 ),
-            )
-            .with_tensor(&c.tensor)
-            .with_detail(ErrorDetail::MissingCoverage {
-                tensor: c.tensor.clone(),
-                missing: c.src_box.clone(),
-            }));
+            ));
         };
         let slot = self.state_of(ti)?;
         let t = &table.tensors[ti];
@@ -437,10 +446,12 @@ impl<'a> Planner<'a> {
 
         // Count before materialising: runs are products of extents.
         let mut total_runs = 0u64;
+        self.runs.clear();
         for k in 0..self.ov.len() {
             let b = &t.offers[self.ov.offers[k]].tensor_box;
             fill_row_major(&b.extent, &mut self.src_strides);
             let rs = run_shape(self.ov.ext(k), &self.src_strides, &c.dst_strides);
+            self.runs.push(rs.runs);
             total_runs = total_runs.saturating_add(rs.runs);
         }
         self.exact_descriptors = self.exact_descriptors.saturating_add(total_runs);
@@ -453,11 +464,10 @@ impl<'a> Planner<'a> {
                 // An offer that lies wholly inside the copy but lands as many runs (a column
                 // block of a row-parallel tensor from a TP>1 publisher): one read of the whole
                 // offer into staging and a local re-slice, at no extra wire bytes.
-                let whole = self.ov.ext(k) == t.offers[self.ov.offers[k]].tensor_box.extent;
-                let b = &t.offers[self.ov.offers[k]].tensor_box;
-                fill_row_major(&b.extent, &mut self.src_strides);
-                let runs = run_shape(self.ov.ext(k), &self.src_strides, &c.dst_strides).runs;
-                if too_many && whole && runs > 1 {
+                if too_many
+                    && self.runs[k] > 1
+                    && self.ov.ext(k) == t.offers[self.ov.offers[k]].tensor_box.extent
+                {
                     self.stage_offer(slot, pi, t, c, k);
                 } else {
                     self.exact_overlap(slot, pi, t, c, k);
@@ -516,18 +526,14 @@ impl<'a> Planner<'a> {
         let hi: Vec<u64> = (0..c.src_box.rank()).map(|d| c.src_box.end(d)).collect();
         match find_uncovered(ov, &c.src_box.offset, &hi) {
             None => Ok(()),
-            Some(missing) => Err(Error::new(
-                ErrorKind::MissingCoverage,
+            Some(missing) => Err(missing_coverage(
+                c,
+                missing.clone(),
                 format!(
                     "parameter {} wants box {}, but box {missing} is not offered by any publisher",
                     param.name, c.src_box
                 ),
-            )
-            .with_tensor(&c.tensor)
-            .with_detail(ErrorDetail::MissingCoverage {
-                tensor: c.tensor.clone(),
-                missing,
-            })),
+            )),
         }
     }
 
