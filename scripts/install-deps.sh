@@ -2,13 +2,22 @@
 # Installs what reshard needs on a fresh Debian machine. Idempotent: it only installs what is
 # missing, so running it twice is cheap.
 #
-# Needed today: a C toolchain and pkg-config (for crates that build C code). The Rust toolchain
-# itself is pinned in rust-toolchain.toml and comes from rustup.
+# - a C toolchain and pkg-config (for crates that build C code);
+# - UCX (Debian's libucx-dev 1.13, plus ucx-utils for ucx_info/ucx_perftest) and libclang for
+#   bindgen, used by backends/ucx;
+# - the NIXL runtime: the PyPI wheel nixl-cu12, unpacked (no CUDA needed for DRAM) into the
+#   git-ignored folder .deps/nixl, used by backends/nixl. RESHARD_NIXL_HOME overrides the folder.
+# The Rust toolchain itself is pinned in rust-toolchain.toml and comes from rustup.
 set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
 
 need=()
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+[ -e /usr/include/ucp/api/ucp.h ] || need+=(libucx-dev)
+command -v ucx_info >/dev/null 2>&1 || need+=(ucx-utils)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip)
 
 if [ "${#need[@]}" -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
@@ -31,4 +40,17 @@ if command -v rustup >/dev/null 2>&1 && ! rustup toolchain list | grep -q "^$pin
         rustup toolchain install "$pinned" --profile minimal --component rustfmt,clippy
     fi
 fi
-echo "install-deps: system dependencies present"
+# NIXL runtime: pinned wheel, installed without its Python dependencies (only its shared
+# libraries are used).
+nixl_version=1.5.1
+nixl_home=${RESHARD_NIXL_HOME:-$root/.deps/nixl}
+if [ ! -e "$nixl_home/.nixl_cu12.mesonpy.libs/libnixl_capi.so" ]; then
+    rm -rf "$nixl_home"
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check --no-deps --target "$nixl_home" \
+        "nixl-cu12==$nixl_version"
+fi
+if [ ! -e "$nixl_home/.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.so" ]; then
+    echo "install-deps: the NIXL wheel in $nixl_home has no UCX plugin" >&2
+    exit 1
+fi
+echo "install-deps: system dependencies present (NIXL runtime in $nixl_home)"

@@ -4,7 +4,9 @@
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -19,6 +21,10 @@ pub struct Config {
     pub planner: PlannerConfig,
     /// Receiver knobs (verification, guards).
     pub receiver: ReceiverConfig,
+    /// Backend-specific sections, `[backends.<kind>]`: each backend parses its own section into
+    /// a typed struct (unknown keys are errors there); a section for an unknown kind is an
+    /// error here.
+    pub backends: BTreeMap<String, serde_json::Value>,
 }
 
 /// `[transport]`: the backend and its shared options.
@@ -29,6 +35,24 @@ pub struct TransportConfig {
     pub kind: String,
     /// Worker threads for backends that copy on the host (default: available cores).
     pub workers: Option<usize>,
+    /// The `[backends.<kind>]` section of the selected kind, copied here by [`Config::load`]
+    /// so a factory sees its own options; read it with [`backend_options`].
+    #[serde(skip)]
+    pub options: Option<serde_json::Value>,
+}
+
+/// Parses the selected backend's `[backends.<kind>]` section into its typed options (defaults
+/// when the section is absent); a wrong or unknown key is a `Config` error naming the backend.
+pub fn backend_options<T: DeserializeOwned + Default>(config: &TransportConfig) -> Result<T> {
+    match &config.options {
+        None => Ok(T::default()),
+        Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("invalid [backends.{}] options: {e}", config.kind),
+            )
+        }),
+    }
 }
 
 /// `[planner]`: how plans are built.
@@ -60,6 +84,7 @@ impl Default for TransportConfig {
         TransportConfig {
             kind: "loopback".into(),
             workers: None,
+            options: None,
         }
     }
 }
@@ -123,25 +148,45 @@ impl Config {
         if let Some(v) = cli {
             fig = fig.merge(Serialized::defaults(v));
         }
-        let cfg: Config = fig
+        let mut cfg: Config = fig
             .extract()
             .map_err(|e| Error::new(ErrorKind::Config, config_message(e)))?;
         cfg.validate()?;
+        cfg.select_backend_options();
         Ok(cfg)
     }
 
     /// Parses a TOML string over the defaults (no environment), for tests and embedding.
     pub fn from_toml(text: &str) -> Result<Config> {
-        let cfg: Config = Figment::from(Serialized::defaults(Config::default()))
+        let mut cfg: Config = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::string(text))
             .extract()
             .map_err(|e| Error::new(ErrorKind::Config, config_message(e)))?;
         cfg.validate()?;
+        cfg.select_backend_options();
         Ok(cfg)
+    }
+
+    /// Copies the selected kind's `[backends.<kind>]` section into `transport.options`.
+    pub fn select_backend_options(&mut self) {
+        self.transport.options = self.backends.get(&self.transport.kind).cloned();
     }
 
     /// Checks value ranges.
     pub fn validate(&self) -> Result<()> {
+        if let Some(k) = self
+            .backends
+            .keys()
+            .find(|k| !crate::registry::KNOWN_KINDS.contains(&k.as_str()))
+        {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "unknown backend section [backends.{k}]; known: {}",
+                    crate::registry::KNOWN_KINDS.join(", ")
+                ),
+            ));
+        }
         if self.planner.full_pull_threshold == 0 {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -226,6 +271,31 @@ mod tests {
             ErrorKind::Config
         );
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn backend_sections_reach_the_selected_factory_typed() {
+        #[derive(Debug, Default, Deserialize, PartialEq)]
+        #[serde(deny_unknown_fields, default)]
+        struct Opts {
+            tls: Option<String>,
+            in_flight: Option<u32>,
+        }
+        let c = Config::from_toml(
+            "[transport]\nkind = \"ucx\"\n[backends.ucx]\ntls = \"tcp\"\nin_flight = 8\n[backends.nixl]\nx = 1\n",
+        )
+        .unwrap();
+        let o: Opts = backend_options(&c.transport).unwrap();
+        assert_eq!((o.tls.as_deref(), o.in_flight), (Some("tcp"), Some(8)));
+        let c = Config::from_toml("[backends.ucx]\ntlz = \"tcp\"\n[transport]\nkind = \"ucx\"\n")
+            .unwrap();
+        let e = backend_options::<Opts>(&c.transport).unwrap_err();
+        assert!(e.message().contains("tlz") && e.message().contains("backends.ucx"), "{e}");
+        let e = Config::from_toml("[backends.carrier]\n").unwrap_err();
+        assert!(e.message().contains("carrier") && e.message().contains("ucx"), "{e}");
+        // No section: defaults.
+        let c = Config::from_toml("").unwrap();
+        assert_eq!(backend_options::<Opts>(&c.transport).unwrap(), Opts::default());
     }
 
     #[test]

@@ -40,6 +40,11 @@ pub enum ErrorKind {
     Config,
     /// The backend does not support what was asked.
     Unsupported,
+    /// A backend's native library or runtime is not installed on this machine (the message
+    /// says how to install it).
+    Unavailable,
+    /// A wait (connect, post, completion, discovery) ran past its configured timeout.
+    Timeout,
     /// A bug or broken invariant inside reshard.
     Internal,
 }
@@ -64,6 +69,8 @@ impl ErrorKind {
             ErrorKind::Guard => "guard",
             ErrorKind::Config => "config",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Timeout => "timeout",
             ErrorKind::Internal => "internal",
         }
     }

@@ -83,6 +83,7 @@ mod tests {
         let cfg = TransportConfig {
             kind: "carrier-pigeon".into(),
             workers: None,
+            options: None,
         };
         let e = r.create("a", &cfg).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);

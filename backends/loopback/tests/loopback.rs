@@ -662,6 +662,7 @@ async fn the_factory_creates_agents_through_the_registry() {
     let cfg = TransportConfig {
         kind: "loopback".into(),
         workers: Some(2),
+        ..Default::default()
     };
     let publisher = registry.create("pub", &cfg).unwrap();
     let receiver = registry

@@ -1,0 +1,1 @@
+//! NIXL transport of reshard (work in progress).

@@ -1,0 +1,1 @@
+//! UCX transport of reshard (work in progress).
