@@ -7,11 +7,36 @@ pub mod wrappers;
 
 pub use fixtures::Harness;
 
+/// Environment variable listing backends (comma-separated) whose absence fails tests instead
+/// of skipping them; CI sets it to every backend it installs.
+pub const REQUIRE_BACKENDS_ENV: &str = "RESHARD_REQUIRE_BACKENDS";
+
+/// Whether `backend`'s tests can run: `probe` says if its native runtime is usable here. When it
+/// is not, this panics if [`REQUIRE_BACKENDS_ENV`] names the backend (so CI cannot skip it
+/// silently) and otherwise prints why the test is skipped and returns false.
+pub fn backend_available(backend: &str, probe: reshard_core::Result<()>) -> bool {
+    match probe {
+        Ok(()) => true,
+        Err(e) => {
+            let required = std::env::var(REQUIRE_BACKENDS_ENV).unwrap_or_default();
+            if required.split(',').any(|b| b.trim() == backend) {
+                panic!(
+                    "backend {backend} is required ({REQUIRE_BACKENDS_ENV}) but unavailable: {e}"
+                );
+            }
+            eprintln!("SKIPPED: backend {backend} unavailable here: {e}");
+            false
+        }
+    }
+}
+
 /// Makes one `#[tokio::test]` per conformance check, each with a fresh harness from `$make`.
+/// With `requires = $probe` (a `reshard_core::Result<()>`), each test first asks
+/// [`backend_available`].
 #[macro_export]
 macro_rules! conformance_tests {
-    ($make:expr) => {
-        $crate::conformance_tests!(@each $make;
+    ($make:expr, requires = $probe:expr) => {
+        $crate::conformance_tests!(@each $make, $probe;
             install_byte_exact_dense_tp4_to_tp2,
             install_byte_exact_dense_tp2_to_tp4,
             install_byte_exact_moe_ep8_dp8_to_tp2,
@@ -30,11 +55,17 @@ macro_rules! conformance_tests {
             abort_stops_a_posted_batch,
         );
     };
-    (@each $make:expr; $($check:ident),* $(,)?) => {
+    ($make:expr) => {
+        $crate::conformance_tests!($make, requires = ::std::result::Result::Ok(()));
+    };
+    (@each $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $check() {
                 let harness = $make;
+                if !$crate::backend_available(harness.name(), $probe) {
+                    return;
+                }
                 $crate::checks::$check(&harness).await;
             }
         )*

@@ -290,12 +290,21 @@ mod tests {
         let c = Config::from_toml("[backends.ucx]\ntlz = \"tcp\"\n[transport]\nkind = \"ucx\"\n")
             .unwrap();
         let e = backend_options::<Opts>(&c.transport).unwrap_err();
-        assert!(e.message().contains("tlz") && e.message().contains("backends.ucx"), "{e}");
+        assert!(
+            e.message().contains("tlz") && e.message().contains("backends.ucx"),
+            "{e}"
+        );
         let e = Config::from_toml("[backends.carrier]\n").unwrap_err();
-        assert!(e.message().contains("carrier") && e.message().contains("ucx"), "{e}");
+        assert!(
+            e.message().contains("carrier") && e.message().contains("ucx"),
+            "{e}"
+        );
         // No section: defaults.
         let c = Config::from_toml("").unwrap();
-        assert_eq!(backend_options::<Opts>(&c.transport).unwrap(), Opts::default());
+        assert_eq!(
+            backend_options::<Opts>(&c.transport).unwrap(),
+            Opts::default()
+        );
     }
 
     #[test]
