@@ -8,13 +8,13 @@ use reshard_core::{
     ReadBatch, ReadDesc, ShardTable, Transport,
 };
 use reshard_planner::plan::{plan, PlanOptions};
-use reshard_runtime::{Receiver, ReceiverOptions, SyntheticCluster};
+use reshard_runtime::{Receiver, ReceiverOptions};
 
-use crate::fixtures::{tiny_dense, tiny_moe, Harness};
+use crate::fixtures::{tiny_dense, tiny_moe, Cluster, Harness};
 use crate::wrappers::{FailingTransport, RecordingTransport};
 
 /// Asserts the receiver's live weights equal the generator's reference for the cluster's step.
-pub fn assert_installed(cluster: &SyntheticCluster, rx: &Receiver) {
+pub fn assert_installed(cluster: &Cluster, rx: &Receiver) {
     let want = cluster
         .expected_params(rx.layout())
         .expect("reference parameters");

@@ -1,21 +1,116 @@
 //! The harness a backend hands the suite, and the small models and topologies the checks use.
 
+use bytes::Bytes;
+use std::process::Command;
 use std::sync::Arc;
 
-use reshard_core::{DType, Result, Transport};
+use reshard_core::{DType, OwnerId, Result, ShardTable, Transport, WantedLayout};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{ModelConfig, MoeConfig};
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
-use reshard_runtime::{Receiver, ReceiverOptions, SyntheticCluster};
+use reshard_runtime::remote::DEFAULT_TIMEOUT;
+use reshard_runtime::{Receiver, ReceiverOptions, RemoteCluster, SyntheticCluster};
 
 /// Creates transport endpoints of the backend under test, by agent name.
 pub type MakeTransport = dyn Fn(&str) -> Result<Arc<dyn Transport>> + Send + Sync;
 
-/// What a backend gives the suite: a name and a way to make endpoints on one shared fabric.
+/// Makes the command that starts a publisher process (see [`crate::remote`]).
+pub type MakeCommand = dyn Fn() -> Command + Send + Sync;
+
+/// What a backend gives the suite: a name, a way to make endpoints on one shared fabric, and
+/// optionally a way to start publishers in another process.
 #[derive(Clone)]
 pub struct Harness {
     name: String,
     make: Arc<MakeTransport>,
+    publisher_process: Option<Arc<MakeCommand>>,
+}
+
+/// The publishers a check refits from: in this process, or in a child process.
+pub enum Cluster {
+    /// Publishers in this process.
+    Local(SyntheticCluster),
+    /// Publishers in a child process.
+    Remote(RemoteCluster),
+}
+
+impl Cluster {
+    /// One shard table per rank, for the current step.
+    pub fn tables(&self) -> Vec<ShardTable> {
+        match self {
+            Cluster::Local(c) => c.tables(),
+            Cluster::Remote(c) => c.tables(),
+        }
+    }
+
+    /// Loads every rank's metadata into a receiver's transport.
+    pub async fn connect(&self, receiver: &dyn Transport) -> Result<()> {
+        match self {
+            Cluster::Local(c) => c.connect(receiver).await,
+            Cluster::Remote(c) => c.connect(receiver).await,
+        }
+    }
+
+    /// Every rank's transport metadata.
+    pub async fn metadata(&self) -> Result<Vec<(OwnerId, Bytes)>> {
+        match self {
+            Cluster::Local(c) => c.metadata().await,
+            Cluster::Remote(c) => Ok(c.metadata().to_vec()),
+        }
+    }
+
+    /// Publishes the weights of training step `step` (panics if the publisher process fails).
+    pub fn publish_step(&mut self, step: u64) {
+        match self {
+            Cluster::Local(c) => c.publish_step(step),
+            Cluster::Remote(c) => c.publish_step(step).expect("publisher process publishes"),
+        }
+    }
+
+    /// Flips one byte of `tensor`'s first buffer after its digest was published.
+    pub fn corrupt(&self, tensor: &str, byte: u64) -> Result<u64> {
+        match self {
+            Cluster::Local(c) => c.corrupt(tensor, byte),
+            Cluster::Remote(c) => c.corrupt(tensor, byte),
+        }
+    }
+
+    /// The current training step.
+    pub fn step(&self) -> u64 {
+        match self {
+            Cluster::Local(c) => c.step(),
+            Cluster::Remote(c) => c.step(),
+        }
+    }
+
+    /// The model published.
+    pub fn model(&self) -> &ModelConfig {
+        match self {
+            Cluster::Local(c) => c.model(),
+            Cluster::Remote(c) => c.model(),
+        }
+    }
+
+    /// Bytes of physical publisher memory.
+    pub fn arena_bytes(&self) -> u64 {
+        match self {
+            Cluster::Local(c) => c.arena_bytes(),
+            Cluster::Remote(c) => c.arena_bytes(),
+        }
+    }
+
+    /// The bytes every parameter of `layout` must hold for the current step.
+    pub fn expected_params(&self, layout: &WantedLayout) -> Result<Vec<Vec<u8>>> {
+        match self {
+            Cluster::Local(c) => c.expected_params(layout),
+            Cluster::Remote(c) => c.expected_params(layout),
+        }
+    }
+
+    /// True when the publishers live in another process.
+    pub fn is_remote(&self) -> bool {
+        matches!(self, Cluster::Remote(_))
+    }
 }
 
 impl Harness {
@@ -27,7 +122,23 @@ impl Harness {
         Harness {
             name: name.into(),
             make: Arc::new(make),
+            publisher_process: None,
         }
+    }
+
+    /// Puts every cluster's publishers in a child process started by `command()`, which must
+    /// end up calling [`reshard_runtime::remote::serve`] with this backend's endpoints.
+    pub fn with_publisher_process(
+        mut self,
+        command: impl Fn() -> Command + Send + Sync + 'static,
+    ) -> Self {
+        self.publisher_process = Some(Arc::new(command));
+        self
+    }
+
+    /// True when clusters live in a child process.
+    pub fn is_cross_process(&self) -> bool {
+        self.publisher_process.is_some()
     }
 
     /// Backend name.
@@ -40,21 +151,35 @@ impl Harness {
         (self.make)(agent)
     }
 
-    /// Publishers for `model` under `topo`, each on its own endpoint.
-    pub async fn cluster(&self, model: ModelConfig, topo: &str) -> SyntheticCluster {
+    /// Publishers for `model` under `topo`, each on its own endpoint, in this process or in a
+    /// child process (see [`Harness::with_publisher_process`]).
+    pub async fn cluster(&self, model: ModelConfig, topo: &str) -> Cluster {
         let topo: PublisherTopology = topo.parse().expect("valid publisher topology");
+        if let Some(command) = &self.publisher_process {
+            let command = command();
+            // Spawning and the first reply block; keep them off the runtime's workers.
+            let c = tokio::task::spawn_blocking(move || {
+                RemoteCluster::spawn(command, model, topo, 42, DEFAULT_TIMEOUT)
+            })
+            .await
+            .expect("spawn task")
+            .expect("publisher process");
+            return Cluster::Remote(c);
+        }
         let make = self.make.clone();
-        SyntheticCluster::new(model, topo, 42, move |rank| {
-            make(&format!("publisher-{rank}"))
-        })
-        .await
-        .expect("synthetic cluster")
+        Cluster::Local(
+            SyntheticCluster::new(model, topo, 42, move |rank| {
+                make(&format!("publisher-{rank}"))
+            })
+            .await
+            .expect("synthetic cluster"),
+        )
     }
 
     /// Receiver rank `rank` of a TP-`tp` engine over `transport`, connected to `cluster`.
     pub async fn receiver_on(
         &self,
-        cluster: &SyntheticCluster,
+        cluster: &Cluster,
         transport: Arc<dyn Transport>,
         tp: u32,
         rank: u32,
@@ -70,7 +195,7 @@ impl Harness {
     }
 
     /// Receiver rank `rank` of a TP-`tp` engine on a fresh endpoint.
-    pub async fn receiver(&self, cluster: &SyntheticCluster, tp: u32, rank: u32) -> Receiver {
+    pub async fn receiver(&self, cluster: &Cluster, tp: u32, rank: u32) -> Receiver {
         let t = self
             .endpoint(&format!("receiver-{rank}-of-{tp}"))
             .expect("receiver endpoint");

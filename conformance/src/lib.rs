@@ -3,9 +3,10 @@
 
 pub mod checks;
 pub mod fixtures;
+pub mod remote;
 pub mod wrappers;
 
-pub use fixtures::Harness;
+pub use fixtures::{Cluster, Harness};
 
 /// Environment variable listing backends (comma-separated) whose absence fails tests instead
 /// of skipping them; CI sets it to every backend it installs.
@@ -36,6 +37,12 @@ pub fn backend_available(backend: &str, probe: reshard_core::Result<()>) -> bool
 #[macro_export]
 macro_rules! conformance_tests {
     ($make:expr, requires = $probe:expr) => {
+        $crate::conformance_tests!(@checks $make, $probe);
+    };
+    ($make:expr) => {
+        $crate::conformance_tests!($make, requires = ::std::result::Result::Ok(()));
+    };
+    (@checks $make:expr, $probe:expr) => {
         $crate::conformance_tests!(@each $make, $probe;
             install_byte_exact_dense_tp4_to_tp2,
             install_byte_exact_dense_tp2_to_tp4,
@@ -55,9 +62,6 @@ macro_rules! conformance_tests {
             abort_stops_a_posted_batch,
         );
     };
-    ($make:expr) => {
-        $crate::conformance_tests!($make, requires = ::std::result::Result::Ok(()));
-    };
     (@each $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,5 +73,53 @@ macro_rules! conformance_tests {
                 $crate::checks::$check(&harness).await;
             }
         )*
+    };
+}
+
+/// Makes the whole suite with every cluster's publishers in a child process, plus a
+/// `publisher_process` test that is both the child's entry point and a check of its own.
+///
+/// `$name` is the backend's scheme, `$endpoint` a function `fn(&str) -> Result<Arc<dyn
+/// Transport>>` making an endpoint by agent name (called in both processes), `$probe` as in
+/// [`conformance_tests!`]. The test binary re-executes itself with only `publisher_process`
+/// selected and [`reshard_runtime::remote::SOCKET_ENV`] set; there that test serves the
+/// publishers over a Unix socket until the parent is done. Use it inside a module of the
+/// backend's `tests/conformance.rs`:
+///
+/// ```text
+/// mod cross_process {
+///     reshard_conformance::cross_process_conformance_tests!(
+///         "ucx", super::endpoint, requires = reshard_backend_ucx::probe()
+///     );
+/// }
+/// ```
+#[macro_export]
+macro_rules! cross_process_conformance_tests {
+    ($name:expr, $endpoint:path, requires = $probe:expr) => {
+        fn cross_process_harness() -> $crate::Harness {
+            $crate::Harness::new($name, $endpoint).with_publisher_process(
+                $crate::remote::self_command(module_path!(), "publisher_process"),
+            )
+        }
+
+        #[test]
+        fn publisher_process() {
+            if $crate::remote::is_publisher_process() {
+                $crate::remote::serve_publishers($endpoint);
+                return;
+            }
+            if !$crate::backend_available($name, $probe) {
+                return;
+            }
+            let command = $crate::remote::self_command(module_path!(), "publisher_process");
+            $crate::remote::publisher_process_self_test(&cross_process_harness(), command());
+        }
+
+        $crate::conformance_tests!(@checks cross_process_harness(), $probe);
+    };
+    ($name:expr, $endpoint:path) => {
+        $crate::cross_process_conformance_tests!(
+            $name, $endpoint, requires = ::std::result::Result::Ok(())
+        );
     };
 }

@@ -50,6 +50,34 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind, for parsing names back (errors that crossed a process boundary).
+    pub const ALL: [ErrorKind; 19] = [
+        ErrorKind::InvalidInput,
+        ErrorKind::Decode,
+        ErrorKind::InvalidTable,
+        ErrorKind::InconsistentTensor,
+        ErrorKind::ReplicaDivergence,
+        ErrorKind::MissingCoverage,
+        ErrorKind::OverlappingOffers,
+        ErrorKind::Layout,
+        ErrorKind::OutOfBounds,
+        ErrorKind::PeerUnknown,
+        ErrorKind::Transport,
+        ErrorKind::Aborted,
+        ErrorKind::Verification,
+        ErrorKind::Guard,
+        ErrorKind::Config,
+        ErrorKind::Unsupported,
+        ErrorKind::Unavailable,
+        ErrorKind::Timeout,
+        ErrorKind::Internal,
+    ];
+
+    /// The kind whose [`ErrorKind::as_str`] is `name`.
+    pub fn from_name(name: &str) -> Option<ErrorKind> {
+        Self::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+
     /// A short snake_case name, stable for JSON output.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -281,6 +309,18 @@ impl std::error::Error for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kind_names_parse_back() {
+        for k in ErrorKind::ALL {
+            assert_eq!(ErrorKind::from_name(k.as_str()), Some(k));
+        }
+        let mut names: Vec<_> = ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ErrorKind::ALL.len(), "names are distinct");
+        assert_eq!(ErrorKind::from_name("nope"), None);
+    }
 
     #[test]
     fn context_is_kept_and_not_overwritten() {

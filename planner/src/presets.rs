@@ -4,12 +4,12 @@
 //! and `reshard plan` needs nothing else. Overrides scale a preset down so a byte-moving refit fits
 //! on one machine.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use reshard_core::{DType, Error, ErrorKind, Result, TensorSpec};
 
 /// Mixture-of-experts shape of every MLP block.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MoeConfig {
     /// Routed experts per layer.
     pub experts: u64,
@@ -18,7 +18,7 @@ pub struct MoeConfig {
 }
 
 /// The architecture facts reshard needs: enough to name and shape every tensor.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelConfig {
     /// Preset name (or a user-chosen label).
     pub name: String,

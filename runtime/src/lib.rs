@@ -4,9 +4,11 @@
 pub mod content;
 pub mod copy;
 pub mod receiver;
+pub mod remote;
 pub mod synthetic;
 
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
+pub use remote::RemoteCluster;
 pub use synthetic::SyntheticCluster;
 
 /// Fails with a clear error, instead of an allocation abort, when `bytes` exceed the memory the

@@ -275,31 +275,47 @@ impl SyntheticCluster {
     /// The bytes every parameter of `layout` must hold after a refit of the current step,
     /// built from the generator (not from any publisher buffer).
     pub fn expected_params(&self, layout: &WantedLayout) -> Result<Vec<Vec<u8>>> {
-        let by_name: HashMap<&str, &TensorSpec> =
-            self.specs.iter().map(|s| (s.name.as_str(), s)).collect();
-        layout
-            .params
-            .par_iter()
-            .map(|p| {
-                let mut buf = vec![0u8; p.bytes() as usize];
-                for c in &p.copies {
-                    let spec = by_name.get(c.tensor.as_str()).ok_or_else(|| {
-                        Error::new(ErrorKind::MissingCoverage, "tensor not in the model")
-                            .with_tensor(&c.tensor)
-                    })?;
-                    let key = content::tensor_key(self.seed, self.step, &spec.name);
-                    content::fill_strided(
-                        &mut buf,
-                        key,
-                        &spec.shape,
-                        &c.src_box,
-                        spec.dtype.size(),
-                        c.dst_offset,
-                        &c.dst_strides,
-                    );
-                }
-                Ok(buf)
-            })
-            .collect()
+        reference_params(&self.specs, self.seed, self.step, layout)
     }
+
+    /// The generator seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+}
+
+/// The bytes every parameter of `layout` must hold after a refit of training step `step` of a
+/// cluster seeded with `seed` over tensors `specs`: computed from the generator alone, so a
+/// process that holds no publisher memory can check what it received.
+pub fn reference_params(
+    specs: &[TensorSpec],
+    seed: u64,
+    step: u64,
+    layout: &WantedLayout,
+) -> Result<Vec<Vec<u8>>> {
+    let by_name: HashMap<&str, &TensorSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
+    layout
+        .params
+        .par_iter()
+        .map(|p| {
+            let mut buf = vec![0u8; p.bytes() as usize];
+            for c in &p.copies {
+                let spec = by_name.get(c.tensor.as_str()).ok_or_else(|| {
+                    Error::new(ErrorKind::MissingCoverage, "tensor not in the model")
+                        .with_tensor(&c.tensor)
+                })?;
+                let key = content::tensor_key(seed, step, &spec.name);
+                content::fill_strided(
+                    &mut buf,
+                    key,
+                    &spec.shape,
+                    &c.src_box,
+                    spec.dtype.size(),
+                    c.dst_offset,
+                    &c.dst_strides,
+                );
+            }
+            Ok(buf)
+        })
+        .collect()
 }
