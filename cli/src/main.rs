@@ -29,6 +29,9 @@ enum Command {
     Presets(PresetsArgs),
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
     Table(table_cmd::TableArgs),
+    /// The child side of `refit --publisher-process process` (not for direct use).
+    #[command(hide = true)]
+    ServePublishers(refit_cmd::ServeArgs),
 }
 
 /// Model and topology flags shared by `plan` and `refit`.
@@ -122,6 +125,7 @@ fn main() -> ExitCode {
         Command::Presets(a) => presets(a),
         Command::Refit(a) => refit_cmd::run(a),
         Command::Table(a) => table_cmd::run(a),
+        Command::ServePublishers(a) => refit_cmd::serve(a),
     };
     match result {
         Ok(code) => code.into(),

@@ -13,7 +13,11 @@ use reshard_core::config::Config;
 use reshard_core::encoding::encode_table;
 use reshard_core::{Error, ErrorKind, Result, Transport};
 use reshard_planner::layouts::receiver_layout;
-use reshard_runtime::{Receiver, ReceiverOptions, StageTimes, SyntheticCluster, UpdateReport};
+use reshard_runtime::remote::DEFAULT_TIMEOUT;
+use reshard_runtime::{
+    Publishers, Receiver, ReceiverOptions, RemoteCluster, StageTimes, SyntheticCluster,
+    UpdateReport,
+};
 
 use crate::{transports, ModelArgs, Outcome};
 
@@ -42,9 +46,45 @@ pub struct RefitArgs {
     /// Seed of the synthetic weights.
     #[arg(long, default_value_t = 0x5EED)]
     seed: u64,
+    /// Where the publishers live: `local` (this process) or `process` (a child process
+    /// started from this binary, so bytes and metadata cross a process boundary).
+    #[arg(long = "publisher-process", value_enum, default_value_t = PublisherPlace::Local)]
+    place: PublisherPlace,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// Where `reshard refit` runs its synthetic publishers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PublisherPlace {
+    /// In this process.
+    Local,
+    /// In a child process (`reshard serve-publishers`), driven over a Unix socket.
+    Process,
+}
+
+/// Flags of the hidden `reshard serve-publishers` (the child side of `--publisher-process`).
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Transport scheme.
+    #[arg(long)]
+    transport: Option<String>,
+    /// Config file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+/// Runs the publisher side for a parent `reshard refit --publisher-process process`.
+pub fn serve(args: ServeArgs) -> Result<Outcome> {
+    let cli = args
+        .transport
+        .as_ref()
+        .map(|k| serde_json::json!({"transport": {"kind": k}}));
+    let cfg = Config::load(args.config.as_deref(), cli)?;
+    let registry = transports::registry();
+    reshard_runtime::remote::serve(|agent| registry.create(agent, &cfg.transport))?;
+    Ok(Outcome(true))
 }
 
 #[derive(Serialize)]
@@ -111,10 +151,33 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     let tcfg = cfg.transport.clone();
     let make = |agent: String| registry.create(&agent, &tcfg);
 
-    let mut cluster = SyntheticCluster::new(model.clone(), pubs, args.seed, |rank| {
-        make(format!("publisher-{rank}"))
-    })
-    .await?;
+    let mut cluster = match args.place {
+        PublisherPlace::Local => Publishers::Local(
+            SyntheticCluster::new(model.clone(), pubs, args.seed, |rank| {
+                make(format!("publisher-{rank}"))
+            })
+            .await?,
+        ),
+        PublisherPlace::Process => {
+            let exe = std::env::current_exe().map_err(|e| {
+                Error::new(ErrorKind::Internal, "cannot find this binary").with_source(e)
+            })?;
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args(["serve-publishers", "--transport", &cfg.transport.kind]);
+            if let Some(c) = &args.config {
+                cmd.arg("--config").arg(c);
+            }
+            let model = model.clone();
+            let seed = args.seed;
+            Publishers::Remote(
+                tokio::task::spawn_blocking(move || {
+                    RemoteCluster::spawn(cmd, model, pubs, seed, DEFAULT_TIMEOUT)
+                })
+                .await
+                .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
+            )
+        }
+    };
     let mut receivers = Vec::new();
     for rank in 0..recv.tp {
         let t: Arc<dyn Transport> = make(format!("receiver-{rank}"))?;
@@ -143,7 +206,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     for update in 0..=args.updates as u64 {
         if update > 0 {
             bar.set_message(format!("publishing step {update}"));
-            cluster.publish_step(update);
+            cluster.publish_step(update)?;
         }
         // Publishers send encoded tables; decoding them is the receiver's discover stage.
         let encoded: Vec<Vec<u8>> = cluster.tables().iter().map(encode_table).collect();
@@ -258,6 +321,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             "median_e2e_s": med_e2e,
             "checked_bytes": checked,
             "publisher_arena_bytes": cluster.arena_bytes(),
+            "publisher_process": cluster.is_remote(),
             "ranks": ranks,
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());

@@ -270,3 +270,26 @@ fn table_round_trips_through_binary_and_rejects_garbage() {
     let out = reshard(&["table", "--decode", bad.to_str().unwrap()], &[]);
     assert!(error_text(&out).contains("decode"));
 }
+
+#[test]
+fn loopback_refuses_publishers_in_another_process_with_a_typed_error() {
+    // The child really starts (the non-config RESHARD_ variables must not trip the config
+    // loader), builds its publishers, and the receiver's loopback transport names the problem.
+    let out = reshard(
+        &[
+            "refit",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--updates",
+            "1",
+            "--publisher-process",
+            "process",
+        ],
+        &[("RESHARD_REQUIRE_BACKENDS", "ucx,nixl")],
+    );
+    let err = error_text(&out);
+    assert!(err.contains("another process"), "{err}");
+    assert!(err.contains("[owner 0]"), "{err}");
+}

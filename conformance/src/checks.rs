@@ -10,8 +10,9 @@ use reshard_core::{
 use reshard_planner::plan::{plan, PlanOptions};
 use reshard_runtime::{Receiver, ReceiverOptions};
 
-use crate::fixtures::{tiny_dense, tiny_moe, Cluster, Harness};
+use crate::fixtures::{tiny_dense, tiny_moe, Harness};
 use crate::wrappers::{FailingTransport, RecordingTransport};
+use crate::Cluster;
 
 /// Asserts the receiver's live weights equal the generator's reference for the cluster's step.
 pub fn assert_installed(cluster: &Cluster, rx: &Receiver) {
@@ -145,7 +146,7 @@ pub async fn descriptors_are_reused_across_updates(h: &Harness) {
     assert!(first.plan_rebuilt && first.descriptors_rebuilt);
     let builds = rec.prepares();
     for step in 1..4 {
-        cluster.publish_step(step);
+        cluster.publish_step(step).expect("publish step");
         let r = rx.update(&cluster.tables()).await.expect("refit");
         assert!(!r.plan_rebuilt, "step {step} rebuilt the plan");
         assert!(!r.descriptors_rebuilt, "step {step} rebuilt descriptors");
@@ -161,7 +162,7 @@ pub async fn successive_steps_install_new_weights(h: &Harness) {
     let mut rx = h.receiver(&cluster, 2, 0).await;
     rx.update(&cluster.tables()).await.expect("refit");
     let before = snapshot(&rx);
-    cluster.publish_step(9);
+    cluster.publish_step(9).expect("publish step");
     rx.update(&cluster.tables()).await.expect("refit");
     assert_installed(&cluster, &rx);
     assert_ne!(before, snapshot(&rx));
@@ -173,7 +174,7 @@ pub async fn missing_coverage_is_typed_and_names_tensor_and_box(h: &Harness) {
     let mut rx = h.receiver(&cluster, 2, 0).await;
     rx.update(&cluster.tables()).await.expect("refit");
     let before = snapshot(&rx);
-    cluster.publish_step(1);
+    cluster.publish_step(1).expect("publish step");
     // Rank 3 alone holds experts 6 and 7.
     let tables: Vec<ShardTable> = cluster
         .tables()
@@ -232,7 +233,7 @@ pub async fn corrupted_source_bytes_fail_verification(h: &Harness) {
     let mut rx = h.receiver(&cluster, 2, 1).await;
     rx.update(&cluster.tables()).await.expect("refit");
     let before = snapshot(&rx);
-    cluster.publish_step(1);
+    cluster.publish_step(1).expect("publish step");
     // Row-parallel o_proj is pulled whole, so every one of its bytes is digest-checked.
     let name = "model.layers.1.self_attn.o_proj.weight";
     cluster.corrupt(name, 1000).expect("corrupt");
@@ -253,7 +254,7 @@ pub async fn corrupted_rows_of_a_partial_read_fail_verification(h: &Harness) {
     rx0.update(&cluster.tables()).await.expect("refit");
     rx1.update(&cluster.tables()).await.expect("refit");
     let before = snapshot(&rx1);
-    cluster.publish_step(1);
+    cluster.publish_step(1).expect("publish step");
     // gate_proj is [96, 128] bf16: row 60 lies in rank 1's half (rows 48..96).
     let name = "model.layers.0.mlp.experts.5.gate_proj.weight";
     cluster.corrupt(name, 60 * 128 * 2 + 6).expect("corrupt");
@@ -275,7 +276,7 @@ pub async fn transport_failing_mid_batch_leaves_live_weights(h: &Harness) {
     let mut rx = h.receiver(&cluster, 2, 0).await;
     rx.update(&cluster.tables()).await.expect("refit");
     let before = snapshot(&rx);
-    cluster.publish_step(1);
+    cluster.publish_step(1).expect("publish step");
     let failing: Arc<dyn Transport> = Arc::new(FailingTransport::new(
         h.endpoint("receiver-flaky").expect("endpoint"),
         3,
@@ -317,7 +318,7 @@ pub async fn throughput_ceiling_guard_refuses_install(h: &Harness) {
     let mut rx = h.receiver(&cluster, 2, 1).await;
     rx.update(&cluster.tables()).await.expect("refit");
     let before = snapshot(&rx);
-    cluster.publish_step(1);
+    cluster.publish_step(1).expect("publish step");
     rx.set_options(ReceiverOptions {
         max_wire_gbps: Some(1e-6),
         ..ReceiverOptions::default()

@@ -1,15 +1,16 @@
 //! The harness a backend hands the suite, and the small models and topologies the checks use.
 
-use bytes::Bytes;
 use std::process::Command;
 use std::sync::Arc;
 
-use reshard_core::{DType, OwnerId, Result, ShardTable, Transport, WantedLayout};
+use reshard_core::{DType, Result, Transport};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{ModelConfig, MoeConfig};
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::remote::DEFAULT_TIMEOUT;
-use reshard_runtime::{Receiver, ReceiverOptions, RemoteCluster, SyntheticCluster};
+use reshard_runtime::{
+    Publishers as Cluster, Receiver, ReceiverOptions, RemoteCluster, SyntheticCluster,
+};
 
 /// Creates transport endpoints of the backend under test, by agent name.
 pub type MakeTransport = dyn Fn(&str) -> Result<Arc<dyn Transport>> + Send + Sync;
@@ -24,93 +25,6 @@ pub struct Harness {
     name: String,
     make: Arc<MakeTransport>,
     publisher_process: Option<Arc<MakeCommand>>,
-}
-
-/// The publishers a check refits from: in this process, or in a child process.
-pub enum Cluster {
-    /// Publishers in this process.
-    Local(SyntheticCluster),
-    /// Publishers in a child process.
-    Remote(RemoteCluster),
-}
-
-impl Cluster {
-    /// One shard table per rank, for the current step.
-    pub fn tables(&self) -> Vec<ShardTable> {
-        match self {
-            Cluster::Local(c) => c.tables(),
-            Cluster::Remote(c) => c.tables(),
-        }
-    }
-
-    /// Loads every rank's metadata into a receiver's transport.
-    pub async fn connect(&self, receiver: &dyn Transport) -> Result<()> {
-        match self {
-            Cluster::Local(c) => c.connect(receiver).await,
-            Cluster::Remote(c) => c.connect(receiver).await,
-        }
-    }
-
-    /// Every rank's transport metadata.
-    pub async fn metadata(&self) -> Result<Vec<(OwnerId, Bytes)>> {
-        match self {
-            Cluster::Local(c) => c.metadata().await,
-            Cluster::Remote(c) => Ok(c.metadata().to_vec()),
-        }
-    }
-
-    /// Publishes the weights of training step `step` (panics if the publisher process fails).
-    pub fn publish_step(&mut self, step: u64) {
-        match self {
-            Cluster::Local(c) => c.publish_step(step),
-            Cluster::Remote(c) => c.publish_step(step).expect("publisher process publishes"),
-        }
-    }
-
-    /// Flips one byte of `tensor`'s first buffer after its digest was published.
-    pub fn corrupt(&self, tensor: &str, byte: u64) -> Result<u64> {
-        match self {
-            Cluster::Local(c) => c.corrupt(tensor, byte),
-            Cluster::Remote(c) => c.corrupt(tensor, byte),
-        }
-    }
-
-    /// The current training step.
-    pub fn step(&self) -> u64 {
-        match self {
-            Cluster::Local(c) => c.step(),
-            Cluster::Remote(c) => c.step(),
-        }
-    }
-
-    /// The model published.
-    pub fn model(&self) -> &ModelConfig {
-        match self {
-            Cluster::Local(c) => c.model(),
-            Cluster::Remote(c) => c.model(),
-        }
-    }
-
-    /// Bytes of physical publisher memory.
-    pub fn arena_bytes(&self) -> u64 {
-        match self {
-            Cluster::Local(c) => c.arena_bytes(),
-            Cluster::Remote(c) => c.arena_bytes(),
-        }
-    }
-
-    /// The bytes every parameter of `layout` must hold for the current step.
-    pub fn expected_params(&self, layout: &WantedLayout) -> Result<Vec<Vec<u8>>> {
-        match self {
-            Cluster::Local(c) => c.expected_params(layout),
-            Cluster::Remote(c) => c.expected_params(layout),
-        }
-    }
-
-    /// True when the publishers live in another process.
-    pub fn is_remote(&self) -> bool {
-        matches!(self, Cluster::Remote(_))
-    }
 }
 
 impl Harness {

@@ -6,7 +6,8 @@ pub mod fixtures;
 pub mod remote;
 pub mod wrappers;
 
-pub use fixtures::{Cluster, Harness};
+pub use fixtures::Harness;
+pub use reshard_runtime::Publishers as Cluster;
 
 /// Environment variable listing backends (comma-separated) whose absence fails tests instead
 /// of skipping them; CI sets it to every backend it installs.

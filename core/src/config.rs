@@ -115,6 +115,17 @@ pub const CONFIG_PATH_ENV: &str = "RESHARD_CONFIG";
 /// Prefix of environment overrides: `RESHARD_TRANSPORT__KIND=ucx` sets `transport.kind`.
 pub const ENV_PREFIX: &str = "RESHARD_";
 
+/// `RESHARD_*` variables that are not configuration keys (after the prefix): the config file
+/// path, the log filter, the publisher-process socket, the CI list of required backends and
+/// the NIXL runtime folder. Any other `RESHARD_*` variable must name a config key.
+pub const NOT_CONFIG_ENV: [&str; 5] = [
+    "CONFIG",
+    "LOG",
+    "PUBLISHER_SOCKET",
+    "REQUIRE_BACKENDS",
+    "NIXL_HOME",
+];
+
 impl Config {
     /// Loads defaults < file < environment < `cli` (a partial TOML-shaped value of flags).
     ///
@@ -142,7 +153,7 @@ impl Config {
         }
         fig = fig.merge(
             Env::prefixed(ENV_PREFIX)
-                .ignore(&["CONFIG", "LOG"])
+                .ignore(&NOT_CONFIG_ENV)
                 .split("__"),
         );
         if let Some(v) = cli {

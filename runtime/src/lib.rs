@@ -3,10 +3,12 @@
 
 pub mod content;
 pub mod copy;
+pub mod publishers;
 pub mod receiver;
 pub mod remote;
 pub mod synthetic;
 
+pub use publishers::Publishers;
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
 pub use remote::RemoteCluster;
 pub use synthetic::SyntheticCluster;
