@@ -1,5 +1,6 @@
 //! `reshard`: plan a refit, run one, or list the model presets.
 
+mod bench_cmd;
 mod plan_cmd;
 mod refit_cmd;
 mod table_cmd;
@@ -25,6 +26,9 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Run a refit end to end: warm-up plus N measured updates, verified byte-exact.
     Refit(refit_cmd::RefitArgs),
+    /// Measure the baseline and reshard arms and a memcpy ceiling in one run (the seed note's
+    /// before/after table).
+    Bench(bench_cmd::BenchArgs),
     /// List the model presets.
     Presets(PresetsArgs),
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan_cmd::run(a),
         Command::Presets(a) => presets(a),
         Command::Refit(a) => refit_cmd::run(a),
+        Command::Bench(a) => bench_cmd::run(a),
         Command::Table(a) => table_cmd::run(a),
         Command::ServePublishers(a) => refit_cmd::serve(a),
     };

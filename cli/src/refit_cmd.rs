@@ -11,8 +11,11 @@ use std::sync::Arc;
 
 use reshard_core::config::Config;
 use reshard_core::encoding::encode_table;
+use reshard_core::registry::Registry;
 use reshard_core::{Error, ErrorKind, Result, Transport};
 use reshard_planner::layouts::receiver_layout;
+use reshard_planner::presets::ModelConfig;
+use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::remote::DEFAULT_TIMEOUT;
 use reshard_runtime::{
     Publishers, Receiver, ReceiverOptions, RemoteCluster, StageTimes, SyntheticCluster,
@@ -87,8 +90,9 @@ pub fn serve(args: ServeArgs) -> Result<Outcome> {
     Ok(Outcome(true))
 }
 
+/// One receiver rank's figures in the refit JSON.
 #[derive(Serialize)]
-struct RankSummary {
+pub(crate) struct RankSummary {
     rank: u32,
     reads: u64,
     coalesced_reads: u64,
@@ -102,7 +106,8 @@ struct RankSummary {
     checked_bytes: u64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// Median of `v` (0 when empty).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -126,16 +131,49 @@ pub fn run(args: RefitArgs) -> Result<Outcome> {
     rt.block_on(refit(args))
 }
 
-async fn refit(args: RefitArgs) -> Result<Outcome> {
-    let cli = args
-        .transport
-        .as_ref()
-        .map(|k| serde_json::json!({"transport": {"kind": k}}));
-    let mut cfg = Config::load(args.config.as_deref(), cli)?;
-    if args.no_dedup {
-        cfg.planner.dedup = false;
-    }
-    let mut margs = args.model.clone();
+/// Publishers for a refit: in this process, or in a child started from this binary.
+pub(crate) async fn start_publishers(
+    registry: &Registry,
+    place: PublisherPlace,
+    cfg: &Config,
+    config_path: Option<&std::path::Path>,
+    model: &ModelConfig,
+    pubs: PublisherTopology,
+    seed: u64,
+) -> Result<Publishers> {
+    Ok(match place {
+        PublisherPlace::Local => Publishers::Local(
+            SyntheticCluster::new(model.clone(), pubs, seed, |rank| {
+                registry.create(&format!("publisher-{rank}"), &cfg.transport)
+            })
+            .await?,
+        ),
+        PublisherPlace::Process => {
+            let exe = std::env::current_exe().map_err(|e| {
+                Error::new(ErrorKind::Internal, "cannot find this binary").with_source(e)
+            })?;
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args(["serve-publishers", "--transport", &cfg.transport.kind]);
+            if let Some(c) = config_path {
+                cmd.arg("--config").arg(c);
+            }
+            let model = model.clone();
+            Publishers::Remote(
+                tokio::task::spawn_blocking(move || {
+                    RemoteCluster::spawn(cmd, model, pubs, seed, DEFAULT_TIMEOUT)
+                })
+                .await
+                .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
+            )
+        }
+    })
+}
+
+/// Resolves model flags with the refit defaults (4 layers, 32 experts on MoE presets).
+pub(crate) fn resolve_scaled(
+    model: &ModelArgs,
+) -> Result<(ModelConfig, PublisherTopology, ReceiverTopology)> {
+    let mut margs = model.clone();
     // Scaled down by default so publishers and receivers share one machine; the full model
     // is --layers 48 --experts 128 (about 57 GiB of publisher memory for qwen3-30b-a3b).
     margs.layers = margs.layers.or(Some(DEFAULT_LAYERS));
@@ -146,72 +184,57 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     {
         margs.experts = Some(DEFAULT_EXPERTS);
     }
-    let (model, pubs, recv) = margs.resolve()?;
-    let registry = transports::registry();
-    let tcfg = cfg.transport.clone();
-    let make = |agent: String| registry.create(&agent, &tcfg);
+    margs.resolve()
+}
 
-    let mut cluster = match args.place {
-        PublisherPlace::Local => Publishers::Local(
-            SyntheticCluster::new(model.clone(), pubs, args.seed, |rank| {
-                make(format!("publisher-{rank}"))
-            })
-            .await?,
-        ),
-        PublisherPlace::Process => {
-            let exe = std::env::current_exe().map_err(|e| {
-                Error::new(ErrorKind::Internal, "cannot find this binary").with_source(e)
-            })?;
-            let mut cmd = std::process::Command::new(exe);
-            cmd.args(["serve-publishers", "--transport", &cfg.transport.kind]);
-            if let Some(c) = &args.config {
-                cmd.arg("--config").arg(c);
-            }
-            let model = model.clone();
-            let seed = args.seed;
-            Publishers::Remote(
-                tokio::task::spawn_blocking(move || {
-                    RemoteCluster::spawn(cmd, model, pubs, seed, DEFAULT_TIMEOUT)
-                })
-                .await
-                .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
-            )
-        }
-    };
+/// Every receiver rank's reports of one arm, and whether every update verified.
+pub(crate) struct ArmRun {
+    /// Measured updates per receiver rank (the warm-up is not kept).
+    pub reports: Vec<Vec<UpdateReport>>,
+    /// Every parameter of every rank byte-exact at every step.
+    pub verified: bool,
+    /// What differed, when something did.
+    pub failures: Vec<String>,
+}
+
+/// Runs one arm: fresh receivers with `opts`, a warm-up and `updates` measured updates, the
+/// publishers advancing one training step per update from `first_step`; each update verified
+/// against the generator's reference.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_arm(
+    registry: &Registry,
+    cluster: &mut Publishers,
+    cfg: &Config,
+    model: &ModelConfig,
+    recv: &ReceiverTopology,
+    opts: ReceiverOptions,
+    updates: u32,
+    first_step: u64,
+    bar: &ProgressBar,
+) -> Result<ArmRun> {
     let mut receivers = Vec::new();
     for rank in 0..recv.tp {
-        let t: Arc<dyn Transport> = make(format!("receiver-{rank}"))?;
+        let t: Arc<dyn Transport> = registry.create(&format!("receiver-{rank}"), &cfg.transport)?;
         cluster.connect(t.as_ref()).await?;
-        let layout = receiver_layout(&model, &recv, rank)?;
-        receivers.push(Receiver::new(
-            t,
-            layout,
-            ReceiverOptions::from_config(&cfg),
-        )?);
+        let layout = receiver_layout(model, recv, rank)?;
+        receivers.push(Receiver::new(t, layout, opts.clone())?);
     }
-
-    let total = (args.updates as u64 + 1) * recv.tp as u64;
-    let bar = ProgressBar::new(total);
-    if args.json {
-        bar.set_draw_target(ProgressDrawTarget::hidden());
-    }
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} refit [{bar:30}] {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-
-    let mut verified = true;
-    let mut failures = Vec::new();
-    let mut reports: Vec<Vec<UpdateReport>> = vec![Vec::new(); recv.tp as usize];
-    for update in 0..=args.updates as u64 {
-        if update > 0 {
-            bar.set_message(format!("publishing step {update}"));
-            cluster.publish_step(update)?;
+    let mut run = ArmRun {
+        reports: vec![Vec::new(); recv.tp as usize],
+        verified: true,
+        failures: Vec::new(),
+    };
+    for update in 0..=updates as u64 {
+        let step = first_step + update;
+        if step != cluster.step() {
+            bar.set_message(format!("publishing step {step}"));
+            cluster.publish_step(step)?;
         }
         // Publishers send encoded tables; decoding them is the receiver's discover stage.
         let encoded: Vec<Vec<u8>> = cluster.tables().iter().map(encode_table).collect();
         for rx in receivers.iter_mut() {
-            bar.set_message(format!("step {update} rank {}", rx.layout().receiver_rank));
+            let rank = rx.layout().receiver_rank;
+            bar.set_message(format!("step {step} rank {rank}"));
             let report = rx.update_encoded(&encoded).await?;
             let want = cluster.expected_params(rx.layout())?;
             let live = rx
@@ -219,31 +242,59 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
                 .ok_or_else(|| Error::new(ErrorKind::Internal, "no live weights after a refit"))?;
             for ((p, got), want) in rx.layout().params.iter().zip(live).zip(&want) {
                 if got.read()[..] != want[..] {
-                    verified = false;
-                    failures.push(format!(
-                        "step {update} rank {}: parameter {} differs from the reference",
-                        rx.layout().receiver_rank,
+                    run.verified = false;
+                    run.failures.push(format!(
+                        "step {step} rank {rank}: parameter {} differs from the reference",
                         p.name
                     ));
                 }
             }
             if update > 0 {
-                reports[rx.layout().receiver_rank as usize].push(report);
+                run.reports[rank as usize].push(report);
             }
             bar.inc(1);
         }
     }
-    bar.finish_and_clear();
+    Ok(run)
+}
 
-    // Per update, stages and e2e summed over receiver ranks (ranks run one after another).
-    let n = args.updates as usize;
+/// Per-update sums over receiver ranks (ranks run one after another), then medians.
+pub(crate) struct ArmSummary {
+    /// Median seconds of each stage, in [`StageTimes::NAMES`] order.
+    pub med_stages: Vec<f64>,
+    /// Median end-to-end seconds of one update over all ranks.
+    pub med_e2e: f64,
+    /// Fastest and slowest end-to-end update.
+    pub e2e_min_max: (f64, f64),
+    /// Fastest and slowest wire leg.
+    pub wire_min_max: (f64, f64),
+    /// Median of per-update (sum of stages / end-to-end).
+    pub attribution: f64,
+    /// Planned reads over all ranks (last update).
+    pub reads: u64,
+    /// Reads on the wire after coalescing.
+    pub coalesced: u64,
+    /// Bytes on the wire over all ranks (last update).
+    pub wire_bytes: u64,
+    /// Wire bytes over the median wire leg.
+    pub gbps: f64,
+    /// Bytes verified by digest (last update).
+    pub checked: u64,
+    /// Per rank.
+    pub ranks: Vec<RankSummary>,
+}
+
+/// Summarises an arm's measured updates.
+pub(crate) fn summarize(run: &ArmRun, updates: u32) -> ArmSummary {
+    let reports = &run.reports;
+    let n = updates as usize;
     let mut stage_cols: Vec<Vec<f64>> = vec![Vec::new(); StageTimes::NAMES.len()];
     let mut e2e = Vec::new();
     let mut attr = Vec::new();
     for u in 0..n {
         let mut sum = [0.0; 10];
         let mut e = 0.0;
-        for r in &reports {
+        for r in reports {
             for (i, v) in r[u].stages.values().iter().enumerate() {
                 sum[i] += v;
             }
@@ -259,14 +310,20 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         });
         e2e.push(e);
     }
+    let min_max = |v: &[f64]| {
+        (
+            v.iter().copied().fold(f64::INFINITY, f64::min),
+            v.iter().copied().fold(0.0, f64::max),
+        )
+    };
+    let e2e_min_max = min_max(&e2e);
+    let wire_min_max = min_max(&stage_cols[6]);
     let med_stages: Vec<f64> = stage_cols.into_iter().map(median).collect();
     let med_e2e = median(e2e);
     // Per update (stages over end-to-end), then the median: medians of different stages may
     // come from different updates, so their sum is not comparable with the median e2e.
     let attribution = median(attr);
     let last: Vec<&UpdateReport> = reports.iter().filter_map(|r| r.last()).collect();
-    let reads: u64 = last.iter().map(|r| r.plan.reads).sum();
-    let coalesced: u64 = last.iter().map(|r| r.plan.coalesced_reads).sum();
     let wire_bytes: u64 = last.iter().map(|r| r.wire_bytes).sum();
     let wire_med = med_stages[6];
     let gbps = if wire_med > 0.0 {
@@ -274,8 +331,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     } else {
         0.0
     };
-    let checked: u64 = last.iter().map(|r| r.checked_bytes).sum();
-    let ranks: Vec<RankSummary> = reports
+    let ranks = reports
         .iter()
         .filter_map(|rs| {
             let l = rs.last()?;
@@ -294,6 +350,89 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             })
         })
         .collect();
+    ArmSummary {
+        reads: last.iter().map(|r| r.plan.reads).sum(),
+        coalesced: last.iter().map(|r| r.plan.coalesced_reads).sum(),
+        checked: last.iter().map(|r| r.checked_bytes).sum(),
+        med_stages,
+        med_e2e,
+        e2e_min_max,
+        wire_min_max,
+        attribution,
+        wire_bytes,
+        gbps,
+        ranks,
+    }
+}
+
+/// A progress bar on stderr, hidden for JSON output.
+pub(crate) fn progress(total: u64, hidden: bool, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    if hidden {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{spinner}} {what} [{{bar:30}}] {{pos}}/{{len}} {{msg}}"
+        ))
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+async fn refit(args: RefitArgs) -> Result<Outcome> {
+    let cli = args
+        .transport
+        .as_ref()
+        .map(|k| serde_json::json!({"transport": {"kind": k}}));
+    let mut cfg = Config::load(args.config.as_deref(), cli)?;
+    if args.no_dedup {
+        cfg.planner.dedup = false;
+    }
+    let (model, pubs, recv) = resolve_scaled(&args.model)?;
+    // One registry: the loopback fabric inside it is this process's network.
+    let registry = transports::registry();
+    let mut cluster = start_publishers(
+        &registry,
+        args.place,
+        &cfg,
+        args.config.as_deref(),
+        &model,
+        pubs,
+        args.seed,
+    )
+    .await?;
+    let bar = progress(
+        (args.updates as u64 + 1) * recv.tp as u64,
+        args.json,
+        "refit",
+    );
+    let run = run_arm(
+        &registry,
+        &mut cluster,
+        &cfg,
+        &model,
+        &recv,
+        ReceiverOptions::from_config(&cfg),
+        args.updates,
+        0,
+        &bar,
+    )
+    .await?;
+    bar.finish_and_clear();
+    let ArmSummary {
+        med_stages,
+        med_e2e,
+        attribution,
+        reads,
+        coalesced,
+        wire_bytes,
+        gbps,
+        checked,
+        ranks,
+        ..
+    } = summarize(&run, args.updates);
+    let (verified, failures) = (run.verified, run.failures);
     let stages_map: BTreeMap<&str, f64> = StageTimes::NAMES
         .iter()
         .copied()
