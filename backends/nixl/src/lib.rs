@@ -1,1 +1,57 @@
-//! NIXL transport of reshard (work in progress).
+#![doc = include_str!("../README.md")]
+
+mod agent;
+mod meta;
+mod options;
+pub mod runtime;
+mod transport;
+mod xfer;
+
+use reshard_core::config::{backend_options, TransportConfig};
+use reshard_core::registry::TransportFactory;
+use reshard_core::{Result, Transport};
+use std::sync::{Arc, OnceLock};
+
+pub use options::NixlOptions;
+pub use transport::{NixlTransport, PreparedStats};
+
+/// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
+pub const BACKEND: &str = "nixl";
+
+/// Whether NIXL is usable here: the runtime loads and its UCX plugin creates a backend on a
+/// throw-away agent. Checked once per process; a missing runtime is `Unavailable`, never an
+/// abort.
+pub fn probe() -> Result<()> {
+    static PROBE: OnceLock<std::result::Result<(), (reshard_core::ErrorKind, String)>> =
+        OnceLock::new();
+    let r = PROBE.get_or_init(|| {
+        runtime::ensure(None)
+            .and_then(|_| NixlTransport::new("reshard-probe", &NixlOptions::default()))
+            .map(drop)
+            .map_err(|e| (e.kind(), e.message().to_string()))
+    });
+    r.clone()
+        .map_err(|(kind, msg)| reshard_core::Error::new(kind, msg).with_backend(BACKEND))
+}
+
+/// Creates NIXL endpoints for the transport registry from `[backends.nixl]` options.
+#[derive(Debug, Clone, Default)]
+pub struct NixlFactory;
+
+impl NixlFactory {
+    /// A factory; each endpoint it creates is its own NIXL agent.
+    pub fn new() -> Self {
+        NixlFactory
+    }
+}
+
+impl TransportFactory for NixlFactory {
+    fn kind(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn create(&self, agent: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {
+        let options: NixlOptions = backend_options(config)?;
+        Ok(Arc::new(NixlTransport::new(agent, &options)?))
+    }
+}

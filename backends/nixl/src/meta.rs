@@ -1,0 +1,356 @@
+//! Metadata an endpoint exports and its peers load: NIXL's own agent metadata inside a small
+//! versioned envelope that also lists reshard's regions.
+//!
+//! Layout (little endian): magic `RSNX`, version `u8`, agent name (`u16` length + UTF-8), NIXL
+//! agent name (`u16` length + UTF-8), region count `u32`, then per region `id u64, addr u64,
+//! len u64, kind u8 (0 DRAM, 1 VRAM), device u32`, then the NIXL metadata (`u32` length +
+//! bytes), then an XXH3-64 checksum of everything before it. Decoding treats the bytes as
+//! untrusted: every length is checked before it is used and nothing is allocated beyond what
+//! the input itself holds. The checksum matters because NIXL's own metadata parser is not
+//! robust against damaged input (garbled bytes can crash it), so damage must be caught here;
+//! it is no defence against a forged blob, which peers on a trusted network do not send.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::{Error, ErrorKind, MemoryKind, Result};
+use xxhash_rust::xxh3::xxh3_64;
+
+const MAGIC: &[u8; 4] = b"RSNX";
+/// Version this build writes and reads.
+pub(crate) const VERSION: u8 = 1;
+const REGION_BYTES: usize = 8 + 8 + 8 + 1 + 4;
+
+/// One registered region as a peer sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RegionMeta {
+    pub(crate) id: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) kind: MemoryKind,
+}
+
+/// What a peer needs to read an endpoint's regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AgentMeta {
+    /// reshard's agent name (for messages).
+    pub(crate) agent: String,
+    /// The unique name NIXL knows the agent by.
+    pub(crate) nixl_name: String,
+    /// Regions, ascending by id.
+    pub(crate) regions: Vec<RegionMeta>,
+    /// `nixlAgent::getLocalMD` output.
+    pub(crate) nixl_md: Vec<u8>,
+}
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum MetaError {
+    #[error("not nixl metadata (bad magic)")]
+    Magic,
+    #[error("unsupported nixl metadata version {0} (this build reads {VERSION})")]
+    Version(u8),
+    #[error("truncated: needed {needed} more bytes at offset {at}")]
+    Truncated { at: usize, needed: usize },
+    #[error("agent name is not UTF-8 or is empty")]
+    Name,
+    #[error("region {0} has an unknown memory kind {1}")]
+    Kind(u64, u8),
+    #[error("region {0} wraps around the address space")]
+    Range(u64),
+    #[error("{0} trailing bytes after the NIXL metadata")]
+    Trailing(usize),
+    #[error("region {0} listed twice")]
+    DuplicateRegion(u64),
+    #[error("the NIXL metadata is empty")]
+    EmptyNixl,
+    #[error("checksum mismatch (damaged metadata)")]
+    Checksum,
+}
+
+impl AgentMeta {
+    /// Encodes; names are at most `u16::MAX` bytes (checked when the endpoint is created).
+    pub(crate) fn encode(&self) -> Bytes {
+        let (a, n) = (self.agent.as_bytes(), self.nixl_name.as_bytes());
+        let mut b = BytesMut::with_capacity(
+            4 + 1
+                + 2
+                + a.len()
+                + 2
+                + n.len()
+                + 4
+                + REGION_BYTES * self.regions.len()
+                + 4
+                + self.nixl_md.len()
+                + 8,
+        );
+        b.put_slice(MAGIC);
+        b.put_u8(VERSION);
+        b.put_u16_le(a.len() as u16);
+        b.put_slice(a);
+        b.put_u16_le(n.len() as u16);
+        b.put_slice(n);
+        b.put_u32_le(self.regions.len() as u32);
+        for r in &self.regions {
+            b.put_u64_le(r.id);
+            b.put_u64_le(r.addr);
+            b.put_u64_le(r.len);
+            match r.kind {
+                MemoryKind::Dram => {
+                    b.put_u8(0);
+                    b.put_u32_le(0);
+                }
+                MemoryKind::Vram { device } => {
+                    b.put_u8(1);
+                    b.put_u32_le(device);
+                }
+            }
+        }
+        b.put_u32_le(self.nixl_md.len() as u32);
+        b.put_slice(&self.nixl_md);
+        let sum = xxh3_64(&b);
+        b.put_u64_le(sum);
+        b.freeze()
+    }
+
+    /// Decodes untrusted bytes; any defect is a `Decode` error.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<AgentMeta> {
+        Self::try_decode(bytes).map_err(|e| {
+            Error::new(
+                ErrorKind::Decode,
+                format!("invalid nixl peer metadata: {e}"),
+            )
+            .with_backend(crate::BACKEND)
+            .with_source(e)
+        })
+    }
+
+    pub(crate) fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
+            return Err(MetaError::Magic);
+        }
+        let version = r.take(1)?[0];
+        if version != VERSION {
+            return Err(MetaError::Version(version));
+        }
+        // Verify the checksum before parsing anything else.
+        let Some(body) = bytes.len().checked_sub(8).filter(|&n| n >= r.at) else {
+            return Err(MetaError::Truncated {
+                at: r.at,
+                needed: r.at + 8 - bytes.len(),
+            });
+        };
+        let mut sum = [0u8; 8];
+        sum.copy_from_slice(&bytes[body..]);
+        if xxh3_64(&bytes[..body]) != u64::from_le_bytes(sum) {
+            return Err(MetaError::Checksum);
+        }
+        let bytes = &bytes[..body];
+        let mut r = Reader { bytes, at: r.at };
+        let agent = r.name()?;
+        let nixl_name = r.name()?;
+        let count = u32::from_le_bytes(r.array()?) as usize;
+        // Check the count against the bytes present before allocating anything for it.
+        let need = count.saturating_mul(REGION_BYTES);
+        let left = bytes.len() - r.at;
+        if need > left {
+            return Err(MetaError::Truncated {
+                at: r.at,
+                needed: need - left,
+            });
+        }
+        let mut regions = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = r.u64()?;
+            let addr = r.u64()?;
+            let len = r.u64()?;
+            let kind = r.take(1)?[0];
+            let device = u32::from_le_bytes(r.array()?);
+            let kind = match kind {
+                0 => MemoryKind::Dram,
+                1 => MemoryKind::Vram { device },
+                k => return Err(MetaError::Kind(id, k)),
+            };
+            if addr.checked_add(len).is_none() {
+                return Err(MetaError::Range(id));
+            }
+            regions.push(RegionMeta {
+                id,
+                addr,
+                len,
+                kind,
+            });
+        }
+        regions.sort_unstable_by_key(|r| r.id);
+        if let Some(w) = regions.windows(2).find(|w| w[0].id == w[1].id) {
+            return Err(MetaError::DuplicateRegion(w[0].id));
+        }
+        let md_len = u32::from_le_bytes(r.array()?) as usize;
+        let nixl_md = r.take(md_len)?.to_vec();
+        if nixl_md.is_empty() {
+            return Err(MetaError::EmptyNixl);
+        }
+        if r.at != bytes.len() {
+            return Err(MetaError::Trailing(bytes.len() - r.at));
+        }
+        Ok(AgentMeta {
+            agent,
+            nixl_name,
+            regions,
+            nixl_md,
+        })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], MetaError> {
+        let left = self.bytes.len() - self.at;
+        if n > left {
+            return Err(MetaError::Truncated {
+                at: self.at,
+                needed: n - left,
+            });
+        }
+        let s = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetaError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u64(&mut self) -> Result<u64, MetaError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn name(&mut self) -> Result<String, MetaError> {
+        let len = u16::from_le_bytes(self.array()?) as usize;
+        let s = std::str::from_utf8(self.take(len)?).map_err(|_| MetaError::Name)?;
+        if s.is_empty() || s.contains('\0') {
+            return Err(MetaError::Name);
+        }
+        Ok(s.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AgentMeta {
+        AgentMeta {
+            agent: "publisher-ä".into(),
+            nixl_name: "publisher-ä@1.2".into(),
+            regions: vec![
+                RegionMeta {
+                    id: 1,
+                    addr: 0x1000,
+                    len: 4096,
+                    kind: MemoryKind::Dram,
+                },
+                RegionMeta {
+                    id: 2,
+                    addr: 0x7f00_0000,
+                    len: 0,
+                    kind: MemoryKind::Vram { device: 3 },
+                },
+            ],
+            nixl_md: vec![9, 8, 7, 6],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        assert_eq!(AgentMeta::decode(&m.encode()).unwrap(), m);
+    }
+
+    /// Recomputes the checksum after a test edited the bytes.
+    fn reseal(v: &mut [u8]) {
+        let n = v.len() - 8;
+        let sum = xxh3_64(&v[..n]);
+        v[n..].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    #[test]
+    fn every_truncation_extension_and_flipped_bit_is_a_decode_error() {
+        let full = sample().encode();
+        for cut in 0..full.len() {
+            let e = AgentMeta::decode(&full[..cut]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Decode, "cut at {cut}");
+        }
+        for at in 5..full.len() {
+            let mut v = full.to_vec();
+            v[at] ^= 0x10;
+            assert!(AgentMeta::decode(&v).is_err(), "flip at {at}");
+        }
+        let mut long = full.to_vec();
+        long.insert(long.len() - 8, 0);
+        reseal(&mut long);
+        assert_eq!(AgentMeta::try_decode(&long), Err(MetaError::Trailing(1)));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let full = sample().encode().to_vec();
+        let mut v = full.clone();
+        v[4] = 99;
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Version(99)));
+        let mut v = full.clone();
+        v[0] = b'X';
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Magic));
+        let m = sample();
+        let count_at = 4 + 1 + 2 + m.agent.len() + 2 + m.nixl_name.len();
+        let mut v = full.clone();
+        v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        reseal(&mut v);
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Truncated { .. })
+        ));
+        let kind_at = count_at + 4 + 24;
+        let mut v = full.clone();
+        v[kind_at] = 7;
+        reseal(&mut v);
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Kind(1, 7)));
+        let mut m = sample();
+        m.regions[1].id = 1;
+        assert_eq!(
+            AgentMeta::try_decode(&m.encode()),
+            Err(MetaError::DuplicateRegion(1))
+        );
+        let mut m = sample();
+        m.regions[0].addr = u64::MAX;
+        assert_eq!(AgentMeta::try_decode(&m.encode()), Err(MetaError::Range(1)));
+        let mut v = full.clone();
+        v[4 + 1 + 2] = 0xff;
+        reseal(&mut v);
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Name));
+        let mut v = full;
+        v[10] ^= 1;
+        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Checksum));
+    }
+
+    #[test]
+    fn pseudo_random_garbage_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..300usize {
+            let v: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            assert!(AgentMeta::decode(&v).is_err());
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! The typed `[backends.nixl]` options (TOML section or `RESHARD_BACKENDS__NIXL__KEY`).
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Options of the NIXL transport; every key is optional and an unknown key is a `Config` error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NixlOptions {
+    /// NIXL plugin that moves the bytes (default `"UCX"`).
+    #[serde(alias = "backends")]
+    pub backend: String,
+    /// Folder of NIXL plugins; exported as `NIXL_PLUGIN_DIR` before the first agent of the
+    /// process (default: NIXL's own lookup, `plugins/` next to `libnixl.so`).
+    pub plugin_dir: Option<PathBuf>,
+    /// How long `wait` (and `abort`'s drain) may take before every request is released and a
+    /// `Timeout` error returned, in milliseconds.
+    #[serde(alias = "progress_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Overrides of the plugin's own parameters (for UCX: `ucx_devices`, `num_workers`,
+    /// `ucx_error_handling_mode`); a key the plugin does not list is a `Config` error. UCX
+    /// itself also reads its usual environment (`UCX_TLS`, `UCX_NET_DEVICES`).
+    pub plugin_params: BTreeMap<String, String>,
+    /// The GPU of this rank: VRAM blocks on another device are refused at registration.
+    pub device_id: Option<u32>,
+    /// Run NIXL's progress thread (needed by publishers whose reads travel over transports
+    /// that emulate one-sided reads, such as TCP).
+    pub progress_thread: bool,
+    /// Delay of the progress thread between polls, in microseconds.
+    pub progress_delay_us: u64,
+}
+
+impl Default for NixlOptions {
+    fn default() -> Self {
+        NixlOptions {
+            backend: "UCX".into(),
+            plugin_dir: None,
+            timeout_ms: 30_000,
+            plugin_params: BTreeMap::new(),
+            device_id: None,
+            progress_thread: true,
+            progress_delay_us: 100,
+        }
+    }
+}

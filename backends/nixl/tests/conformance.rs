@@ -1,0 +1,28 @@
+//! The shared conformance suite over NIXL agents in one process: one test per check.
+
+use std::sync::Arc;
+
+use reshard_backend_nixl::{NixlOptions, NixlTransport};
+use reshard_conformance::Harness;
+use reshard_core::Transport;
+
+/// A NIXL endpoint with default options (the UCX plugin).
+fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
+    Ok(Arc::new(NixlTransport::new(agent, &NixlOptions::default())?) as Arc<dyn Transport>)
+}
+
+fn harness() -> Harness {
+    Harness::new("nixl", endpoint)
+}
+
+reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_nixl::probe());
+
+/// The same suite with every cluster's publishers in a child process (this test binary
+/// re-executed), reached over NIXL between processes.
+mod cross_process {
+    reshard_conformance::cross_process_conformance_tests!(
+        "nixl",
+        super::endpoint,
+        requires = reshard_backend_nixl::probe()
+    );
+}

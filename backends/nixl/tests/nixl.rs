@@ -1,0 +1,549 @@
+//! Focused tests of the NIXL backend: metadata decoding, prepare-time validation, peer reloads,
+//! the descriptor cache across many posts, the timeout path, a missing runtime, and options.
+
+use bytes::Bytes;
+use reshard_backend_nixl::{probe, NixlFactory, NixlOptions, NixlTransport, BACKEND};
+use reshard_core::config::TransportConfig;
+use reshard_core::registry::TransportFactory;
+use reshard_core::{
+    ErrorKind, HostBuffer, MemoryBlock, ReadBatch, ReadDesc, Registration, Transport,
+};
+use std::sync::Arc;
+
+fn available() -> bool {
+    reshard_conformance::backend_available(BACKEND, probe())
+}
+
+fn endpoint(name: &str) -> NixlTransport {
+    NixlTransport::new(name, &NixlOptions::default()).expect("nixl endpoint")
+}
+
+fn pattern(len: usize, salt: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i * 31 + salt as usize * 7) % 251) as u8)
+        .collect()
+}
+
+async fn register(t: &NixlTransport, b: &Arc<HostBuffer>) -> Registration {
+    t.register(Arc::clone(b) as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register")
+}
+
+fn read(owner: u32, src: &Registration, dst: &Registration, off: u64, len: u64) -> ReadDesc {
+    ReadDesc {
+        owner,
+        remote_region: src.id(),
+        remote_offset: off,
+        local_region: dst.id(),
+        local_offset: off,
+        len,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbled_truncated_and_foreign_metadata_are_decode_errors() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("md-src");
+    let b = endpoint("md-dst");
+    let _r = register(&a, &Arc::new(HostBuffer::zeroed(4096))).await;
+    let good = a.export_metadata().await.expect("metadata");
+    for cut in [0, 3, 5, 9, good.len() / 2, good.len() - 1] {
+        let e = b
+            .load_peer(1, good.slice(..cut))
+            .await
+            .expect_err("truncated");
+        assert_eq!(e.kind(), ErrorKind::Decode, "cut {cut}: {e}");
+        assert_eq!(e.context().owner, Some(1));
+    }
+    let mut v = good.to_vec();
+    v[4] = 200; // version
+    let e = b.load_peer(1, Bytes::from(v)).await.expect_err("version");
+    assert_eq!(e.kind(), ErrorKind::Decode);
+    let mut v = good.to_vec();
+    v.push(1);
+    let e = b.load_peer(1, Bytes::from(v)).await.expect_err("trailing");
+    assert_eq!(e.kind(), ErrorKind::Decode);
+    let e = b
+        .load_peer(
+            1,
+            Bytes::from_static(b"RSLB\x01garbage from another backend"),
+        )
+        .await
+        .expect_err("foreign");
+    assert_eq!(e.kind(), ErrorKind::Decode);
+    // A loopback-sized garbage blob with the right magic but a corrupt NIXL part.
+    let mut v = good.to_vec();
+    let n = v.len();
+    v[n - 8..].copy_from_slice(&[0xAB; 8]);
+    let e = b
+        .load_peer(1, Bytes::from(v))
+        .await
+        .expect_err("corrupt nixl md");
+    assert!(
+        matches!(e.kind(), ErrorKind::Decode | ErrorKind::Transport),
+        "{e}"
+    );
+    // Nothing was loaded: the epoch is unchanged and reads from owner 1 are unknown.
+    b.load_peer(1, good)
+        .await
+        .expect("the good bytes still load");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_rejects_unknown_peers_and_out_of_bounds_reads() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("oob-src");
+    let b = endpoint("oob-dst");
+    let src = register(&a, &Arc::new(HostBuffer::zeroed(4096))).await;
+    let dst = register(&b, &Arc::new(HostBuffer::zeroed(8192))).await;
+    let batch = |reads| ReadBatch { reads };
+    let e = b
+        .prepare(batch(vec![read(3, &src, &dst, 0, 16)]))
+        .await
+        .expect_err("unknown peer");
+    assert_eq!(e.kind(), ErrorKind::PeerUnknown);
+    assert_eq!(e.context().owner, Some(3));
+    b.load_peer(3, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    // Past the end of the publisher's region (the local region is large enough).
+    let e = b
+        .prepare(batch(vec![
+            read(3, &src, &dst, 0, 16),
+            read(3, &src, &dst, 4000, 200),
+        ]))
+        .await
+        .expect_err("remote out of bounds");
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+    assert_eq!(e.context().owner, Some(3));
+    assert_eq!(e.context().range, Some(4000..4200));
+    // A region the publisher never registered, a local region that does not exist, a local
+    // range past its end, an overflowing offset and a zero-length read.
+    let mut bad = read(3, &src, &dst, 0, 16);
+    bad.remote_region = 99;
+    let mut no_local = read(3, &src, &dst, 0, 16);
+    no_local.local_region = 42;
+    let mut past_local = read(3, &src, &dst, 0, 16);
+    past_local.local_offset = 8190;
+    let mut wrap = read(3, &src, &dst, 0, 16);
+    wrap.remote_offset = u64::MAX - 4;
+    for r in [bad, no_local, past_local, wrap, read(3, &src, &dst, 0, 0)] {
+        let e = b.prepare(batch(vec![r])).await.expect_err("invalid read");
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{r:?}: {e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloading_a_changed_peer_bumps_the_epoch_and_the_next_prepare_uses_it() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("reload-src");
+    let b = endpoint("reload-dst");
+    let first = Arc::new(HostBuffer::from_bytes(&pattern(4096, 1)));
+    let r1 = register(&a, &first).await;
+    let dst = Arc::new(HostBuffer::zeroed(8192));
+    let rd = register(&b, &dst).await;
+    let md1 = a.export_metadata().await.unwrap();
+    b.load_peer(0, md1.clone()).await.unwrap();
+    let e0 = b.epoch();
+    // The same bytes again change nothing.
+    b.load_peer(0, md1).await.unwrap();
+    assert_eq!(b.epoch(), e0);
+    // Reading region 2 before the publisher registered it: out of bounds.
+    let second = Arc::new(HostBuffer::from_bytes(&pattern(4096, 2)));
+    let r2 = register(&a, &second).await;
+    assert_eq!(r2.id(), r1.id() + 1);
+    let want = ReadBatch {
+        reads: vec![ReadDesc {
+            owner: 0,
+            remote_region: r2.id(),
+            remote_offset: 0,
+            local_region: rd.id(),
+            local_offset: 4096,
+            len: 4096,
+        }],
+    };
+    let e = b.prepare(want.clone()).await.expect_err("stale metadata");
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds);
+    b.load_peer(0, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    assert_ne!(b.epoch(), e0, "a changed peer bumps the epoch");
+    let p = b
+        .prepare(want)
+        .await
+        .expect("prepare with the new metadata");
+    b.post(&p).await.unwrap().wait().await.expect("read");
+    assert_eq!(dst.read()[4096..], pattern(4096, 2)[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_batch_is_reposted_byte_exact_across_many_updates() {
+    if !available() {
+        return;
+    }
+    let pubs = [endpoint("repost-src-0"), endpoint("repost-src-1")];
+    let rx = endpoint("repost-dst");
+    let len = 64 * 1024;
+    let srcs: Vec<Arc<HostBuffer>> = (0..2)
+        .map(|i| Arc::new(HostBuffer::from_bytes(&pattern(len, i))))
+        .collect();
+    let mut regs = Vec::new();
+    for (i, (p, s)) in pubs.iter().zip(&srcs).enumerate() {
+        regs.push(register(p, s).await);
+        rx.load_peer(i as u32, p.export_metadata().await.unwrap())
+            .await
+            .unwrap();
+    }
+    let dst = Arc::new(HostBuffer::zeroed(2 * len));
+    let rd = register(&rx, &dst).await;
+    // Interleaved 4 KiB reads from both owners: owner k fills its half of dst.
+    let chunk = 4096u64;
+    let mut reads = Vec::new();
+    for c in 0..(len as u64 / chunk) {
+        for (k, r) in regs.iter().enumerate() {
+            reads.push(ReadDesc {
+                owner: k as u32,
+                remote_region: r.id(),
+                remote_offset: c * chunk,
+                local_region: rd.id(),
+                local_offset: k as u64 * len as u64 + c * chunk,
+                len: chunk,
+            });
+        }
+    }
+    let epoch = rx.epoch();
+    let prepared = rx.prepare(ReadBatch { reads }).await.expect("prepare");
+    let stats = NixlTransport::prepared_stats(&prepared).expect("nixl batch");
+    assert_eq!(
+        (stats.segments, stats.requests),
+        (1, 2),
+        "one request per owner"
+    );
+    assert_eq!((stats.local_lists, stats.remote_lists), (1, 2));
+    for step in 0..25u8 {
+        for (i, s) in srcs.iter().enumerate() {
+            s.write()
+                .copy_from_slice(&pattern(len, step.wrapping_mul(3) + i as u8));
+        }
+        let report = rx
+            .post(&prepared)
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .expect("wait");
+        assert_eq!(report.bytes, 2 * len as u64);
+        let got = dst.read();
+        for i in 0..2 {
+            assert!(
+                got[i * len..(i + 1) * len] == pattern(len, step.wrapping_mul(3) + i as u8)[..],
+                "step {step}, owner {i}"
+            );
+        }
+    }
+    let stats = NixlTransport::prepared_stats(&prepared).unwrap();
+    assert_eq!(stats.request_builds, 1, "the same requests are re-posted");
+    assert_eq!(stats.posts, 25);
+    assert_eq!(rx.epoch(), epoch, "posting changes no epoch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_destinations_apply_in_batch_order() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("overlap-src");
+    let b = endpoint("overlap-dst");
+    let len = 8192usize;
+    let src = Arc::new(HostBuffer::from_bytes(&pattern(len, 5)));
+    let rs = register(&a, &src).await;
+    let dst = Arc::new(HostBuffer::zeroed(len));
+    let rd = register(&b, &dst).await;
+    b.load_peer(0, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    // Three reads into dst[0..4096]: from src[0..], src[4096..], then src[0..] again; the
+    // last one in batch order must win.
+    let r = |src_off: u64| ReadDesc {
+        owner: 0,
+        remote_region: rs.id(),
+        remote_offset: src_off,
+        local_region: rd.id(),
+        local_offset: 0,
+        len: 4096,
+    };
+    let prepared = b
+        .prepare(ReadBatch {
+            reads: vec![r(0), r(4096), r(4096), r(0)],
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        NixlTransport::prepared_stats(&prepared).unwrap().segments,
+        4
+    );
+    for _ in 0..3 {
+        b.post(&prepared).await.unwrap().wait().await.unwrap();
+        assert_eq!(dst.read()[..4096], pattern(len, 5)[..4096]);
+    }
+}
+
+/// Environment variable telling a re-executed test binary to run the timeout scenario.
+const TIMEOUT_CHILD_ENV: &str = "RESHARD_NIXL_TEST_TIMEOUT_CHILD";
+
+/// The timeout scenario needs a read that stays in flight. In one process UCX would finish it
+/// inside the post (shared memory), so a child process runs it with UCX restricted to TCP
+/// (`UCX_TLS` is read once per process) against a publisher without a progress thread: over
+/// TCP a one-sided read needs the target to make progress, which it never does.
+#[test]
+fn a_wait_past_the_timeout_is_a_timeout_and_releases_its_requests() {
+    if std::env::var_os(TIMEOUT_CHILD_ENV).is_some() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(timeout_child());
+        println!("child-saw-timeout");
+        return;
+    }
+    if !available() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_wait_past_the_timeout_is_a_timeout_and_releases_its_requests",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(TIMEOUT_CHILD_ENV, "1")
+        .env("UCX_TLS", "tcp")
+        .output()
+        .expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("child-saw-timeout"),
+        "child failed ({:?}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn timeout_child() {
+    let quiet = NixlOptions {
+        progress_thread: false,
+        ..NixlOptions::default()
+    };
+    let a = NixlTransport::new("timeout-src", &quiet).unwrap();
+    let opts = NixlOptions {
+        timeout_ms: 300,
+        ..NixlOptions::default()
+    };
+    let b = NixlTransport::new("timeout-dst", &opts).unwrap();
+    let len = 1 << 20;
+    let src = Arc::new(HostBuffer::from_bytes(&pattern(len, 9)));
+    let dst = Arc::new(HostBuffer::zeroed(len));
+    let rs = register(&a, &src).await;
+    let rd = register(&b, &dst).await;
+    b.load_peer(0, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let chunk = 64 * 1024u64;
+    let reads = (0..len as u64 / chunk)
+        .map(|i| read(0, &rs, &rd, i * chunk, chunk))
+        .collect();
+    let prepared = b.prepare(ReadBatch { reads }).await.unwrap();
+    let started = std::time::Instant::now();
+    let e = b
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .expect_err("the publisher never progresses");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+    assert_eq!(e.context().owner, Some(0));
+    assert!(e.context().range.is_some());
+    // The requests were released: the next post makes them again from the prepared lists.
+    assert_eq!(
+        NixlTransport::prepared_stats(&prepared)
+            .unwrap()
+            .request_builds,
+        1
+    );
+    let flight = b.post(&prepared).await.expect("post after a timeout");
+    assert_eq!(
+        NixlTransport::prepared_stats(&prepared)
+            .unwrap()
+            .request_builds,
+        2
+    );
+    flight.abort().await;
+}
+
+#[test]
+fn options_with_an_unknown_key_are_a_config_error() {
+    let cfg = TransportConfig {
+        kind: "nixl".into(),
+        workers: None,
+        options: Some(serde_json::json!({"timeout_ms": 5, "ucx_tls": "tcp"})),
+    };
+    let e = NixlFactory::new().create("x", &cfg).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("ucx_tls"), "{e}");
+    let cfg = TransportConfig {
+        options: Some(serde_json::json!({"timeout_ms": "soon"})),
+        ..cfg
+    };
+    assert_eq!(
+        NixlFactory::new().create("x", &cfg).unwrap_err().kind(),
+        ErrorKind::Config
+    );
+}
+
+#[test]
+fn an_unknown_plugin_parameter_is_a_config_error() {
+    if !available() {
+        return;
+    }
+    let mut opts = NixlOptions::default();
+    opts.plugin_params.insert("ucx_tls".into(), "tcp".into());
+    let e = NixlTransport::new("params", &opts).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    // A parameter the plugin lists is accepted.
+    let mut opts = NixlOptions::default();
+    opts.plugin_params.insert("num_workers".into(), "1".into());
+    NixlTransport::new("params-ok", &opts).expect("known parameter");
+}
+
+/// Environment variable telling a re-executed test binary to act as the missing-runtime child.
+const CHILD_ENV: &str = "RESHARD_NIXL_TEST_MISSING_RUNTIME_CHILD";
+
+#[test]
+fn a_missing_runtime_is_unavailable_not_an_abort() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        // Child: the runtime home is empty, so nothing may load and nothing may abort.
+        let e = probe().expect_err("no runtime");
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+        assert!(e.message().contains("install-deps.sh"), "{e}");
+        let e = NixlFactory::new()
+            .create(
+                "x",
+                &TransportConfig {
+                    kind: "nixl".into(),
+                    workers: None,
+                    options: None,
+                },
+            )
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+        println!("child-saw-unavailable");
+        return;
+    }
+    let empty = std::env::temp_dir().join(format!("reshard-nixl-none-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_missing_runtime_is_unavailable_not_an_abort",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .env("RESHARD_NIXL_HOME", &empty)
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("run the child");
+    std::fs::remove_dir_all(&empty).ok();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("child-saw-unavailable"),
+        "child failed ({:?}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A VRAM block description (no GPU memory behind it: registration must refuse it first).
+#[derive(Debug)]
+struct FakeVram(u32);
+
+impl MemoryBlock for FakeVram {
+    fn addr(&self) -> usize {
+        0x1000
+    }
+    fn len(&self) -> usize {
+        4096
+    }
+    fn kind(&self) -> reshard_core::MemoryKind {
+        reshard_core::MemoryKind::Vram { device: self.0 }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vram_on_another_device_is_refused_and_not_advertised() {
+    if !available() {
+        return;
+    }
+    let opts = NixlOptions {
+        device_id: Some(0),
+        ..NixlOptions::default()
+    };
+    let t = NixlTransport::new("vram", &opts).unwrap();
+    assert!(!t.capabilities().vram);
+    let e = t
+        .register(Arc::new(FakeVram(1)) as Arc<dyn MemoryBlock>)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert_eq!(t.epoch(), 0, "nothing was registered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_dropped_without_wait_leaves_the_batch_usable() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("drop-src");
+    let b = endpoint("drop-dst");
+    let len = 1 << 20;
+    let src = Arc::new(HostBuffer::from_bytes(&pattern(len, 4)));
+    let dst = Arc::new(HostBuffer::zeroed(len));
+    let rs = register(&a, &src).await;
+    let rd = register(&b, &dst).await;
+    b.load_peer(0, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let prepared = b
+        .prepare(ReadBatch {
+            reads: vec![read(0, &rs, &rd, 0, len as u64)],
+        })
+        .await
+        .unwrap();
+    drop(b.post(&prepared).await.unwrap());
+    // Posting while a post is still being waited for is refused, then works once it is done.
+    let flight = b.post(&prepared).await.expect("post after a dropped post");
+    let e = b.post(&prepared).await.err().expect("busy");
+    assert_eq!(e.kind(), ErrorKind::Transport);
+    assert!(e.is_retryable());
+    flight.wait().await.expect("wait");
+    assert_eq!(dst.read()[..], pattern(len, 4)[..]);
+    // A batch from another endpoint is refused.
+    let other = a
+        .prepare(ReadBatch { reads: vec![] })
+        .await
+        .expect("empty batch");
+    assert_eq!(
+        b.post(&other).await.err().expect("foreign batch").kind(),
+        ErrorKind::Unsupported
+    );
+}
