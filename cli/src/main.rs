@@ -2,6 +2,7 @@
 
 mod bench_cmd;
 mod plan_cmd;
+mod ranges_cmd;
 mod refit_cmd;
 mod table_cmd;
 mod transports;
@@ -29,6 +30,9 @@ enum Command {
     /// Measure the baseline and reshard arms and a memcpy ceiling in one run (the seed note's
     /// before/after table).
     Bench(bench_cmd::BenchArgs),
+    /// Time one transport moving the same bytes as 1k to 1M ranges (prepare, first post,
+    /// re-post), next to a memcpy of the same bytes.
+    BenchRanges(ranges_cmd::RangesArgs),
     /// List the model presets.
     Presets(PresetsArgs),
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
@@ -129,6 +133,7 @@ fn main() -> ExitCode {
         Command::Presets(a) => presets(a),
         Command::Refit(a) => refit_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
+        Command::BenchRanges(a) => ranges_cmd::run(a),
         Command::Table(a) => table_cmd::run(a),
         Command::ServePublishers(a) => refit_cmd::serve(a),
     };

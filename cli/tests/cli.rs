@@ -293,3 +293,79 @@ fn loopback_refuses_publishers_in_another_process_with_a_typed_error() {
     assert!(err.contains("another process"), "{err}");
     assert!(err.contains("[owner 0]"), "{err}");
 }
+
+#[test]
+fn bench_ranges_moves_the_same_bytes_at_every_count() {
+    let v = json(&reshard(
+        &[
+            "bench-ranges",
+            "--total-bytes",
+            "1048576",
+            "--counts",
+            "1,1000,4096",
+            "--reposts",
+            "2",
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(v["transport"], "loopback");
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 3);
+    for (r, want) in rows.iter().zip([1u64, 1000, 4096]) {
+        assert_eq!(r["ranges"], want);
+        for k in [
+            "prepare_s",
+            "first_post_s",
+            "repost_s",
+            "repost_gbytes_per_s",
+        ] {
+            assert!(r[k].as_f64().expect(k) > 0.0, "{k}: {r}");
+        }
+    }
+    assert!(v["memcpy_gbytes_per_s"].as_f64().expect("memcpy") > 0.0);
+    let err = error_text(&reshard(
+        &["bench-ranges", "--total-bytes", "10", "--counts", "11"],
+        &[],
+    ));
+    assert!(err.contains("--total-bytes"), "{err}");
+}
+
+#[test]
+fn bench_reports_both_arms_and_the_memcpy_ceiling() {
+    let v = json(&reshard(
+        &[
+            "bench",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--updates",
+            "1",
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(v["verified"], true);
+    let arms = v["arms"].as_array().expect("arms");
+    let names: Vec<&str> = arms.iter().filter_map(|a| a["arm"].as_str()).collect();
+    assert_eq!(names, vec!["baseline", "reshard"]);
+    let reads = |i: usize| arms[i]["reads"].as_u64().expect("reads");
+    assert!(reads(0) > reads(1), "dedup cuts reads");
+    assert!(arms[0]["wire_bytes"].as_u64() > arms[1]["wire_bytes"].as_u64());
+    for a in arms {
+        for k in [
+            "median_wire_s",
+            "median_e2e_s",
+            "wire_gbytes_per_s",
+            "wire_fraction_of_memcpy",
+            "attribution",
+        ] {
+            assert!(a[k].as_f64().expect(k) > 0.0, "{k}: {a}");
+        }
+    }
+    assert!(v["memcpy_gbytes_per_s"].as_f64().expect("memcpy") > 0.0);
+    assert!(v["speedup_e2e"].as_f64().expect("speedup") > 0.0);
+    let err = error_text(&reshard(&["bench", "--arms", "fastest"], &[]));
+    assert!(err.contains("baseline"), "{err}");
+}
