@@ -1,1 +1,55 @@
-//! UCX transport of reshard (work in progress).
+#![doc = include_str!("../README.md")]
+
+mod config;
+mod engine;
+mod meta;
+mod plan;
+mod raw;
+mod transport;
+
+use reshard_core::config::TransportConfig;
+use reshard_core::registry::TransportFactory;
+use reshard_core::{Result, Transport};
+use std::sync::Arc;
+
+pub use config::{UcxOptions, DEFAULT_READS_IN_FLIGHT, DEFAULT_TIMEOUT_MS};
+pub use raw::{UcxStatusError, LIBUCP};
+pub use transport::UcxTransport;
+
+/// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
+pub const BACKEND: &str = "ucx";
+
+/// Whether UCX is usable on this machine: loads libucp (once per process) and checks its
+/// version; `Unavailable`, saying how to install it, when it cannot.
+pub fn probe() -> Result<()> {
+    raw::lib().map(|_| ())
+}
+
+/// `major.minor.release` of the loaded UCX library.
+pub fn ucx_version() -> Result<(u32, u32, u32)> {
+    raw::lib().map(|u| u.version)
+}
+
+/// Creates UCX endpoints for the transport registry from `[backends.ucx]` options.
+#[derive(Debug, Clone, Default)]
+pub struct UcxFactory;
+
+impl UcxFactory {
+    /// A factory; UCX itself is loaded when the first endpoint is created.
+    pub fn new() -> Self {
+        UcxFactory
+    }
+}
+
+impl TransportFactory for UcxFactory {
+    fn kind(&self) -> &'static str {
+        BACKEND
+    }
+
+    /// `transport.workers` is not used: each endpoint has one UCX worker driven by one
+    /// progress thread, and the copies themselves are done by UCX's transports.
+    fn create(&self, agent: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {
+        let options = UcxOptions::from_transport_config(config)?;
+        Ok(Arc::new(UcxTransport::new(agent, options)?))
+    }
+}

@@ -1,0 +1,99 @@
+//! [`UcxOptions`]: the typed `[backends.ucx]` section (or `RESHARD_BACKENDS__UCX__*`).
+
+use reshard_core::config::{backend_options, TransportConfig};
+use reshard_core::{Error, ErrorKind, Result};
+use serde::{Deserialize, Serialize};
+
+/// Reads kept in flight per posted batch when the configuration does not say.
+pub const DEFAULT_READS_IN_FLIGHT: usize = 512;
+/// Completion timeout when the configuration does not say (milliseconds).
+pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
+
+/// Options of the UCX backend. Unknown keys are `Config` errors.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UcxOptions {
+    /// UCX transports to use, as `UCX_TLS` spells them (`"posix,cma,tcp"`, `"tcp"`); UCX's
+    /// own default (its environment, else every transport) when unset.
+    pub tls: Option<String>,
+    /// Network devices, as `UCX_NET_DEVICES` spells them (`"eth0"`, `"mlx5_0:1"`).
+    pub net_devices: Option<String>,
+    /// Most reads of one posted batch outstanding at once; more are issued as they complete.
+    pub reads_in_flight: usize,
+    /// A posted batch that makes no progress for this long fails with `Timeout`
+    /// (milliseconds). Connection set-up happens during the first reads, so this bounds it too.
+    pub timeout_ms: u64,
+}
+
+impl Default for UcxOptions {
+    fn default() -> Self {
+        UcxOptions {
+            tls: None,
+            net_devices: None,
+            reads_in_flight: DEFAULT_READS_IN_FLIGHT,
+            timeout_ms: DEFAULT_TIMEOUT_MS,
+        }
+    }
+}
+
+impl UcxOptions {
+    /// Parses the `[backends.ucx]` section of `config` and checks it.
+    pub fn from_transport_config(config: &TransportConfig) -> Result<Self> {
+        let o: UcxOptions = backend_options(config).map_err(|e| e.with_backend(crate::BACKEND))?;
+        o.validate()?;
+        Ok(o)
+    }
+
+    /// Checks value ranges.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::new(ErrorKind::Config, m).with_backend(crate::BACKEND));
+        if self.reads_in_flight == 0 {
+            return bad("backends.ucx.reads_in_flight must be at least 1");
+        }
+        if self.timeout_ms == 0 {
+            return bad("backends.ucx.timeout_ms must be at least 1");
+        }
+        for (key, v) in [("tls", &self.tls), ("net_devices", &self.net_devices)] {
+            if let Some(v) = v {
+                if v.trim().is_empty() || v.contains('\0') {
+                    return bad(&format!(
+                        "backends.ucx.{key} must be a non-empty list without NUL bytes"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard_core::config::Config;
+
+    #[test]
+    fn section_is_typed_and_checked() {
+        let c = Config::from_toml(
+            "[transport]\nkind = \"ucx\"\n[backends.ucx]\ntls = \"tcp\"\nreads_in_flight = 8\n",
+        )
+        .unwrap();
+        let o = UcxOptions::from_transport_config(&c.transport).unwrap();
+        assert_eq!(o.tls.as_deref(), Some("tcp"));
+        assert_eq!(o.reads_in_flight, 8);
+        assert_eq!(o.timeout_ms, DEFAULT_TIMEOUT_MS);
+        let c = Config::from_toml("[transport]\nkind = \"ucx\"\n[backends.ucx]\ntlz = \"x\"\n")
+            .unwrap();
+        let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        let c =
+            Config::from_toml("[transport]\nkind = \"ucx\"\n[backends.ucx]\nreads_in_flight = 0\n")
+                .unwrap();
+        let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        let c = Config::from_toml("").unwrap();
+        assert_eq!(
+            UcxOptions::from_transport_config(&c.transport).unwrap(),
+            UcxOptions::default()
+        );
+    }
+}

@@ -1,0 +1,350 @@
+//! Metadata an endpoint exports and its peers load: a versioned binary blob holding the UCP
+//! worker address and, per registered region, its id, base address, length, memory kind and
+//! packed remote key.
+//!
+//! Layout (little endian): magic `RSUX`, version `u8`, name length `u16` + UTF-8 agent name,
+//! address length `u32` + worker address, region count `u32`, then per region `id u64`,
+//! `base u64`, `len u64`, kind `u8` (0 DRAM, 1 VRAM) + device `u32`, key length `u32` + packed
+//! key. Decoding treats the bytes as untrusted (they come from other processes): every length
+//! is checked against the input before it is used, and nothing is allocated beyond what the
+//! input holds. The worker address and keys themselves are opaque to us and parsed by UCX.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::{Error, ErrorKind, MemoryKind, Result};
+
+const MAGIC: &[u8; 4] = b"RSUX";
+const VERSION: u8 = 1;
+/// Fixed bytes of one region entry (everything but the key bytes).
+const REGION_FIXED: usize = 8 + 8 + 8 + 1 + 4 + 4;
+
+/// One region as a peer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RegionMeta {
+    pub(crate) id: u64,
+    /// Address of the region's first byte in its owner's address space.
+    pub(crate) base: u64,
+    pub(crate) len: u64,
+    pub(crate) kind: MemoryKind,
+    /// `ucp_rkey_pack` output (empty for zero-length regions, which are never mapped).
+    pub(crate) rkey: Vec<u8>,
+}
+
+/// What a peer needs to read an endpoint's regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EndpointMeta {
+    pub(crate) agent: String,
+    pub(crate) worker_address: Vec<u8>,
+    /// Ascending by id, ids unique.
+    pub(crate) regions: Vec<RegionMeta>,
+}
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum MetaError {
+    #[error("not ucx metadata (bad magic)")]
+    Magic,
+    #[error("unsupported ucx metadata version {0} (this build reads {VERSION})")]
+    Version(u8),
+    #[error("truncated: needed {needed} more bytes at offset {at}")]
+    Truncated { at: usize, needed: usize },
+    #[error("agent name is not UTF-8")]
+    Name,
+    #[error("empty worker address")]
+    EmptyAddress,
+    #[error("region {0}: unknown memory kind {1}")]
+    Kind(u64, u8),
+    #[error("region {0}: base + length overflows")]
+    Overflow(u64),
+    #[error("region {0}: non-empty region without a remote key")]
+    MissingKey(u64),
+    #[error("{0} trailing bytes after the last region")]
+    Trailing(usize),
+    #[error("region {0} listed twice")]
+    DuplicateRegion(u64),
+}
+
+impl EndpointMeta {
+    pub(crate) fn encode(&self) -> Bytes {
+        let name = self.agent.as_bytes();
+        let keys: usize = self.regions.iter().map(|r| r.rkey.len()).sum();
+        let mut b = BytesMut::with_capacity(
+            4 + 1
+                + 2
+                + name.len()
+                + 4
+                + self.worker_address.len()
+                + 4
+                + REGION_FIXED * self.regions.len()
+                + keys,
+        );
+        b.put_slice(MAGIC);
+        b.put_u8(VERSION);
+        // Agent names are limited to u16::MAX bytes when the endpoint is created.
+        b.put_u16_le(name.len() as u16);
+        b.put_slice(name);
+        b.put_u32_le(self.worker_address.len() as u32);
+        b.put_slice(&self.worker_address);
+        b.put_u32_le(self.regions.len() as u32);
+        for r in &self.regions {
+            b.put_u64_le(r.id);
+            b.put_u64_le(r.base);
+            b.put_u64_le(r.len);
+            let (kind, device) = match r.kind {
+                MemoryKind::Dram => (0u8, 0u32),
+                MemoryKind::Vram { device } => (1, device),
+            };
+            b.put_u8(kind);
+            b.put_u32_le(device);
+            b.put_u32_le(r.rkey.len() as u32);
+            b.put_slice(&r.rkey);
+        }
+        b.freeze()
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<EndpointMeta> {
+        Self::try_decode(bytes).map_err(|e| {
+            Error::new(ErrorKind::Decode, format!("invalid ucx peer metadata: {e}"))
+                .with_backend(crate::BACKEND)
+                .with_source(e)
+        })
+    }
+
+    fn try_decode(bytes: &[u8]) -> Result<EndpointMeta, MetaError> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
+            return Err(MetaError::Magic);
+        }
+        let version = r.take(1)?[0];
+        if version != VERSION {
+            return Err(MetaError::Version(version));
+        }
+        let name_len = u16::from_le_bytes(r.array()?) as usize;
+        let agent = std::str::from_utf8(r.take(name_len)?)
+            .map_err(|_| MetaError::Name)?
+            .to_owned();
+        let addr_len = r.u32()? as usize;
+        let worker_address = r.take(addr_len)?.to_vec();
+        if worker_address.is_empty() {
+            return Err(MetaError::EmptyAddress);
+        }
+        let count = r.u32()? as usize;
+        // Check the count against the bytes present before allocating anything for it.
+        let need = count.saturating_mul(REGION_FIXED);
+        let left = r.left();
+        if need > left {
+            return Err(MetaError::Truncated {
+                at: r.at,
+                needed: need - left,
+            });
+        }
+        let mut regions = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = r.u64()?;
+            let base = r.u64()?;
+            let len = r.u64()?;
+            let kind = match (r.take(1)?[0], r.u32()?) {
+                (0, _) => MemoryKind::Dram,
+                (1, device) => MemoryKind::Vram { device },
+                (k, _) => return Err(MetaError::Kind(id, k)),
+            };
+            let key_len = r.u32()? as usize;
+            let rkey = r.take(key_len)?.to_vec();
+            if base.checked_add(len).is_none() {
+                return Err(MetaError::Overflow(id));
+            }
+            if len > 0 && rkey.is_empty() {
+                return Err(MetaError::MissingKey(id));
+            }
+            regions.push(RegionMeta {
+                id,
+                base,
+                len,
+                kind,
+                rkey,
+            });
+        }
+        if r.left() > 0 {
+            return Err(MetaError::Trailing(r.left()));
+        }
+        regions.sort_unstable_by_key(|r| r.id);
+        if let Some(w) = regions.windows(2).find(|w| w[0].id == w[1].id) {
+            return Err(MetaError::DuplicateRegion(w[0].id));
+        }
+        Ok(EndpointMeta {
+            agent,
+            worker_address,
+            regions,
+        })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn left(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], MetaError> {
+        let left = self.left();
+        if n > left {
+            return Err(MetaError::Truncated {
+                at: self.at,
+                needed: n - left,
+            });
+        }
+        let s = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetaError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u32(&mut self) -> Result<u32, MetaError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, MetaError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> EndpointMeta {
+        EndpointMeta {
+            agent: "publisher-ä".into(),
+            worker_address: vec![9; 37],
+            regions: vec![
+                RegionMeta {
+                    id: 1,
+                    base: 0x7f00_0000_1000,
+                    len: 4096,
+                    kind: MemoryKind::Dram,
+                    rkey: vec![1, 2, 3, 4, 5],
+                },
+                RegionMeta {
+                    id: 2,
+                    base: 0,
+                    len: 0,
+                    kind: MemoryKind::Dram,
+                    rkey: vec![],
+                },
+                RegionMeta {
+                    id: 5,
+                    base: 0x1000,
+                    len: 64,
+                    kind: MemoryKind::Vram { device: 3 },
+                    rkey: vec![7; 40],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        assert_eq!(EndpointMeta::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_a_decode_error() {
+        let full = sample().encode();
+        for cut in 0..full.len() {
+            let e = EndpointMeta::decode(&full[..cut]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Decode, "cut at {cut}");
+        }
+        let mut long = full.to_vec();
+        long.push(0);
+        assert_eq!(EndpointMeta::try_decode(&long), Err(MetaError::Trailing(1)));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let full = sample().encode().to_vec();
+        let mut v = full.clone();
+        v[4] = 99;
+        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Version(99)));
+        let mut v = full.clone();
+        v[0] = b'X';
+        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Magic));
+        let name_len = sample().agent.len();
+        let count_at = 4 + 1 + 2 + name_len + 4 + 37;
+        // A huge region count with few bytes present allocates nothing and fails cleanly.
+        let mut v = full.clone();
+        v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            EndpointMeta::try_decode(&v),
+            Err(MetaError::Truncated { .. })
+        ));
+        // A huge key length too.
+        let key_len_at = count_at + 4 + 8 + 8 + 8 + 1 + 4;
+        let mut v = full.clone();
+        v[key_len_at..key_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            EndpointMeta::try_decode(&v),
+            Err(MetaError::Truncated { .. })
+        ));
+        let mut v = full.clone();
+        v[count_at + 4 + 24] = 7;
+        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Kind(1, 7)));
+        let mut m = sample();
+        m.regions[0].base = u64::MAX;
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::Overflow(1))
+        );
+        let mut m = sample();
+        m.regions[0].rkey.clear();
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::MissingKey(1))
+        );
+        let mut m = sample();
+        m.regions[2].id = 1;
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::DuplicateRegion(1))
+        );
+        let mut m = sample();
+        m.worker_address.clear();
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::EmptyAddress)
+        );
+        let mut v = full;
+        v[4 + 1 + 2] = 0xff;
+        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Name));
+    }
+
+    #[test]
+    fn pseudo_random_garbage_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..400usize {
+            let mut v: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            assert!(EndpointMeta::decode(&v).is_err());
+            // With a valid header, garbage after it must still fail cleanly or decode.
+            if v.len() > 5 {
+                v[..4].copy_from_slice(MAGIC);
+                v[4] = VERSION;
+                let _ = EndpointMeta::decode(&v);
+            }
+        }
+    }
+}

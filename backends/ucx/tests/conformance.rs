@@ -1,0 +1,54 @@
+//! The shared conformance suite over UCX endpoints (each its own UCP context, worker and
+//! progress thread): in this process with UCX's default transports and with TCP only, and
+//! with the publishers in a child process.
+
+use std::sync::Arc;
+
+use reshard_backend_ucx::{UcxOptions, UcxTransport};
+use reshard_conformance::Harness;
+use reshard_core::{Result, Transport};
+
+fn endpoint_with(agent: &str, options: UcxOptions) -> Result<Arc<dyn Transport>> {
+    Ok(Arc::new(UcxTransport::new(agent, options)?) as Arc<dyn Transport>)
+}
+
+/// An endpoint with default options (UCX picks the transports).
+fn endpoint(agent: &str) -> Result<Arc<dyn Transport>> {
+    endpoint_with(agent, UcxOptions::default())
+}
+
+fn harness() -> Harness {
+    Harness::new("ucx", endpoint)
+}
+
+reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_ucx::probe());
+
+/// The same suite with `tls = "tcp"`: RMA reads emulated over TCP, which needs the
+/// publisher's progress thread to answer them.
+mod tcp {
+    use super::*;
+
+    fn harness() -> Harness {
+        Harness::new("ucx", |agent| {
+            endpoint_with(
+                agent,
+                UcxOptions {
+                    tls: Some("tcp".into()),
+                    ..UcxOptions::default()
+                },
+            )
+        })
+    }
+
+    reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_ucx::probe());
+}
+
+/// The suite with every cluster's publishers in a child process (this test binary re-executed),
+/// so reads cross a process boundary.
+mod cross_process {
+    reshard_conformance::cross_process_conformance_tests!(
+        "ucx",
+        super::endpoint,
+        requires = reshard_backend_ucx::probe()
+    );
+}
