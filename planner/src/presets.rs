@@ -111,6 +111,35 @@ pub fn presets() -> Vec<Preset> {
                 dtype: DType::Bf16,
             },
         },
+        Preset {
+            name: "kimi-k2",
+            description: "Kimi-K2-like 1T MoE: 61 MoE layers, 384 experts, hidden 7168, BF16 \
+                          (attention modelled as GQA, no shared expert; for plan-scale tests)",
+            source: "config.json of moonshotai/Kimi-K2-Instruct on its Hugging Face model card \
+                     (hidden_size 7168, num_hidden_layers 61, n_routed_experts 384, \
+                     moe_intermediate_size 2048, num_attention_heads 64, vocab_size 163840). \
+                     Simplified: K2's MLA attention (q/kv LoRA projections) is modelled as GQA \
+                     with 64 query heads of 128 and 8 KV heads, its one shared expert and its \
+                     first dense layer are left out, and embeddings are untied; the routed \
+                     experts, which are 97% of the bytes and tensors, are exact.",
+            config: ModelConfig {
+                name: "kimi-k2".into(),
+                layers: 61,
+                hidden: 7168,
+                heads: 64,
+                kv_heads: 8,
+                head_dim: 128,
+                intermediate: 18_432,
+                moe: Some(MoeConfig {
+                    experts: 384,
+                    expert_intermediate: 2048,
+                }),
+                vocab: 163_840,
+                tied_embeddings: false,
+                qk_norm: false,
+                dtype: DType::Bf16,
+            },
+        },
     ]
 }
 

@@ -576,7 +576,7 @@ fn full_scale_layout_matches_design() {
 #[test]
 fn presets_are_listed_and_unknown_names_are_config_errors() {
     let names: Vec<_> = presets().iter().map(|p| p.name).collect();
-    assert_eq!(names, vec!["qwen3-30b-a3b", "llama-3-8b"]);
+    assert_eq!(names, vec!["qwen3-30b-a3b", "llama-3-8b", "kimi-k2"]);
     for p in presets() {
         assert_eq!(p.config.name, p.name);
         assert!(!p.source.is_empty() && !p.description.is_empty());
@@ -585,6 +585,19 @@ fn presets_are_listed_and_unknown_names_are_config_errors() {
     let e = preset("gpt-5").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
     assert!(e.message().contains("qwen3-30b-a3b"));
+}
+
+#[test]
+fn kimi_k2_is_a_trillion_parameter_moe() {
+    let m = preset("kimi-k2").unwrap();
+    let t = m.tensors();
+    // 61 layers x (384 experts x 3 + q/k/v/o + router + 2 norms) + embed, head, final norm.
+    assert_eq!(t.len(), 61 * (384 * 3 + 4 + 1 + 2) + 3);
+    let params = m.total_bytes() / 2;
+    assert!(
+        (1_000_000_000_000..1_100_000_000_000).contains(&params),
+        "{params} parameters"
+    );
 }
 
 #[test]
