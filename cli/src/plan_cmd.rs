@@ -139,6 +139,11 @@ fn print_rows(title: &str, rows: &[RankRow]) {
     }
 }
 
+/// Above this many published offers the text output does not add the no-dedup comparison:
+/// at trillion-parameter scale (kimi-k2 with 256 publishers: 719k offers) its plans take tens
+/// of GiB. `--no-dedup` still plans that arm alone.
+const COUNTERFACTUAL_MAX_OFFERS: u64 = 250_000;
+
 /// Runs `reshard plan`.
 pub fn run(args: PlanArgs) -> Result<Outcome> {
     let (model, pubs, recv) = args.model.resolve()?;
@@ -180,7 +185,12 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
     );
     print_rows("", &rows);
     println!("  plan seconds, all ranks: {secs:.4}");
-    if !args.no_dedup {
+    if !args.no_dedup && report.offers_in > COUNTERFACTUAL_MAX_OFFERS {
+        println!(
+            "  (the no-dedup comparison is skipped above {COUNTERFACTUAL_MAX_OFFERS} offers: its \
+             overlapping plans grow with every replica; run with --no-dedup to plan it alone)"
+        );
+    } else if !args.no_dedup {
         // The counterfactual, so the dedup win is visible in one run.
         let (other, osecs, _) = arm(&tables, &model, &recv, false, args.full_pull_threshold)?;
         println!();
