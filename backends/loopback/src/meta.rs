@@ -6,6 +6,7 @@
 //! nothing is allocated beyond what the input itself holds.
 
 use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::encoding::{ByteReader, Truncated};
 use reshard_core::{Error, ErrorKind, Result};
 
 const MAGIC: &[u8; 4] = b"RSLB";
@@ -36,6 +37,15 @@ pub(crate) enum MetaError {
     Trailing(usize),
     #[error("region {0} listed twice")]
     DuplicateRegion(u64),
+}
+
+impl From<Truncated> for MetaError {
+    fn from(t: Truncated) -> Self {
+        MetaError::Truncated {
+            at: t.at,
+            needed: t.needed,
+        }
+    }
 }
 
 impl AgentMeta {
@@ -70,7 +80,7 @@ impl AgentMeta {
     }
 
     fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
-        let mut r = Reader { bytes, at: 0 };
+        let mut r = ByteReader::new(bytes);
         if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
             return Err(MetaError::Magic);
         }
@@ -85,12 +95,12 @@ impl AgentMeta {
             .map_err(|_| MetaError::Name)?
             .to_owned();
         let count = u32::from_le_bytes(r.array()?) as usize;
-        let left = bytes.len() - r.at;
+        let left = bytes.len() - r.at();
         // Check the count against the bytes present before allocating anything for it.
         let need = count.saturating_mul(16);
         if need > left {
             return Err(MetaError::Truncated {
-                at: r.at,
+                at: r.at(),
                 needed: need - left,
             });
         }
@@ -111,36 +121,6 @@ impl AgentMeta {
             agent,
             regions,
         })
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], MetaError> {
-        let left = self.bytes.len() - self.at;
-        if n > left {
-            return Err(MetaError::Truncated {
-                at: self.at,
-                needed: n - left,
-            });
-        }
-        let s = &self.bytes[self.at..self.at + n];
-        self.at += n;
-        Ok(s)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetaError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u64(&mut self) -> Result<u64, MetaError> {
-        Ok(u64::from_le_bytes(self.array()?))
     }
 }
 

@@ -11,6 +11,7 @@
 //! it is no defence against a forged blob, which peers on a trusted network do not send.
 
 use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::encoding::{ByteReader, Truncated};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -64,6 +65,15 @@ pub(crate) enum MetaError {
     EmptyNixl,
     #[error("checksum mismatch (damaged metadata)")]
     Checksum,
+}
+
+impl From<Truncated> for MetaError {
+    fn from(t: Truncated) -> Self {
+        MetaError::Truncated {
+            at: t.at,
+            needed: t.needed,
+        }
+    }
 }
 
 impl AgentMeta {
@@ -124,7 +134,7 @@ impl AgentMeta {
     }
 
     pub(crate) fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
-        let mut r = Reader { bytes, at: 0 };
+        let mut r = ByteReader::new(bytes);
         if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
             return Err(MetaError::Magic);
         }
@@ -133,10 +143,10 @@ impl AgentMeta {
             return Err(MetaError::Version(version));
         }
         // Verify the checksum before parsing anything else.
-        let Some(body) = bytes.len().checked_sub(8).filter(|&n| n >= r.at) else {
+        let Some(body) = bytes.len().checked_sub(8).filter(|&n| n >= r.at()) else {
             return Err(MetaError::Truncated {
-                at: r.at,
-                needed: r.at + 8 - bytes.len(),
+                at: r.at(),
+                needed: r.at() + 8 - bytes.len(),
             });
         };
         let mut sum = [0u8; 8];
@@ -145,16 +155,19 @@ impl AgentMeta {
             return Err(MetaError::Checksum);
         }
         let bytes = &bytes[..body];
-        let mut r = Reader { bytes, at: r.at };
-        let agent = r.name()?;
-        let nixl_name = r.name()?;
+        // Go on over the checksummed body only, from where the header ended.
+        let at = r.at();
+        let mut r = ByteReader::new(bytes);
+        r.take(at)?;
+        let agent = read_name(&mut r)?;
+        let nixl_name = read_name(&mut r)?;
         let count = u32::from_le_bytes(r.array()?) as usize;
         // Check the count against the bytes present before allocating anything for it.
         let need = count.saturating_mul(REGION_BYTES);
-        let left = bytes.len() - r.at;
+        let left = bytes.len() - r.at();
         if need > left {
             return Err(MetaError::Truncated {
-                at: r.at,
+                at: r.at(),
                 needed: need - left,
             });
         }
@@ -189,8 +202,8 @@ impl AgentMeta {
         if nixl_md.is_empty() {
             return Err(MetaError::EmptyNixl);
         }
-        if r.at != bytes.len() {
-            return Err(MetaError::Trailing(bytes.len() - r.at));
+        if r.at() != bytes.len() {
+            return Err(MetaError::Trailing(bytes.len() - r.at()));
         }
         Ok(AgentMeta {
             agent,
@@ -201,43 +214,14 @@ impl AgentMeta {
     }
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], MetaError> {
-        let left = self.bytes.len() - self.at;
-        if n > left {
-            return Err(MetaError::Truncated {
-                at: self.at,
-                needed: n - left,
-            });
-        }
-        let s = &self.bytes[self.at..self.at + n];
-        self.at += n;
-        Ok(s)
+/// A u16-length-prefixed UTF-8 name.
+fn read_name(r: &mut ByteReader<'_>) -> Result<String, MetaError> {
+    let len = u16::from_le_bytes(r.array()?) as usize;
+    let s = std::str::from_utf8(r.take(len)?).map_err(|_| MetaError::Name)?;
+    if s.is_empty() || s.contains('\0') {
+        return Err(MetaError::Name);
     }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetaError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u64(&mut self) -> Result<u64, MetaError> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
-
-    fn name(&mut self) -> Result<String, MetaError> {
-        let len = u16::from_le_bytes(self.array()?) as usize;
-        let s = std::str::from_utf8(self.take(len)?).map_err(|_| MetaError::Name)?;
-        if s.is_empty() || s.contains('\0') {
-            return Err(MetaError::Name);
-        }
-        Ok(s.to_owned())
-    }
+    Ok(s.to_owned())
 }
 
 #[cfg(test)]

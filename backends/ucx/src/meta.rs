@@ -10,6 +10,7 @@
 //! input holds. The worker address and keys themselves are opaque to us and parsed by UCX.
 
 use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::encoding::{ByteReader, Truncated};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 
 const MAGIC: &[u8; 4] = b"RSUX";
@@ -63,6 +64,15 @@ pub(crate) enum MetaError {
     DuplicateRegion(u64),
 }
 
+impl From<Truncated> for MetaError {
+    fn from(t: Truncated) -> Self {
+        MetaError::Truncated {
+            at: t.at,
+            needed: t.needed,
+        }
+    }
+}
+
 impl EndpointMeta {
     pub(crate) fn encode(&self) -> Bytes {
         let name = self.agent.as_bytes();
@@ -110,7 +120,7 @@ impl EndpointMeta {
     }
 
     fn try_decode(bytes: &[u8]) -> Result<EndpointMeta, MetaError> {
-        let mut r = Reader { bytes, at: 0 };
+        let mut r = ByteReader::new(bytes);
         if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
             return Err(MetaError::Magic);
         }
@@ -133,7 +143,7 @@ impl EndpointMeta {
         let left = r.left();
         if need > left {
             return Err(MetaError::Truncated {
-                at: r.at,
+                at: r.at(),
                 needed: need - left,
             });
         }
@@ -175,44 +185,6 @@ impl EndpointMeta {
             worker_address,
             regions,
         })
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn left(&self) -> usize {
-        self.bytes.len() - self.at
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8], MetaError> {
-        let left = self.left();
-        if n > left {
-            return Err(MetaError::Truncated {
-                at: self.at,
-                needed: n - left,
-            });
-        }
-        let s = &self.bytes[self.at..self.at + n];
-        self.at += n;
-        Ok(s)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetaError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u32(&mut self) -> Result<u32, MetaError> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-
-    fn u64(&mut self) -> Result<u64, MetaError> {
-        Ok(u64::from_le_bytes(self.array()?))
     }
 }
 
