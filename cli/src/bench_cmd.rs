@@ -115,21 +115,11 @@ fn arm_json(name: &str, s: &ArmSummary, memcpy: f64, verified: bool) -> serde_js
 
 /// Runs `reshard bench`.
 pub fn run(args: BenchArgs) -> Result<Outcome> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            Error::new(ErrorKind::Internal, "cannot start the async runtime").with_source(e)
-        })?;
-    rt.block_on(bench(args))
+    crate::block_on(bench(args))
 }
 
 async fn bench(args: BenchArgs) -> Result<Outcome> {
-    let cli = args
-        .transport
-        .as_ref()
-        .map(|k| serde_json::json!({"transport": {"kind": k}}));
-    let cfg = Config::load(args.config.as_deref(), cli)?;
+    let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
     let opts: Vec<(String, ReceiverOptions)> = args
         .arms
         .iter()

@@ -146,6 +146,32 @@ fn main() -> ExitCode {
     }
 }
 
+/// Runs `fut` to completion on a multi-thread tokio runtime (the async subcommands).
+pub fn block_on<T>(
+    fut: impl std::future::Future<Output = reshard_core::Result<T>>,
+) -> reshard_core::Result<T> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            reshard_core::Error::new(
+                reshard_core::ErrorKind::Internal,
+                "cannot start the async runtime",
+            )
+            .with_source(e)
+        })?;
+    rt.block_on(fut)
+}
+
+/// Loads the configuration with `--transport` (when given) as the CLI layer.
+pub fn load_config(
+    transport: Option<&str>,
+    file: Option<&std::path::Path>,
+) -> reshard_core::Result<reshard_core::config::Config> {
+    let cli = transport.map(|k| serde_json::json!({"transport": {"kind": k}}));
+    reshard_core::config::Config::load(file, cli)
+}
+
 /// What a subcommand returns on success: 0, or 1 when it ran but found a failure.
 pub struct Outcome(pub bool);
 

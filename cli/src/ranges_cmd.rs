@@ -10,7 +10,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use reshard_core::config::Config;
 use reshard_core::{Error, ErrorKind, HostBuffer, MemoryBlock, ReadBatch, ReadDesc, Result};
 
 use crate::bench_cmd::memcpy_gbps;
@@ -46,21 +45,11 @@ pub struct RangesArgs {
 
 /// Runs `reshard bench-ranges`.
 pub fn run(args: RangesArgs) -> Result<Outcome> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            Error::new(ErrorKind::Internal, "cannot start the async runtime").with_source(e)
-        })?;
-    rt.block_on(ranges(args))
+    crate::block_on(ranges(args))
 }
 
 async fn ranges(args: RangesArgs) -> Result<Outcome> {
-    let cli = args
-        .transport
-        .as_ref()
-        .map(|k| serde_json::json!({"transport": {"kind": k}}));
-    let cfg = Config::load(args.config.as_deref(), cli)?;
+    let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
     let total = args.total_bytes;
     if total == 0 || args.counts.iter().any(|&c| c == 0 || c > total) {
         return Err(Error::new(

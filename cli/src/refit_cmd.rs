@@ -80,11 +80,7 @@ pub struct ServeArgs {
 
 /// Runs the publisher side for a parent `reshard refit --publisher-process process`.
 pub fn serve(args: ServeArgs) -> Result<Outcome> {
-    let cli = args
-        .transport
-        .as_ref()
-        .map(|k| serde_json::json!({"transport": {"kind": k}}));
-    let cfg = Config::load(args.config.as_deref(), cli)?;
+    let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
     let registry = transports::registry();
     reshard_runtime::remote::serve(|agent| registry.create(agent, &cfg.transport))?;
     Ok(Outcome(true))
@@ -122,13 +118,7 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs `reshard refit`.
 pub fn run(args: RefitArgs) -> Result<Outcome> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            Error::new(ErrorKind::Internal, "cannot start the async runtime").with_source(e)
-        })?;
-    rt.block_on(refit(args))
+    crate::block_on(refit(args))
 }
 
 /// Publishers for a refit: in this process, or in a child started from this binary.
@@ -381,11 +371,7 @@ pub(crate) fn progress(total: u64, hidden: bool, what: &str) -> ProgressBar {
 }
 
 async fn refit(args: RefitArgs) -> Result<Outcome> {
-    let cli = args
-        .transport
-        .as_ref()
-        .map(|k| serde_json::json!({"transport": {"kind": k}}));
-    let mut cfg = Config::load(args.config.as_deref(), cli)?;
+    let mut cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
     if args.no_dedup {
         cfg.planner.dedup = false;
     }
