@@ -156,6 +156,26 @@ pub enum ErrorDetail {
         /// A box of the tensor that is wanted and not offered.
         missing: crate::model::TensorBox,
     },
+    /// A publisher's table is older than the weights the receiver already installed.
+    StaleStep {
+        /// The stale publisher's rank.
+        owner: u32,
+        /// The training step of its table.
+        step: u64,
+        /// The training step of the receiver's live weights.
+        live_step: u64,
+    },
+    /// Publishers in one update are at different training steps.
+    MixedSteps {
+        /// Rank of the first table's publisher.
+        rank_a: u32,
+        /// Its step.
+        step_a: u64,
+        /// Rank of the first publisher at another step.
+        rank_b: u32,
+        /// Its step.
+        step_b: u64,
+    },
 }
 
 /// The public error of every reshard crate (boxed, so `Result`s stay one pointer wide).

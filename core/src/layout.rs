@@ -53,9 +53,11 @@ impl WantedLayout {
         self.params.iter().map(|p| p.copies.len()).sum()
     }
 
-    /// Total parameter bytes.
+    /// Total parameter bytes (saturating: each validated parameter fits u64, the sum need not).
     pub fn bytes(&self) -> u64 {
-        self.params.iter().map(|p| p.bytes()).sum()
+        self.params
+            .iter()
+            .fold(0u64, |a, p| a.saturating_add(p.bytes()))
     }
 
     /// Checks every copy stays inside its parameter; errors name parameter and tensor.

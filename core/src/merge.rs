@@ -237,8 +237,13 @@ pub fn dedup(merged: &MergedTable, opts: DedupOptions) -> Result<(MergedTable, D
             };
             kept.push((order[i + pick], group[pick].clone()));
             let bytes = first.tensor_box.elements() * t.spec.dtype.size();
-            report.dropped += (group.len() - 1) as u64;
-            report.duplicate_bytes += bytes * (group.len() - 1) as u64;
+            let copies = (group.len() - 1) as u64;
+            report.dropped += copies;
+            // One box fits u64 bytes (validated), its replicas together need not: a statistic
+            // saturates rather than panicking on hostile tables.
+            report.duplicate_bytes = report
+                .duplicate_bytes
+                .saturating_add(bytes.saturating_mul(copies));
             i = j;
         }
         // Keep the published order among survivors, so plans follow publication order.
@@ -497,6 +502,21 @@ mod tests {
         assert_eq!(rep.dropped, 14);
         assert_eq!(rep.duplicate_bytes, 14 * 2 * 4 * 2);
         assert!(d.get("w").unwrap().offers.iter().all(|o| o.owner == 0));
+    }
+
+    #[test]
+    fn duplicate_bytes_of_huge_replicas_saturate_instead_of_overflowing() {
+        // Three replicas of a 2^63-byte box: each is valid, the dropped bytes exceed u64.
+        let tables: Vec<_> = (0..3)
+            .map(|r| {
+                let mut t = table(r, vec![1 << 60], &[(0, 1 << 60)], None);
+                t.tensors[0].dtype = DType::F64;
+                t
+            })
+            .collect();
+        let (_, rep) = dedup(&merge(&tables).unwrap(), DedupOptions::default()).unwrap();
+        assert_eq!((rep.kept, rep.dropped), (1, 2));
+        assert_eq!(rep.duplicate_bytes, u64::MAX);
     }
 
     #[test]

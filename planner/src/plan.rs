@@ -433,7 +433,8 @@ impl<'a> Planner<'a> {
         let elem = spec.dtype.size();
         let rank = spec.shape.len();
         let copy_elems = c.src_box.elements();
-        self.written_bytes += copy_elems * elem;
+        // Statistics sum over copies: valid boxes each fit u64 bytes, their sum need not.
+        self.written_bytes = self.written_bytes.saturating_add(copy_elems * elem);
 
         self.ov.reset(rank);
         for (k, o) in t.offers.iter().enumerate() {
@@ -556,7 +557,7 @@ impl<'a> Planner<'a> {
         self.staging[staging as usize]
             .offers
             .extend_from_slice(&self.ov.offers);
-        self.full_pulled_bytes += bytes;
+        self.full_pulled_bytes = self.full_pulled_bytes.saturating_add(bytes);
         self.pending.push(PendingReslice {
             staging,
             param: pi,
@@ -793,7 +794,7 @@ impl<'a> Planner<'a> {
                 let o = &t.offers[k];
                 let len = o.tensor_box.elements() * elem;
                 let dst_offset = (o.tensor_box.offset[0] - row_start) * row_bytes;
-                staging_read_bytes += len;
+                staging_read_bytes = staging_read_bytes.saturating_add(len);
                 pull_reads.push(PlannedRead {
                     owner: o.owner,
                     src_region: o.location.region,
@@ -854,12 +855,15 @@ impl<'a> Planner<'a> {
         let mut reads = std::mem::take(&mut self.reads);
         reads.extend(pull_reads);
         let read_count = reads.len() as u64;
-        let wire_bytes: u64 = reads.iter().map(|r| r.len).sum();
+        let wire_bytes = reads.iter().fold(0u64, |a, r| a.saturating_add(r.len));
         let mut owners: Vec<OwnerId> = reads.iter().map(|r| r.owner).collect();
         owners.sort_unstable();
         owners.dedup();
         let reads = coalesce(reads);
-        let checked_bytes = self.checks.iter().map(|c| c.bytes()).sum();
+        let checked_bytes = self
+            .checks
+            .iter()
+            .fold(0u64, |a, c| a.saturating_add(c.bytes()));
 
         let stats = PlanStats {
             copies: layout.copies() as u64,

@@ -853,3 +853,27 @@ fn whole_offers_inside_a_copy_are_staged_instead_of_read_row_by_row() {
     .unwrap();
     assert_eq!((exact.stats.reads, exact.stats.staged_offers), (256, 0));
 }
+
+/// Copies of huge (valid) boxes: byte statistics that sum over copies exceed u64 and must not
+/// overflow (found while fuzzing merge -> dedup -> plan).
+#[test]
+fn huge_boxes_do_not_overflow_plan_statistics() {
+    let w = TensorSpec::new("w", DType::U8, vec![1 << 62]);
+    let t = deduped(&[table(0, &[&w], &[off("w", &[0], &[1 << 62])])]);
+    let whole = || copy("w", &[0], &[1 << 62], 0);
+    let five = || vec![whole(), whole(), whole(), whole(), whole()];
+    let l = layout(vec![
+        param("p", DType::U8, &[1 << 62], five()),
+        param("q", DType::U8, &[1 << 62], five()),
+        param("r", DType::U8, &[1 << 62], five()),
+        param("s", DType::U8, &[1 << 62], five()),
+    ]);
+    let opts = PlanOptions {
+        allow_overlap: true,
+        ..PlanOptions::default()
+    };
+    match plan(&t, &l, &opts) {
+        Ok(p) => assert_eq!(p.stats.param_bytes, u64::MAX),
+        Err(e) => assert_ne!(e.kind(), ErrorKind::Internal, "{e}"),
+    }
+}

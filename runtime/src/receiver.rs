@@ -14,9 +14,9 @@ use std::time::Instant;
 use reshard_core::config::Config;
 use reshard_core::{
     dedup, keep_all, merge, table_geometry_key, ChunkDigests, DedupOptions, DedupReport, Dest,
-    Digest, Error, ErrorKind, HostBuffer, MemoryBlock, MergedTable, OwnerId, Plan, PlanStats,
-    PreparedBatch, ReadBatch, ReadDesc, Registration, ReplicaGroups, Result, ShardTable, Transport,
-    WantedLayout,
+    Digest, Error, ErrorDetail, ErrorKind, HostBuffer, MemoryBlock, MergedTable, OwnerId, Plan,
+    PlanStats, PreparedBatch, ReadBatch, ReadDesc, Registration, ReplicaGroups, Result, ShardTable,
+    Transport, WantedLayout,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 
@@ -330,6 +330,10 @@ impl Receiver {
     }
 
     /// Refits from decoded shard tables.
+    ///
+    /// Every table must be at one training step, and not older than [`Receiver::live_step`]
+    /// (the same step again is a valid re-refit): otherwise `InvalidInput` with
+    /// [`ErrorDetail::MixedSteps`] or [`ErrorDetail::StaleStep`] naming the publisher.
     pub async fn update(&mut self, tables: &[ShardTable]) -> Result<UpdateReport> {
         self.run(tables, Instant::now()).await
     }
@@ -347,7 +351,7 @@ impl Receiver {
         // Time spent before this call (decoding) belongs to discover too.
         let mut watch = Stopwatch(t0);
 
-        let step = single_step(tables)?;
+        let step = check_steps(tables, self.step)?;
         st.discover = watch.lap();
 
         // Stable geometry (the normal case, step after step): the previous merge and dedup hold;
@@ -672,22 +676,57 @@ fn to_usize(v: u64) -> Result<usize> {
     usize::try_from(v).map_err(|_| Error::new(ErrorKind::InvalidInput, "buffer larger than memory"))
 }
 
-fn single_step(tables: &[ShardTable]) -> Result<u64> {
+/// The one training step of `tables`, which must not be older than the live step.
+///
+/// A stale table is reported first (naming the lowest stale rank), so a lagging publisher among
+/// current ones is named as stale rather than as merely different.
+fn check_steps(tables: &[ShardTable], live: Option<u64>) -> Result<u64> {
     let Some(first) = tables.first() else {
         return Err(Error::new(
             ErrorKind::InvalidInput,
             "no shard tables to refit from",
         ));
     };
+    if let Some(live_step) = live {
+        // Installing older weights over newer ones would silently roll the model back (a
+        // publisher restarted from an old checkpoint, a delayed table). The live step itself
+        // stays allowed: refitting it again is idempotent.
+        let stale = tables
+            .iter()
+            .filter(|t| t.step < live_step)
+            .min_by_key(|t| t.publisher.rank);
+        if let Some(t) = stale {
+            let (owner, step) = (t.publisher.rank, t.step);
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "publisher rank {owner} offers training step {step}, older than the live \
+                     step {live_step}; refusing to roll the weights back"
+                ),
+            )
+            .with_owner(owner)
+            .with_detail(ErrorDetail::StaleStep {
+                owner,
+                step,
+                live_step,
+            }));
+        }
+    }
     if let Some(t) = tables.iter().find(|t| t.step != first.step) {
         return Err(Error::new(
             ErrorKind::InvalidInput,
             format!(
-                "publishers are at different training steps ({} and {})",
-                first.step, t.step
+                "publishers are at different training steps (rank {} at {}, rank {} at {})",
+                first.publisher.rank, first.step, t.publisher.rank, t.step
             ),
         )
-        .with_owner(t.publisher.rank));
+        .with_owner(t.publisher.rank)
+        .with_detail(ErrorDetail::MixedSteps {
+            rank_a: first.publisher.rank,
+            step_a: first.step,
+            rank_b: t.publisher.rank,
+            step_b: t.step,
+        }));
     }
     Ok(first.step)
 }

@@ -20,6 +20,13 @@ pub use transport::LoopbackTransport;
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
 pub const BACKEND: &str = "loopback";
 
+/// Decodes loopback peer metadata (what [`Transport::load_peer`] is given) from untrusted bytes
+/// and returns its canonical encoding (regions ascending by id); any defect is a typed
+/// [`reshard_core::ErrorKind::Decode`] error, never a panic. For fuzzing and inspection tools.
+pub fn decode_metadata(bytes: &[u8]) -> Result<bytes::Bytes> {
+    meta::AgentMeta::decode(bytes).map(|m| m.encode())
+}
+
 /// Worker threads used when the configuration does not say: the available cores.
 pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())

@@ -562,7 +562,21 @@ impl Transport for LoopbackTransport {
             agent,
             regions: meta.regions.into_iter().collect(),
         };
-        self.peers.write().insert(owner, Arc::new(peer));
+        // The owner rank is the identity offers use; the agent behind it may change (a
+        // publisher restarted, possibly under another name). The new metadata replaces the old
+        // and the epoch bump makes every prepared batch re-resolve against it.
+        let old = self.peers.write().insert(owner, Arc::new(peer));
+        if let Some(old_agent) = old.and_then(|p| p.agent.upgrade()) {
+            if old_agent.name != meta.agent {
+                tracing::info!(
+                    agent = %self.agent.name,
+                    owner,
+                    old = %old_agent.name,
+                    new = %meta.agent,
+                    "loopback peer replaced by another agent"
+                );
+            }
+        }
         self.agent.bump_epoch();
         tracing::debug!(agent = %self.agent.name, owner, peer = %meta.agent, "loopback peer");
         Ok(())

@@ -18,6 +18,14 @@ pub use transport::{NixlTransport, PreparedStats};
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
 pub const BACKEND: &str = "nixl";
 
+/// Decodes nixl peer metadata (what `load_peer` is given) from untrusted bytes, checksum
+/// included, and returns its canonical encoding (regions ascending by id); any defect is a
+/// typed [`reshard_core::ErrorKind::Decode`] error, never a panic. Needs no NIXL runtime: for
+/// fuzzing and inspection tools.
+pub fn decode_metadata(bytes: &[u8]) -> Result<bytes::Bytes> {
+    meta::AgentMeta::decode(bytes).map(|m| m.encode())
+}
+
 /// Whether NIXL is usable here: the runtime loads and its UCX plugin creates a backend on a
 /// throw-away agent. Checked once per process; a missing runtime is `Unavailable`, never an
 /// abort.
