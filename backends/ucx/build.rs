@@ -32,10 +32,12 @@ const FUNCTIONS: &[&str] = &[
     "ucp_ep_flush_nbx",
     "ucp_mem_map",
     "ucp_mem_unmap",
+    "ucp_mem_query",
     "ucp_rkey_pack",
     "ucp_rkey_buffer_release",
     "ucp_ep_rkey_unpack",
     "ucp_rkey_destroy",
+    "ucp_rkey_ptr",
     "ucp_get_nbx",
     "ucp_request_check_status",
     "ucp_request_cancel",
@@ -125,6 +127,9 @@ fn main() {
         .allowlist_type("ucp_err_handling_mode_t")
         .allowlist_type("ucp_ep_close_flags_t")
         .allowlist_type("ucp_mem_map_params_field")
+        .allowlist_type("ucp_mem_attr_field")
+        // UCP_MEM_MAP_ALLOCATE lives in an anonymous enum.
+        .allowlist_var("UCP_MEM_MAP_(NONBLOCK|ALLOCATE|FIXED)")
         .allowlist_type("ucp_op_attr_t");
     for f in FUNCTIONS {
         builder = builder.allowlist_function(f);

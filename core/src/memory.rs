@@ -2,6 +2,7 @@
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::fmt;
+use std::ops::{Deref, DerefMut};
 
 use crate::model::MemoryKind;
 
@@ -20,6 +21,17 @@ pub trait MemoryBlock: Send + Sync + fmt::Debug {
     }
     /// Where the bytes live.
     fn kind(&self) -> MemoryKind;
+}
+
+/// Host (DRAM) memory whose owner reads and writes its bytes between transfers: a
+/// [`HostBuffer`], or memory a transport allocated for fast sharing with its peers
+/// ([`crate::Transport::allocate_host`]). The views lock out each other like a `RwLock`; the
+/// [`MemoryBlock`] contract still applies (no access while a batch touching it is in flight).
+pub trait HostMemory: MemoryBlock {
+    /// Shared view of the bytes.
+    fn bytes(&self) -> Box<dyn Deref<Target = [u8]> + '_>;
+    /// Exclusive view of the bytes.
+    fn bytes_mut(&self) -> Box<dyn DerefMut<Target = [u8]> + '_>;
 }
 
 /// A zero-initialised host (DRAM) buffer whose address is stable for its whole life.
@@ -77,6 +89,15 @@ impl MemoryBlock for HostBuffer {
     }
 }
 
+impl HostMemory for HostBuffer {
+    fn bytes(&self) -> Box<dyn Deref<Target = [u8]> + '_> {
+        Box::new(RwLockReadGuard::map(self.read(), |b| &**b))
+    }
+    fn bytes_mut(&self) -> Box<dyn DerefMut<Target = [u8]> + '_> {
+        Box::new(RwLockWriteGuard::map(self.write(), |b| &mut **b))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,5 +112,8 @@ mod tests {
         assert_eq!(b.read()[7], 9);
         assert_eq!(b.len(), 4096);
         assert_eq!(HostBuffer::from_bytes(&[1, 2, 3]).read()[..], [1, 2, 3]);
+        let h: &dyn HostMemory = &b;
+        h.bytes_mut()[8] = 5;
+        assert_eq!(h.bytes()[7..9], [9, 5]);
     }
 }

@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::Result;
-use crate::memory::MemoryBlock;
+use crate::memory::{HostMemory, MemoryBlock};
 use crate::model::{MemoryKind, OwnerId};
 
 /// What a backend can do; tests and the runtime consult this, never the backend's name.
@@ -225,6 +225,16 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Changes whenever a local registration or a loaded peer changes: prepared batches made
     /// under another epoch must be rebuilt.
     fn epoch(&self) -> u64;
+
+    /// Allocates `len` bytes of zeroed host memory that this backend moves faster than memory
+    /// the caller allocated (e.g. shared memory its peers map directly), to be registered like
+    /// any block. `Ok(None)` (the default) means the backend has no such memory: use a
+    /// [`crate::HostBuffer`]. The allocation may be registered on other endpoints of the same
+    /// backend too; it stays valid until the last `Arc` and every registration of it drop.
+    async fn allocate_host(&self, len: usize) -> Result<Option<Arc<dyn HostMemory>>> {
+        let _ = len;
+        Ok(None)
+    }
 
     /// Registers memory for reading from (publisher) or writing into (receiver).
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration>;

@@ -10,8 +10,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use reshard_core::{
-    ChunkDigests, Digest, Error, ErrorKind, HostBuffer, MemoryKind, OfferLocation, OwnerId,
-    Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec, Transport, WantedLayout,
+    ChunkDigests, Digest, Error, ErrorKind, HostBuffer, HostMemory, MemoryBlock, MemoryKind,
+    OfferLocation, OwnerId, Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec,
+    Transport, WantedLayout,
 };
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{publisher_geometry, PublisherTopology};
@@ -48,16 +49,17 @@ pub struct SyntheticCluster {
     specs: Vec<TensorSpec>,
     seed: u64,
     step: u64,
-    arena: Arc<HostBuffer>,
+    arena: Arc<dyn HostMemory>,
     distinct: Vec<Distinct>,
     ranks: Vec<RankPublisher>,
     digests: bool,
 }
 
 impl SyntheticCluster {
-    /// Builds the cluster: allocates one arena holding every distinct shard, creates one
-    /// transport endpoint per rank with `make_transport(rank)`, and registers the arena on each.
-    /// Bytes are filled for step 0.
+    /// Builds the cluster: creates one transport endpoint per rank with `make_transport(rank)`,
+    /// allocates one arena holding every distinct shard (from the first endpoint's
+    /// [`Transport::allocate_host`], else a [`HostBuffer`]), and registers the arena on each
+    /// endpoint. Bytes are filled for step 0.
     pub async fn new(
         model: ModelConfig,
         topology: PublisherTopology,
@@ -100,11 +102,21 @@ impl SyntheticCluster {
             )
         })?;
         crate::memory_check(cursor, "publisher buffers")?;
-        let arena = Arc::new(HostBuffer::zeroed(len.max(1)));
+        let transports = per_rank
+            .iter()
+            .map(|(rank, _)| make_transport(*rank))
+            .collect::<Result<Vec<_>>>()?;
+        let len = len.max(1);
+        let arena: Arc<dyn HostMemory> = match transports.first() {
+            Some(t) => t.allocate_host(len).await?,
+            None => None,
+        }
+        .unwrap_or_else(|| Arc::new(HostBuffer::zeroed(len)));
         let mut ranks = Vec::with_capacity(per_rank.len());
-        for (rank, shards) in per_rank {
-            let transport = make_transport(rank)?;
-            let registration = transport.register(arena.clone()).await?;
+        for ((rank, shards), transport) in per_rank.into_iter().zip(transports) {
+            let registration = transport
+                .register(arena.clone() as Arc<dyn MemoryBlock>)
+                .await?;
             ranks.push(RankPublisher {
                 rank,
                 transport,
@@ -138,7 +150,7 @@ impl SyntheticCluster {
     /// (the trainer's optimizer step; not part of a refit's timing).
     pub fn publish_step(&mut self, step: u64) {
         self.step = step;
-        let mut arena = self.arena.write();
+        let mut arena = self.arena.bytes_mut();
         let mut slices = Vec::with_capacity(self.distinct.len());
         let mut rest: &mut [u8] = &mut arena[..];
         let mut consumed = 0u64;
@@ -160,7 +172,8 @@ impl SyntheticCluster {
     }
 
     fn recompute_digests(&mut self) {
-        let arena = self.arena.read();
+        let guard = self.arena.bytes();
+        let arena: &[u8] = &guard;
         let on = self.digests;
         let digests: Vec<(Option<Digest>, Option<ChunkDigests>)> = self
             .distinct
@@ -181,7 +194,7 @@ impl SyntheticCluster {
                 (Some(whole), Some(chunks))
             })
             .collect();
-        drop(arena);
+        drop(guard);
         for (d, (g, c)) in self.distinct.iter_mut().zip(digests) {
             d.digest = g;
             d.chunks = c;
@@ -205,7 +218,7 @@ impl SyntheticCluster {
 
     /// Bytes of physical publisher memory (replicas shared).
     pub fn arena_bytes(&self) -> u64 {
-        self.arena.read().len() as u64
+        self.arena.len() as u64
     }
 
     /// One shard table per rank, for the current step.
@@ -268,7 +281,7 @@ impl SyntheticCluster {
                     .with_tensor(tensor)
             })?;
         let at = d.offset + byte.min(d.bytes - 1);
-        self.arena.write()[at as usize] ^= 0x5a;
+        self.arena.bytes_mut()[at as usize] ^= 0x5a;
         Ok(at)
     }
 

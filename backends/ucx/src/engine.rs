@@ -1,6 +1,7 @@
-//! The progress thread of one endpoint: it owns the UCP context, worker, endpoints, memory
+//! The progress thread of one endpoint: it owns the UCP worker, endpoints, memory
 //! registrations, remote keys, prepared batches and every outstanding request, and is the
-//! only thread that ever calls UCX for them. The async [`crate::UcxTransport`] talks to it
+//! only thread that ever calls UCX for them (the context is the process-wide, thread-safe one
+//! of the endpoint's configuration). The async [`crate::UcxTransport`] talks to it
 //! through a [`Mailbox`] (a channel plus an eventfd that wakes it) and gets answers on
 //! oneshot channels.
 //!
@@ -25,9 +26,10 @@ use reshard_core::{
 use rustix::event::{PollFd, PollFlags, Timespec};
 use tokio::sync::oneshot;
 
+use crate::alloc::Allocation;
 use crate::meta::{EndpointMeta, RegionMeta};
 use crate::plan::{issue_plan, IssuePlan};
-use crate::raw::{self, Context, ContextOptions, Endpoint, GetOp, MemHandle, RKey, Started};
+use crate::raw::{self, Context, Endpoint, GetOp, MemHandle, RKey, Started};
 use crate::raw::{Request, Ucx, UcxStatusError, Worker};
 use crate::BACKEND;
 
@@ -126,7 +128,8 @@ pub(crate) struct Spawned {
 /// Settings the engine runs with.
 #[derive(Debug, Clone)]
 pub(crate) struct EngineOptions {
-    pub(crate) context: ContextOptions,
+    /// The process-wide context of this endpoint's configuration.
+    pub(crate) context: Arc<Context>,
     pub(crate) reads_in_flight: usize,
     pub(crate) timeout: Duration,
 }
@@ -193,8 +196,26 @@ struct LocalRegion {
     len: u64,
     kind: MemoryKind,
     /// `None` for zero-length blocks, which UCX cannot map and no read can touch.
-    mem: Option<MemHandle>,
+    mem: Option<LocalMem>,
     rkey: Vec<u8>,
+}
+
+/// How a local region is registered with UCX.
+enum LocalMem {
+    /// Mapped by this endpoint (`ucp_mem_map` of the block's range), unmapped with the region.
+    Own(MemHandle),
+    /// Inside a UCX allocation of this context: its handle is reused (its key names the
+    /// shared-memory segment peers map), and the region keeps the allocation alive.
+    Shared(Arc<Allocation>),
+}
+
+impl LocalMem {
+    fn handle(&self) -> &MemHandle {
+        match self {
+            LocalMem::Own(m) => m,
+            LocalMem::Shared(a) => &a.mem,
+        }
+    }
 }
 
 /// A loaded peer: its endpoint and unpacked keys (each key holds the endpoint, so keys are
@@ -286,7 +307,7 @@ struct Engine {
     next_token: u64,
     completions: Vec<(u64, raw::sys::ucs_status_t)>,
     worker: Rc<Worker>,
-    ctx: Rc<Context>,
+    ctx: Arc<Context>,
 }
 
 fn ucx_err(e: UcxStatusError) -> Error {
@@ -311,7 +332,7 @@ impl Engine {
         opts: EngineOptions,
         epoch: Arc<AtomicU64>,
     ) -> Result<Self> {
-        let ctx = Context::new(ucx, &opts.context)?;
+        let ctx = Arc::clone(&opts.context);
         let worker = Worker::new(&ctx).map_err(ucx_err)?;
         Ok(Engine {
             ucx,
@@ -501,8 +522,15 @@ impl Engine {
         let (mem, rkey) = if len == 0 {
             (None, Vec::new())
         } else {
-            let mem = MemHandle::map(&self.ctx, addr, len, kind).map_err(ucx_err)?;
-            let rkey = mem.pack().map_err(ucx_err)?.bytes().to_vec();
+            let shared = match kind {
+                MemoryKind::Dram => Allocation::containing(&self.ctx, addr, len),
+                MemoryKind::Vram { .. } => None,
+            };
+            let mem = match shared {
+                Some(a) => LocalMem::Shared(a),
+                None => LocalMem::Own(MemHandle::map(&self.ctx, addr, len, kind).map_err(ucx_err)?),
+            };
+            let rkey = mem.handle().pack().map_err(ucx_err)?.bytes().to_vec();
             (Some(mem), rkey)
         };
         let id = self.next_region;
@@ -519,7 +547,11 @@ impl Engine {
             }),
         );
         self.bump_epoch();
-        tracing::debug!(agent = %self.agent, region = id, len, "ucx register");
+        let shared = matches!(
+            self.regions.get(&id).and_then(|r| r.mem.as_ref()),
+            Some(LocalMem::Shared(_))
+        );
+        tracing::debug!(agent = %self.agent, region = id, len, shared, "ucx register");
         Ok(id)
     }
 
@@ -754,13 +786,20 @@ impl Engine {
             let mut done = 0;
             while done < r.len {
                 let n = (r.len - done).min(MAX_PIECE);
+                let remote_addr = region.base + r.remote_offset + done;
+                // Shared memory the peer's UCX mapped here: copy it directly (see raw::copy).
+                let direct = match local.kind {
+                    MemoryKind::Dram => rkey.local_ptr(remote_addr).unwrap_or(std::ptr::null()),
+                    MemoryKind::Vram { .. } => std::ptr::null(),
+                };
                 ops.push(GetOp {
+                    direct,
                     ep: peer.ep.handle(),
                     rkey: rkey.handle(),
-                    remote_addr: region.base + r.remote_offset + done,
+                    remote_addr,
                     local: (local.addr + (r.local_offset + done) as usize) as *mut u8,
                     len: n as usize,
-                    memh: memh.handle(),
+                    memh: memh.handle().handle(),
                     memory_type: raw::memory_type(local.kind),
                 });
                 pieces.push(ReadDesc {

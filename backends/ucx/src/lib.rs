@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod alloc;
 mod config;
 mod engine;
 mod meta;
@@ -12,6 +13,7 @@ use reshard_core::registry::TransportFactory;
 use reshard_core::{Result, Transport};
 use std::sync::Arc;
 
+pub use alloc::UcxHostMemory;
 pub use config::{UcxOptions, DEFAULT_READS_IN_FLIGHT, DEFAULT_TIMEOUT_MS};
 pub use raw::{UcxStatusError, LIBUCP};
 pub use transport::UcxTransport;

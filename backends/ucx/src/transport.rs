@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch,
-    Registration, Result, Transport, WireReport,
+    Capability, Error, ErrorKind, HostMemory, InFlight, MemoryBlock, OwnerId, PreparedBatch,
+    ReadBatch, Registration, Result, Transport, WireReport,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,10 +15,11 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
+use crate::alloc::{Allocation, UcxHostMemory};
 use crate::config::UcxOptions;
 use crate::engine::{self, Cmd, EngineOptions, Mailbox};
 use crate::meta::EndpointMeta;
-use crate::raw::ContextOptions;
+use crate::raw::{self, Context, ContextOptions};
 use crate::BACKEND;
 
 /// Distinguishes endpoints of this process, so a batch prepared by one is refused by another.
@@ -35,6 +36,8 @@ pub struct UcxTransport {
     vram: bool,
     next_id: AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The process-wide context of this configuration (shared with the progress thread).
+    ctx: Arc<Context>,
 }
 
 /// The UCX state of a [`PreparedBatch`]: which endpoint resolved it and under which id its
@@ -72,14 +75,18 @@ impl UcxTransport {
             .with_backend(BACKEND));
         }
         let epoch = Arc::new(AtomicU64::new(1));
+        let ctx = Context::shared(
+            raw::lib()?,
+            &ContextOptions {
+                tls: options.tls.clone(),
+                net_devices: options.net_devices.clone(),
+                name: "reshard".to_owned(),
+            },
+        )?;
         let spawned = engine::start(
             agent,
             EngineOptions {
-                context: ContextOptions {
-                    tls: options.tls.clone(),
-                    net_devices: options.net_devices.clone(),
-                    name: agent.to_owned(),
-                },
+                context: Arc::clone(&ctx),
                 reads_in_flight: options.reads_in_flight,
                 timeout: Duration::from_millis(options.timeout_ms),
             },
@@ -94,6 +101,7 @@ impl UcxTransport {
             vram: spawned.vram,
             next_id: AtomicU64::new(1),
             thread: Mutex::new(Some(spawned.thread)),
+            ctx,
         })
     }
 
@@ -156,6 +164,16 @@ impl Transport for UcxTransport {
 
     fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Shared memory allocated by UCX (`ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`): peers on
+    /// this host read it with plain copies through UCX's sysv/posix transports, while memory
+    /// the caller allocated is served by emulated reads (see README). Any endpoint of this
+    /// process with the same `tls` and `net_devices` can register it.
+    async fn allocate_host(&self, len: usize) -> Result<Option<Arc<dyn HostMemory>>> {
+        let alloc = Allocation::new(&self.ctx, len).map_err(Error::from)?;
+        tracing::debug!(agent = %self.agent, len, addr = alloc.addr, "ucx allocate_host");
+        Ok(Some(Arc::new(UcxHostMemory::new(alloc))))
     }
 
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {

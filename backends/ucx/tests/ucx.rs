@@ -503,3 +503,99 @@ async fn a_vanished_publisher_fails_the_read_naming_owner_and_range() {
     assert_eq!(e.context().owner, Some(7), "{e}");
     assert!(e.context().range.is_some(), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_allocated_memory_is_shared_by_endpoints_and_read_byte_exact() {
+    if !available() {
+        return;
+    }
+    // Two publisher endpoints of one configuration register one allocation (the synthetic
+    // cluster's arena); a receiver reads halves through each owner, in pieces large enough
+    // for the streaming copy and with odd offsets; an endpoint of another configuration
+    // (tcp) registers the same memory as plain user memory.
+    let len = (3 << 20) + 4099;
+    let a = endpoint("publisher-a", UcxOptions::default());
+    let b = endpoint("publisher-b", UcxOptions::default());
+    let arena = a
+        .allocate_host(len)
+        .await
+        .expect("allocate")
+        .expect("ucx allocates host memory");
+    assert_eq!(arena.len(), len);
+    assert!(
+        arena.bytes().iter().all(|&x| x == 0),
+        "allocation is zeroed"
+    );
+    let data = pattern(len, 5);
+    arena.bytes_mut().copy_from_slice(&data);
+    let block = arena.clone() as Arc<dyn MemoryBlock>;
+    let ra = a.register(block.clone()).await.expect("register on a");
+    let rb = b.register(block.clone()).await.expect("register on b");
+    let t = endpoint("publisher-tcp", tcp(8));
+    let rt = t.register(block).await.expect("register on a tcp endpoint");
+    // The owner drops its handle first: registrations keep the memory alive.
+    drop(arena);
+    let receiver = endpoint("receiver", UcxOptions::default());
+    let dst = Arc::new(HostBuffer::zeroed(len));
+    let rd = receiver
+        .register(dst.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register dst");
+    receiver
+        .load_peer(1, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    receiver
+        .load_peer(2, b.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let half = (len / 2) as u64 + 3;
+    let read = |owner, region: &Registration, off: u64, n: u64| ReadDesc {
+        owner,
+        remote_region: region.id(),
+        remote_offset: off,
+        local_region: rd.id(),
+        local_offset: off,
+        len: n,
+    };
+    let batch = ReadBatch {
+        reads: vec![read(1, &ra, 0, half), read(2, &rb, half, len as u64 - half)],
+    };
+    let prepared = receiver.prepare(batch).await.expect("prepare");
+    for _ in 0..2 {
+        let report = receiver
+            .post(&prepared)
+            .await
+            .expect("post")
+            .wait()
+            .await
+            .expect("wait");
+        assert_eq!(report.bytes, len as u64);
+        assert!(dst.read()[..] == data[..], "byte-exact through both owners");
+        dst.write().fill(0);
+    }
+    // Reading out of the allocation through the tcp endpoint (emulated reads).
+    let tcp_receiver = endpoint("receiver-tcp", tcp(8));
+    let rd2 = tcp_receiver
+        .register(dst.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .unwrap();
+    tcp_receiver
+        .load_peer(3, t.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let batch = ReadBatch {
+        reads: vec![ReadDesc {
+            owner: 3,
+            remote_region: rt.id(),
+            remote_offset: 0,
+            local_region: rd2.id(),
+            local_offset: 0,
+            len: len as u64,
+        }],
+    };
+    let p = tcp_receiver.prepare(batch).await.unwrap();
+    tcp_receiver.post(&p).await.unwrap().wait().await.unwrap();
+    assert!(dst.read()[..] == data[..], "byte-exact over tcp");
+    drop((ra, rb, rt));
+}

@@ -2,12 +2,20 @@
 //! over UCP handles ([`Context`], [`Worker`], [`Endpoint`], [`MemHandle`], [`PackedRkey`],
 //! [`RKey`], [`Request`]). Every status becomes a [`UcxStatusError`]; no `Drop` panics.
 //!
-//! All handles are created, used and dropped on one progress thread (see `engine`), so the
-//! worker runs in `UCS_THREAD_MODE_SINGLE` and the types are deliberately `!Send` (they hold
-//! `Rc`s): the compiler keeps them on that thread. Lifetimes are `Rc` edges: an endpoint
-//! keeps its worker, a remote key its endpoint, a memory handle its context, so UCX objects
-//! are always released in the order UCX needs.
+//! The [`Context`] is process-wide per configuration (UCX's intended use: one context per
+//! process, one worker per thread), created with `mt_workers_shared` so it is thread-safe, and
+//! shared through `Arc`s by every endpoint of that configuration; memory handles
+//! ([`MemHandle`]) belong to it and are `Send + Sync`. Memory it allocates (shared memory,
+//! see [`MemHandle::allocate`]) can therefore be registered on every endpoint of the process.
+//!
+//! Workers, endpoints, remote keys and requests are created, used and dropped on one progress
+//! thread (see `engine`), so the worker runs in `UCS_THREAD_MODE_SINGLE` and those types are
+//! deliberately `!Send` (they hold `Rc`s or raw handles): the compiler keeps them on that
+//! thread. Lifetimes are reference edges: an endpoint keeps its worker, a remote key its
+//! endpoint, a worker or memory handle its context, so UCX objects are always released in the
+//! order UCX needs.
 
+mod copy;
 mod status;
 
 pub use status::UcxStatusError;
@@ -15,7 +23,7 @@ pub use status::UcxStatusError;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::os::fd::RawFd;
 use std::rc::Rc;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use reshard_core::{Error, ErrorKind, MemoryKind};
@@ -216,16 +224,52 @@ impl Drop for UcpConfig {
     }
 }
 
-/// A UCP context (`ucp_init` with RMA and WAKEUP), cleaned up on drop.
+/// A UCP context (`ucp_init` with RMA and WAKEUP, `mt_workers_shared`), cleaned up on drop.
 pub(crate) struct Context {
     pub(crate) ucx: &'static Ucx,
     h: sys::ucp_context_h,
     memory_types: u64,
 }
 
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ucp_context({:p})", self.h)
+    }
+}
+
+// SAFETY: the context is created with `mt_workers_shared = 1`, which makes UCX protect its
+// context-wide state (memory maps, key packing, worker creation) with a lock, so the handle
+// may be used and released from any thread. Workers and their objects stay on their threads.
+unsafe impl Send for Context {}
+// SAFETY: as above: concurrent context-level calls are serialised by UCX.
+unsafe impl Sync for Context {}
+
+/// Live contexts of this process, by `(tls, net_devices)`; an entry dies with its last user.
+type ContextKey = (Option<String>, Option<String>);
+static CONTEXTS: Mutex<Vec<(ContextKey, Weak<Context>)>> = Mutex::new(Vec::new());
+
 impl Context {
-    /// Creates a context for one-sided reads with event-fd wake-up.
-    pub(crate) fn new(ucx: &'static Ucx, opts: &ContextOptions) -> Result<Rc<Self>, Error> {
+    /// The process's context for `opts` (its `tls` and `net_devices`): the live one if an
+    /// endpoint or allocation still holds it, else a new one. Sharing one context is what
+    /// lets every endpoint of the process register memory another endpoint allocated.
+    pub(crate) fn shared(ucx: &'static Ucx, opts: &ContextOptions) -> Result<Arc<Self>, Error> {
+        let key = (opts.tls.clone(), opts.net_devices.clone());
+        let mut live = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+        live.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(ctx) = live
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(ctx);
+        }
+        let ctx = Arc::new(Context::new(ucx, opts)?);
+        live.push((key, Arc::downgrade(&ctx)));
+        Ok(ctx)
+    }
+
+    /// Creates a context for one-sided reads with event-fd wake-up, usable from any thread.
+    fn new(ucx: &'static Ucx, opts: &ContextOptions) -> Result<Self, Error> {
         let _guard = INIT_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let mut cfg = UcpConfig::read(ucx)?;
         if let Some(t) = &opts.tls {
@@ -240,7 +284,8 @@ impl Context {
                 | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED
                 | sys::UCP_PARAM_FIELD_NAME) as u64,
             features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP) as u64,
-            mt_workers_shared: 0,
+            // Every endpoint's progress thread has its own worker on this one context.
+            mt_workers_shared: 1,
             name: name.as_ptr(),
             ..Default::default()
         };
@@ -286,7 +331,7 @@ impl Context {
         if unsafe { ucx.ucp.ucp_context_query(h, &mut attr) } == sys::UCS_OK {
             ctx.memory_types = attr.memory_types;
         }
-        Ok(Rc::new(ctx))
+        Ok(ctx)
     }
 
     /// Whether UCX can register and move memory of `kind` in this context.
@@ -297,7 +342,7 @@ impl Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: every worker and memory handle holds an `Rc<Context>`, so none is left.
+        // SAFETY: every worker and memory handle holds an `Arc<Context>`, so none is left.
         unsafe { self.ucx.ucp.ucp_cleanup(self.h) };
     }
 }
@@ -323,14 +368,14 @@ pub(crate) enum Armed {
 
 /// A UCP worker in single-thread mode, destroyed on drop.
 pub(crate) struct Worker {
-    ctx: Rc<Context>,
+    ctx: Arc<Context>,
     h: sys::ucp_worker_h,
     address: Vec<u8>,
 }
 
 impl Worker {
     /// Creates the worker and copies its address (what peers connect to).
-    pub(crate) fn new(ctx: &Rc<Context>) -> Result<Rc<Self>, UcxStatusError> {
+    pub(crate) fn new(ctx: &Arc<Context>) -> Result<Rc<Self>, UcxStatusError> {
         let ucx = ctx.ucx;
         let params = sys::ucp_worker_params_t {
             field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
@@ -343,7 +388,7 @@ impl Worker {
             ucx.ucp.ucp_worker_create(ctx.h, &params, &mut h)
         })?;
         let mut w = Worker {
-            ctx: Rc::clone(ctx),
+            ctx: Arc::clone(ctx),
             h,
             address: Vec::new(),
         };
@@ -528,17 +573,71 @@ impl Drop for Endpoint {
 // ---------------------------------------------------------------------------------------------
 // Memory registration and remote keys.
 
-/// A registered memory region (`ucp_mem_map`), unmapped on drop.
+/// A registered memory region (`ucp_mem_map`), unmapped on drop; for memory UCX allocated
+/// ([`MemHandle::allocate`]), unmapping also frees it.
 pub(crate) struct MemHandle {
-    ctx: Rc<Context>,
+    ctx: Arc<Context>,
     h: sys::ucp_mem_h,
 }
 
+// SAFETY: a memory handle is a context-level object: packing its key and unmapping it go
+// through the thread-safe (`mt_workers_shared`) context, and reads only pass the handle to UCX.
+unsafe impl Send for MemHandle {}
+// SAFETY: as above; `&MemHandle` only packs keys and hands out the raw handle.
+unsafe impl Sync for MemHandle {}
+
 impl MemHandle {
+    /// Allocates at least `len` bytes of zeroed host memory with UCX (`UCP_MEM_MAP_ALLOCATE`):
+    /// shared memory (sysv or posix, as `UCX_ALLOC_PRIO` orders) when UCX can, which peers on
+    /// this host read with plain copies through their shared-memory transports instead of
+    /// asking this process to serve every read. Returns the handle, the address and length.
+    pub(crate) fn allocate(
+        ctx: &Arc<Context>,
+        len: usize,
+    ) -> Result<(Self, usize, usize), UcxStatusError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            address: std::ptr::null_mut(),
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut h = std::ptr::null_mut();
+        // SAFETY: with ALLOCATE and a NULL address UCX chooses and owns the memory; the handle
+        // is unmapped (and the memory freed) exactly once, by Drop.
+        check("ucp_mem_map", unsafe {
+            ctx.ucx.ucp.ucp_mem_map(ctx.h, &params, &mut h)
+        })?;
+        let mem = MemHandle {
+            ctx: Arc::clone(ctx),
+            h,
+        };
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
+            ..Default::default()
+        };
+        // SAFETY: `h` is live; UCX fills the requested fields.
+        check("ucp_mem_query", unsafe {
+            ctx.ucx.ucp.ucp_mem_query(h, &mut attr)
+        })?;
+        let addr = attr.address as usize;
+        if addr == 0 || attr.length < len || addr.checked_add(attr.length).is_none() {
+            return Err(UcxStatusError::new("ucp_mem_query", sys::UCS_ERR_NO_MEMORY));
+        }
+        Ok((mem, addr, attr.length))
+    }
+
+    /// Whether this handle belongs to `ctx`.
+    pub(crate) fn of_context(&self, ctx: &Arc<Context>) -> bool {
+        Arc::ptr_eq(&self.ctx, ctx)
+    }
+
     /// Registers `len` bytes at `addr` of memory type `kind` (the memory is not allocated by
     /// UCX and must stay valid until this handle drops).
     pub(crate) fn map(
-        ctx: &Rc<Context>,
+        ctx: &Arc<Context>,
         addr: usize,
         len: usize,
         kind: MemoryKind,
@@ -559,7 +658,7 @@ impl MemHandle {
             ctx.ucx.ucp.ucp_mem_map(ctx.h, &params, &mut h)
         })?;
         Ok(MemHandle {
-            ctx: Rc::clone(ctx),
+            ctx: Arc::clone(ctx),
             h,
         })
     }
@@ -654,6 +753,16 @@ impl RKey {
     pub(crate) fn handle(&self) -> sys::ucp_rkey_h {
         self.h
     }
+
+    /// Where remote address `raddr` is mapped in this process (`ucp_rkey_ptr`), when the key
+    /// names shared memory UCX mapped here (a peer's sysv/posix allocation): the mapping lives
+    /// as long as this key. `None` for every other key (user memory, TCP, other hosts).
+    pub(crate) fn local_ptr(&self, raddr: u64) -> Option<*const u8> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: `h` is a live key; UCX only computes and writes the local address.
+        let st = unsafe { self.ep.worker.ucx().ucp.ucp_rkey_ptr(self.h, raddr, &mut p) };
+        (st == sys::UCS_OK && !p.is_null()).then_some(p as *const u8)
+    }
 }
 
 impl Drop for RKey {
@@ -743,6 +852,9 @@ pub(crate) fn take_completions(out: &mut Vec<(u64, sys::ucs_status_t)>) {
 /// remote key, local registration) the caller keeps alive until the read completes.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct GetOp {
+    /// The source bytes mapped in this process ([`RKey::local_ptr`]), or null: the read is then
+    /// a local copy instead of a `ucp_get_nbx`.
+    pub(crate) direct: *const u8,
     pub(crate) ep: sys::ucp_ep_h,
     pub(crate) rkey: sys::ucp_rkey_h,
     pub(crate) remote_addr: u64,
@@ -758,6 +870,14 @@ pub(crate) struct GetOp {
 /// Every handle in `op` must be live, `op.local..op.local+op.len` must be registered memory
 /// that nothing else touches, and all of it must stay so until the read completes.
 pub(crate) unsafe fn get(ucx: &'static Ucx, op: &GetOp, token: u64) -> Started {
+    if !op.direct.is_null() {
+        // SAFETY: `direct..direct+len` is the remote range inside a shared-memory segment UCX
+        // mapped for a live key (the caller keeps it alive), `local..local+len` is registered
+        // memory nothing else touches (caller's guarantee); they are different mappings, so
+        // they do not overlap as Rust objects (the same physical pages at most, read-only).
+        unsafe { copy::stream_copy(op.local, op.direct, op.len) };
+        return Started::Done;
+    }
     let mut param = sys::ucp_request_param_t {
         op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK
             | sys::UCP_OP_ATTR_FIELD_USER_DATA
