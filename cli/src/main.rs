@@ -4,6 +4,7 @@ mod bench_cmd;
 mod plan_cmd;
 mod ranges_cmd;
 mod refit_cmd;
+mod soak_cmd;
 mod table_cmd;
 mod transports;
 
@@ -33,6 +34,9 @@ enum Command {
     /// Time one transport moving the same bytes as 1k to 1M ranges (prepare, first post,
     /// re-post), next to a memcpy of the same bytes.
     BenchRanges(ranges_cmd::RangesArgs),
+    /// Run many consecutive verified updates on one cluster and report resident memory,
+    /// rebuilds and registration release.
+    Soak(soak_cmd::SoakArgs),
     /// List the model presets.
     Presets(PresetsArgs),
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
@@ -134,6 +138,7 @@ fn main() -> ExitCode {
         Command::Refit(a) => refit_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
         Command::BenchRanges(a) => ranges_cmd::run(a),
+        Command::Soak(a) => soak_cmd::run(a),
         Command::Table(a) => table_cmd::run(a),
         Command::ServePublishers(a) => refit_cmd::serve(a),
     };

@@ -369,3 +369,54 @@ fn bench_reports_both_arms_and_the_memcpy_ceiling() {
     let err = error_text(&reshard(&["bench", "--arms", "fastest"], &[]));
     assert!(err.contains("baseline"), "{err}");
 }
+
+#[test]
+fn soak_json_verifies_every_step_without_rebuilds_or_leaks() {
+    let out = reshard(
+        &[
+            "soak",
+            "--transport",
+            "loopback",
+            "--preset",
+            "qwen3-30b-a3b",
+            "--publishers",
+            "ep=4,dp=4",
+            "--receivers",
+            "tp=2",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--vocab",
+            "1024",
+            "--updates",
+            "4",
+            "--json",
+        ],
+        &[],
+    );
+    let v = json(&out);
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["updates"], 4);
+    assert!(v["failures"].as_array().unwrap().is_empty());
+    assert_eq!(v["plan_rebuilds_after_first"], 0);
+    assert_eq!(v["descriptor_rebuilds_after_first"], 0);
+    // One plan and one descriptor pair (both banks) per receiver rank, built once.
+    assert_eq!(v["plan_builds"], 2);
+    assert_eq!(v["descriptor_builds"], 4);
+    let regs = &v["registrations"];
+    assert!(regs["steady"].as_u64().unwrap() > 0);
+    assert_eq!(regs["changed_during_soak"], false);
+    assert_eq!(regs["after_receivers_dropped"], 0);
+    assert_eq!(regs["released"], true);
+    let rss = &v["rss_kib"];
+    let samples = rss["samples"].as_array().unwrap();
+    assert_eq!(samples.len(), 5, "after the warm-up and after every update");
+    let first = rss["after_warmup"].as_u64().unwrap();
+    let max = rss["max"].as_u64().unwrap();
+    assert!(first > 0 && max >= first && max >= rss["last"].as_u64().unwrap());
+    assert!(rss["slope_per_update"].as_f64().is_some());
+    assert!(v["median_e2e_s"].as_f64().unwrap() > 0.0);
+    assert!(v["wire_bytes_per_update"].as_u64().unwrap() > 0);
+}

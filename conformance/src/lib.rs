@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checks;
+pub mod faults;
 pub mod fixtures;
 pub mod remote;
 pub mod wrappers;
@@ -12,6 +13,36 @@ pub use reshard_runtime::Publishers as Cluster;
 /// Environment variable listing backends (comma-separated) whose absence fails tests instead
 /// of skipping them; CI sets it to every backend it installs.
 pub const REQUIRE_BACKENDS_ENV: &str = "RESHARD_REQUIRE_BACKENDS";
+
+/// Environment variable: how many random fault schedules the fault property test runs per
+/// backend (default [`DEFAULT_FAULT_CASES`]).
+pub const FAULT_CASES_ENV: &str = "RESHARD_FAULT_CASES";
+
+/// Fault schedules per backend when [`FAULT_CASES_ENV`] is unset.
+pub const DEFAULT_FAULT_CASES: u32 = 1000;
+
+/// Environment variable: seed (a `u64`) of the fault schedules, to replay a reported failure.
+pub const FAULT_SEED_ENV: &str = "RESHARD_FAULT_SEED";
+
+/// Fault schedules to run: [`FAULT_CASES_ENV`] or [`DEFAULT_FAULT_CASES`]; a value that is not
+/// a number panics, so a typo cannot silently shrink the test.
+pub fn fault_cases() -> u32 {
+    env_number(FAULT_CASES_ENV).map_or(DEFAULT_FAULT_CASES, |v| v as u32)
+}
+
+/// Seed of the fault schedules: [`FAULT_SEED_ENV`] or 0.
+pub fn fault_seed() -> u64 {
+    env_number(FAULT_SEED_ENV).unwrap_or(0)
+}
+
+fn env_number(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    Some(
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a non-negative integer")),
+    )
+}
 
 /// Whether `backend`'s tests can run: `probe` says if its native runtime is usable here. When it
 /// is not, this panics if [`REQUIRE_BACKENDS_ENV`] names the backend (so CI cannot skip it
@@ -74,6 +105,31 @@ macro_rules! conformance_tests {
                 $crate::checks::$check(&harness).await;
             }
         )*
+    };
+}
+
+/// Makes the fault property test, `fault_schedules_never_expose_bad_weights`, over a harness
+/// from `$make`: [`fault_cases`] random [`faults::FaultSchedule`]s through a
+/// [`faults::FaultyTransport`] (see [`checks::fault_schedules_never_expose_bad_weights`]). With
+/// `requires = $probe`, it first asks [`backend_available`].
+#[macro_export]
+macro_rules! fault_tests {
+    ($make:expr, requires = $probe:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn fault_schedules_never_expose_bad_weights() {
+            let harness = $make;
+            if !$crate::backend_available(harness.name(), $probe) {
+                return;
+            }
+            $crate::checks::fault_schedules_never_expose_bad_weights(
+                &harness,
+                $crate::fault_cases(),
+            )
+            .await;
+        }
+    };
+    ($make:expr) => {
+        $crate::fault_tests!($make, requires = ::std::result::Result::Ok(()));
     };
 }
 

@@ -822,6 +822,19 @@ fn gather_digest(bytes: &[u8], c: &reshard_core::DigestCheck) -> Option<Digest> 
     Some(Digest(h.digest128().to_le_bytes()))
 }
 
+/// The owner's bytes a digest check covers: the whole offer, or chunk `k`'s rows of it (chunk
+/// checks cover whole offer rows, so a source row is `row_bytes` long).
+fn checked_source_range(
+    c: &reshard_core::DigestCheck,
+    chunks: Option<&ChunkDigests>,
+) -> std::ops::Range<u64> {
+    let start = match (c.chunk, chunks) {
+        (Some(k), Some(ch)) => c.src_offset + u64::from(k) * ch.rows * c.row_bytes,
+        _ => c.src_offset,
+    };
+    start..start + c.bytes()
+}
+
 #[derive(Default)]
 struct Verdict {
     passed: u64,
@@ -883,7 +896,7 @@ fn verify(
                 )
                 .with_tensor(plan.tensors[c.tensor as usize].clone())
                 .with_owner(c.owner)
-                .with_range(c.src_offset..c.src_offset + c.bytes()));
+                .with_range(checked_source_range(c, offer.and_then(|(_, ch)| *ch))));
             }
             Ok(Some(c.bytes()))
         })

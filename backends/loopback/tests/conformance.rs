@@ -14,3 +14,5 @@ fn harness() -> Harness {
 }
 
 reshard_conformance::conformance_tests!(harness());
+
+reshard_conformance::fault_tests!(harness());

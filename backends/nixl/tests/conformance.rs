@@ -26,3 +26,5 @@ mod cross_process {
         requires = reshard_backend_nixl::probe()
     );
 }
+
+reshard_conformance::fault_tests!(harness(), requires = reshard_backend_nixl::probe());

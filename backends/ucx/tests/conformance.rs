@@ -23,6 +23,8 @@ fn harness() -> Harness {
 
 reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_ucx::probe());
 
+reshard_conformance::fault_tests!(harness(), requires = reshard_backend_ucx::probe());
+
 /// The same suite with `tls = "tcp"`: RMA reads emulated over TCP, which needs the
 /// publisher's progress thread to answer them.
 mod tcp {
