@@ -77,6 +77,12 @@ pub struct ReceiverConfig {
     pub max_wire_gbps: Option<f64>,
     /// Minimum fraction of parameter bytes a plan must write (off when unset).
     pub min_coverage: Option<f64>,
+    /// Times a wire leg that failed with a retryable error is posted again (0: never).
+    pub retries: u32,
+    /// Backoff before the first retry, doubled for each further one.
+    pub retry_backoff_ms: u64,
+    /// Bound on one wire leg including its retries and backoff (off when unset).
+    pub wire_timeout_ms: Option<u64>,
 }
 
 impl Default for TransportConfig {
@@ -105,6 +111,9 @@ impl Default for ReceiverConfig {
             verify_digests: true,
             max_wire_gbps: None,
             min_coverage: None,
+            retries: 0,
+            retry_backoff_ms: 20,
+            wire_timeout_ms: None,
         }
     }
 }
@@ -218,6 +227,12 @@ impl Config {
                 ));
             }
         }
+        if self.receiver.wire_timeout_ms == Some(0) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "receiver.wire_timeout_ms must be at least 1",
+            ));
+        }
         if let Some(c) = self.receiver.min_coverage {
             if !(0.0..=1.0).contains(&c) {
                 return Err(Error::new(
@@ -325,6 +340,7 @@ mod tests {
             "[receiver]\nmax_wire_gbps = -1.0\n",
             "[receiver]\nmin_coverage = 2.0\n",
             "[transport]\nworkers = 0\n",
+            "[receiver]\nwire_timeout_ms = 0\n",
         ] {
             assert_eq!(
                 Config::from_toml(t).unwrap_err().kind(),

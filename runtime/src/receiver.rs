@@ -9,14 +9,14 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use reshard_core::config::Config;
 use reshard_core::{
     dedup, keep_all, merge, table_geometry_key, ChunkDigests, DedupOptions, DedupReport, Dest,
     Digest, Error, ErrorDetail, ErrorKind, HostBuffer, MemoryBlock, MergedTable, OwnerId, Plan,
     PlanStats, PreparedBatch, ReadBatch, ReadDesc, Registration, ReplicaGroups, Result, ShardTable,
-    Transport, WantedLayout,
+    Transport, WantedLayout, WireReport,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 
@@ -41,6 +41,13 @@ pub struct ReceiverOptions {
     pub batched_reslice: bool,
     /// Reuse descriptors across updates (false: rebuild every update, the baseline).
     pub cache_descriptors: bool,
+    /// Times a wire leg failing with a retryable error is posted again (reads only write the
+    /// bank that is not live, so repeating them is safe).
+    pub retries: u32,
+    /// Backoff before the first retry, doubled for each further one.
+    pub retry_backoff: Duration,
+    /// Bound on one wire leg with its retries; past it the leg fails with `Timeout`.
+    pub wire_timeout: Option<Duration>,
 }
 
 impl Default for ReceiverOptions {
@@ -54,6 +61,9 @@ impl Default for ReceiverOptions {
             min_coverage: None,
             batched_reslice: true,
             cache_descriptors: true,
+            retries: 0,
+            retry_backoff: Duration::from_millis(20),
+            wire_timeout: None,
         }
     }
 }
@@ -71,6 +81,9 @@ impl ReceiverOptions {
             verify_digests: cfg.receiver.verify_digests,
             max_wire_gbps: cfg.receiver.max_wire_gbps,
             min_coverage: cfg.receiver.min_coverage,
+            retries: cfg.receiver.retries,
+            retry_backoff: Duration::from_millis(cfg.receiver.retry_backoff_ms),
+            wire_timeout: cfg.receiver.wire_timeout_ms.map(Duration::from_millis),
             ..ReceiverOptions::default()
         }
     }
@@ -481,11 +494,9 @@ impl Receiver {
             .as_ref()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         let wire_t0 = Instant::now();
-        let wire = match transport.post(&cached.batch).await {
-            Ok(inflight) => inflight.wait().await,
-            Err(e) => Err(e),
-        }
-        .map_err(|e| name_tensor(e, &prep.plan))?;
+        let wire = wire_leg(transport.as_ref(), &cached.batch, &self.opts)
+            .await
+            .map_err(|e| name_tensor(e, &prep.plan))?;
         let wire_s = wire_t0.elapsed().as_secs_f64();
         let gbytes = if wire_s > 0.0 {
             wire.bytes as f64 / wire_s / 1e9
@@ -748,6 +759,47 @@ fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> ReadBatch {
         })
         .collect();
     ReadBatch { reads }
+}
+
+/// Posts the prepared batch and waits, posting again after a retryable failure (up to
+/// `opts.retries` times, with doubling backoff), all within `opts.wire_timeout` when set.
+async fn wire_leg(
+    transport: &dyn Transport,
+    batch: &PreparedBatch,
+    opts: &ReceiverOptions,
+) -> Result<WireReport> {
+    let attempts = async {
+        let mut backoff = opts.retry_backoff;
+        let mut attempt = 0;
+        loop {
+            let r = match transport.post(batch).await {
+                Ok(inflight) => inflight.wait().await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Err(e) if e.is_retryable() && attempt < opts.retries => {
+                    tracing::warn!(attempt, error = %e, "wire leg failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = backoff.saturating_mul(2);
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
+    };
+    match opts.wire_timeout {
+        None => attempts.await,
+        Some(limit) => tokio::time::timeout(limit, attempts)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("the wire leg did not complete within {limit:?} (retries included)"),
+                )
+                .with_backend(transport.name())
+                .set_retryable(true))
+            }),
+    }
 }
 
 /// Names the tensor of a failed read, found from the owner and byte range the backend reported.

@@ -377,3 +377,158 @@ async fn coverage_floor_refuses_plans_that_write_too_little() {
     let r = rx.update(std::slice::from_ref(&table)).await.unwrap();
     assert_eq!((r.plan.written_bytes, r.plan.param_bytes), (16, 32));
 }
+
+/// Fails the first `fail` posts with a typed error (retryable or not), then delegates; or
+/// delays every wait by `delay`.
+#[derive(Debug)]
+struct Flaky {
+    inner: Arc<dyn Transport>,
+    fail: std::sync::atomic::AtomicU32,
+    retryable: bool,
+    delay: std::time::Duration,
+    posts: std::sync::atomic::AtomicU32,
+}
+
+struct Delayed {
+    inner: Box<dyn reshard_core::InFlight>,
+    delay: std::time::Duration,
+}
+
+#[async_trait::async_trait]
+impl reshard_core::InFlight for Delayed {
+    async fn wait(self: Box<Self>) -> reshard_core::Result<reshard_core::WireReport> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.wait().await
+    }
+    async fn abort(self: Box<Self>) {
+        self.inner.abort().await
+    }
+}
+
+#[async_trait::async_trait]
+impl Transport for Flaky {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn agent(&self) -> &str {
+        self.inner.agent()
+    }
+    fn capabilities(&self) -> reshard_core::Capability {
+        self.inner.capabilities()
+    }
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
+    }
+    async fn register(
+        &self,
+        block: Arc<dyn reshard_core::MemoryBlock>,
+    ) -> reshard_core::Result<reshard_core::Registration> {
+        self.inner.register(block).await
+    }
+    async fn export_metadata(&self) -> reshard_core::Result<bytes::Bytes> {
+        self.inner.export_metadata().await
+    }
+    async fn load_peer(&self, owner: u32, md: bytes::Bytes) -> reshard_core::Result<()> {
+        self.inner.load_peer(owner, md).await
+    }
+    async fn prepare(
+        &self,
+        batch: reshard_core::ReadBatch,
+    ) -> reshard_core::Result<reshard_core::PreparedBatch> {
+        self.inner.prepare(batch).await
+    }
+    async fn post(
+        &self,
+        batch: &reshard_core::PreparedBatch,
+    ) -> reshard_core::Result<Box<dyn reshard_core::InFlight>> {
+        use std::sync::atomic::Ordering;
+        self.posts.fetch_add(1, Ordering::SeqCst);
+        let left = self.fail.load(Ordering::SeqCst);
+        if left > 0 {
+            self.fail.store(left - 1, Ordering::SeqCst);
+            return Err(reshard_core::Error::new(
+                reshard_core::ErrorKind::Transport,
+                "injected: link flapped",
+            )
+            .with_owner(1)
+            .set_retryable(self.retryable));
+        }
+        let inner = self.inner.post(batch).await?;
+        Ok(Box::new(Delayed {
+            inner,
+            delay: self.delay,
+        }))
+    }
+}
+
+async fn flaky_setup(
+    fail: u32,
+    retryable: bool,
+    delay_ms: u64,
+    opts: ReceiverOptions,
+) -> (Setup, Arc<Flaky>) {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let flaky = Arc::new(Flaky {
+        inner: endpoint(&s.fabric, "rx-flaky"),
+        fail: fail.into(),
+        retryable,
+        delay: std::time::Duration::from_millis(delay_ms),
+        posts: 0.into(),
+    });
+    s.cluster.connect(flaky.as_ref()).await.unwrap();
+    s.rx.set_transport(flaky.clone());
+    s.rx.set_options(opts);
+    s.cluster.publish_step(1);
+    (s, flaky)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_wire_failures_are_retried_within_the_budget() {
+    use std::sync::atomic::Ordering;
+    let opts = ReceiverOptions {
+        retries: 2,
+        retry_backoff: std::time::Duration::from_millis(1),
+        ..ReceiverOptions::default()
+    };
+    // Two flaps, two retries: the update lands, byte-exact, after three posts.
+    let (mut s, flaky) = flaky_setup(2, true, 0, opts.clone()).await;
+    s.rx.update(&s.cluster.tables()).await.expect("retried");
+    assert_eq!(flaky.posts.load(Ordering::SeqCst), 3);
+    assert_eq!(s.rx.live_step(), Some(1));
+    assert_exact(&s);
+    // Three flaps exhaust two retries: typed error, live weights stay at step 0.
+    let (mut s, flaky) = flaky_setup(3, true, 0, opts.clone()).await;
+    let e = s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(1));
+    assert_eq!(flaky.posts.load(Ordering::SeqCst), 3);
+    assert_eq!(s.rx.live_step(), Some(0));
+    // A failure that is not retryable is never retried.
+    let (mut s, flaky) = flaky_setup(1, false, 0, opts).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    assert_eq!(flaky.posts.load(Ordering::SeqCst), 1);
+    assert_eq!(s.rx.live_step(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wire_leg_past_its_timeout_fails_typed_and_installs_nothing() {
+    let opts = ReceiverOptions {
+        wire_timeout: Some(std::time::Duration::from_millis(30)),
+        ..ReceiverOptions::default()
+    };
+    let (mut s, _) = flaky_setup(0, true, 2_000, opts).await;
+    let t = std::time::Instant::now();
+    let e = s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Timeout, "{e}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(1), "bounded");
+    assert_eq!(s.rx.live_step(), Some(0));
+    // Without the delay the next update installs byte-exact.
+    s.rx.set_options(ReceiverOptions::default());
+    s.rx.set_transport(endpoint(&s.fabric, "rx-plain"));
+    s.cluster.connect(s.rx.transport().as_ref()).await.unwrap();
+    s.rx.update(&s.cluster.tables())
+        .await
+        .expect("clean update");
+    assert_exact(&s);
+}
