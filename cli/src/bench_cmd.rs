@@ -14,10 +14,9 @@ use reshard_core::{Error, ErrorKind, Result};
 use reshard_runtime::{ReceiverOptions, StageTimes};
 
 use crate::refit_cmd::{
-    median, progress, resolve_scaled, run_arm, start_publishers, summarize, ArmSummary,
-    PublisherPlace,
+    median, progress, run_arm, start_bench, summarize, ArmSummary, Bench, PublisherPlace,
 };
-use crate::{transports, ModelArgs, Outcome};
+use crate::{ModelArgs, Outcome};
 
 /// Flags of `reshard bench`.
 #[derive(Args)]
@@ -125,15 +124,17 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         .iter()
         .map(|a| Ok((a.clone(), arm_options(a, &cfg)?)))
         .collect::<Result<_>>()?;
-    let (model, pubs, recv) = resolve_scaled(&args.model)?;
-    let registry = transports::registry();
-    let mut cluster = start_publishers(
-        &registry,
-        args.place,
+    let Bench {
+        registry,
+        model,
+        pubs,
+        recv,
+        mut cluster,
+    } = start_bench(
         &cfg,
         args.config.as_deref(),
-        &model,
-        pubs,
+        &args.model,
+        args.place,
         args.seed,
     )
     .await?;

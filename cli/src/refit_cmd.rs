@@ -159,6 +159,56 @@ pub(crate) async fn start_publishers(
     })
 }
 
+/// What every refit-style command starts from: the registry (whose loopback fabric is this
+/// process's network), the resolved model and topologies, and running publishers.
+pub(crate) struct Bench {
+    /// Transports built into this binary.
+    pub registry: Registry,
+    /// The (scaled) model.
+    pub model: ModelConfig,
+    /// Publisher topology.
+    pub pubs: PublisherTopology,
+    /// Receiver topology.
+    pub recv: ReceiverTopology,
+    /// The publishers, in this process or a child.
+    pub cluster: Publishers,
+}
+
+/// Resolves `model` with the refit defaults and starts its publishers at `place`.
+pub(crate) async fn start_bench(
+    cfg: &Config,
+    config_path: Option<&std::path::Path>,
+    model: &ModelArgs,
+    place: PublisherPlace,
+    seed: u64,
+) -> Result<Bench> {
+    let (model, pubs, recv) = resolve_scaled(model)?;
+    let registry = transports::registry();
+    let cluster = start_publishers(&registry, place, cfg, config_path, &model, pubs, seed).await?;
+    Ok(Bench {
+        registry,
+        model,
+        pubs,
+        recv,
+        cluster,
+    })
+}
+
+/// Prints the verification verdict of `updates` measured updates plus the warm-up.
+pub(crate) fn print_verdict(verified: bool, failures: &[String], updates: u32) {
+    if verified {
+        println!(
+            "  verified: every parameter of every rank byte-exact at every step ({} updates)",
+            updates + 1
+        );
+    } else {
+        println!("  VERIFICATION FAILED:");
+        for f in failures {
+            println!("    {f}");
+        }
+    }
+}
+
 /// Resolves model flags with the refit defaults (4 layers, 32 experts on MoE presets).
 pub(crate) fn resolve_scaled(
     model: &ModelArgs,
@@ -375,16 +425,17 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     if args.no_dedup {
         cfg.planner.dedup = false;
     }
-    let (model, pubs, recv) = resolve_scaled(&args.model)?;
-    // One registry: the loopback fabric inside it is this process's network.
-    let registry = transports::registry();
-    let mut cluster = start_publishers(
-        &registry,
-        args.place,
+    let Bench {
+        registry,
+        model,
+        pubs,
+        recv,
+        mut cluster,
+    } = start_bench(
         &cfg,
         args.config.as_deref(),
-        &model,
-        pubs,
+        &args.model,
+        args.place,
         args.seed,
     )
     .await?;
@@ -489,17 +540,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
                 r.fingerprint
             );
         }
-        if verified {
-            println!(
-                "  verified: every parameter of every rank byte-exact at every step ({} updates)",
-                args.updates + 1
-            );
-        } else {
-            println!("  VERIFICATION FAILED:");
-            for f in &failures {
-                println!("    {f}");
-            }
-        }
+        print_verdict(verified, &failures, args.updates);
     }
     Ok(Outcome(verified))
 }

@@ -18,8 +18,8 @@ use reshard_core::{
 use reshard_planner::layouts::receiver_layout;
 use reshard_runtime::{Receiver, ReceiverOptions};
 
-use crate::refit_cmd::{median, progress, resolve_scaled, start_publishers, PublisherPlace};
-use crate::{transports, ModelArgs, Outcome};
+use crate::refit_cmd::{median, print_verdict, progress, start_bench, Bench, PublisherPlace};
+use crate::{ModelArgs, Outcome};
 
 /// Flags of `reshard soak` (model defaults as `refit`: --layers 4, --experts 32 on MoE).
 #[derive(Args)]
@@ -122,15 +122,17 @@ pub fn run(args: SoakArgs) -> Result<Outcome> {
 
 async fn soak(args: SoakArgs) -> Result<Outcome> {
     let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
-    let (model, pubs, recv) = resolve_scaled(&args.model)?;
-    let registry = transports::registry();
-    let mut cluster = start_publishers(
-        &registry,
-        args.place,
+    let Bench {
+        registry,
+        model,
+        pubs,
+        recv,
+        mut cluster,
+    } = start_bench(
         &cfg,
         args.config.as_deref(),
-        &model,
-        pubs,
+        &args.model,
+        args.place,
         args.seed,
     )
     .await?;
@@ -282,17 +284,7 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
             },
             if released { "" } else { " (NOT RELEASED)" }
         );
-        if verified {
-            println!(
-                "  verified: every parameter of every rank byte-exact at every step ({} updates)",
-                args.updates + 1
-            );
-        } else {
-            println!("  VERIFICATION FAILED:");
-            for f in &failures {
-                println!("    {f}");
-            }
-        }
+        print_verdict(verified, &failures, args.updates);
     }
     Ok(Outcome(ok))
 }
