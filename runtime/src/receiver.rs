@@ -497,6 +497,20 @@ impl Receiver {
         let wire = wire_leg(transport.as_ref(), &cached.batch, &self.opts)
             .await
             .map_err(|e| name_tensor(e, &prep.plan))?;
+        // A backend that says it finished must have moved every planned byte; a short count
+        // is a bug or a lie that digests would only catch when verification is on.
+        let planned = cached.batch.batch().bytes();
+        if wire.bytes != planned {
+            return Err(Error::new(
+                ErrorKind::Transport,
+                format!(
+                    "the transport reported {} bytes moved of the {planned} planned; refusing \
+                     to install",
+                    wire.bytes
+                ),
+            )
+            .with_backend(transport.name()));
+        }
         let wire_s = wire_t0.elapsed().as_secs_f64();
         let gbytes = if wire_s > 0.0 {
             wire.bytes as f64 / wire_s / 1e9

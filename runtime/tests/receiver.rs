@@ -386,19 +386,25 @@ struct Flaky {
     fail: std::sync::atomic::AtomicU32,
     retryable: bool,
     delay: std::time::Duration,
+    short: bool,
     posts: std::sync::atomic::AtomicU32,
 }
 
 struct Delayed {
     inner: Box<dyn reshard_core::InFlight>,
     delay: std::time::Duration,
+    short: bool,
 }
 
 #[async_trait::async_trait]
 impl reshard_core::InFlight for Delayed {
     async fn wait(self: Box<Self>) -> reshard_core::Result<reshard_core::WireReport> {
         tokio::time::sleep(self.delay).await;
-        self.inner.wait().await
+        let mut r = self.inner.wait().await?;
+        if self.short {
+            r.bytes -= 1;
+        }
+        Ok(r)
     }
     async fn abort(self: Box<Self>) {
         self.inner.abort().await
@@ -457,6 +463,7 @@ impl Transport for Flaky {
         Ok(Box::new(Delayed {
             inner,
             delay: self.delay,
+            short: self.short,
         }))
     }
 }
@@ -467,6 +474,16 @@ async fn flaky_setup(
     delay_ms: u64,
     opts: ReceiverOptions,
 ) -> (Setup, Arc<Flaky>) {
+    flaky_setup_short(fail, retryable, delay_ms, false, opts).await
+}
+
+async fn flaky_setup_short(
+    fail: u32,
+    retryable: bool,
+    delay_ms: u64,
+    short: bool,
+    opts: ReceiverOptions,
+) -> (Setup, Arc<Flaky>) {
     let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
     s.rx.update(&s.cluster.tables()).await.unwrap();
     let flaky = Arc::new(Flaky {
@@ -474,6 +491,7 @@ async fn flaky_setup(
         fail: fail.into(),
         retryable,
         delay: std::time::Duration::from_millis(delay_ms),
+        short,
         posts: 0.into(),
     });
     s.cluster.connect(flaky.as_ref()).await.unwrap();
@@ -531,4 +549,18 @@ async fn a_wire_leg_past_its_timeout_fails_typed_and_installs_nothing() {
         .await
         .expect("clean update");
     assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_reporting_fewer_bytes_than_planned_installs_nothing() {
+    // Even with digest verification off, a short byte count is refused before the swap.
+    let opts = ReceiverOptions {
+        verify_digests: false,
+        ..ReceiverOptions::default()
+    };
+    let (mut s, _) = flaky_setup_short(0, true, 0, true, opts).await;
+    let e = s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().backend.as_deref(), Some("loopback"));
+    assert_eq!(s.rx.live_step(), Some(0));
 }
