@@ -29,23 +29,14 @@ pub(crate) enum MetaError {
     Magic,
     #[error("unsupported loopback metadata version {0} (this build reads {VERSION})")]
     Version(u8),
-    #[error("truncated: needed {needed} more bytes at offset {at}")]
-    Truncated { at: usize, needed: usize },
+    #[error(transparent)]
+    Truncated(#[from] Truncated),
     #[error("agent name is not UTF-8")]
     Name,
     #[error("{0} trailing bytes after the last region")]
     Trailing(usize),
     #[error("region {0} listed twice")]
     DuplicateRegion(u64),
-}
-
-impl From<Truncated> for MetaError {
-    fn from(t: Truncated) -> Self {
-        MetaError::Truncated {
-            at: t.at,
-            needed: t.needed,
-        }
-    }
 }
 
 impl AgentMeta {
@@ -95,17 +86,11 @@ impl AgentMeta {
             .map_err(|_| MetaError::Name)?
             .to_owned();
         let count = u32::from_le_bytes(r.array()?) as usize;
-        let left = bytes.len() - r.at();
         // Check the count against the bytes present before allocating anything for it.
         let need = count.saturating_mul(16);
-        if need > left {
-            return Err(MetaError::Truncated {
-                at: r.at(),
-                needed: need - left,
-            });
-        }
-        if need < left {
-            return Err(MetaError::Trailing(left - need));
+        r.ensure(need)?;
+        if need < r.left() {
+            return Err(MetaError::Trailing(r.left() - need));
         }
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
@@ -171,7 +156,7 @@ mod tests {
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Truncated { .. })
+            Err(MetaError::Truncated(_))
         ));
         let mut m = sample();
         m.regions = vec![(3, 1), (3, 2)];

@@ -49,8 +49,8 @@ pub(crate) enum MetaError {
     Magic,
     #[error("unsupported nixl metadata version {0} (this build reads {VERSION})")]
     Version(u8),
-    #[error("truncated: needed {needed} more bytes at offset {at}")]
-    Truncated { at: usize, needed: usize },
+    #[error(transparent)]
+    Truncated(#[from] Truncated),
     #[error("agent name is not UTF-8 or is empty")]
     Name,
     #[error("region {0} has an unknown memory kind {1}")]
@@ -65,15 +65,6 @@ pub(crate) enum MetaError {
     EmptyNixl,
     #[error("checksum mismatch (damaged metadata)")]
     Checksum,
-}
-
-impl From<Truncated> for MetaError {
-    fn from(t: Truncated) -> Self {
-        MetaError::Truncated {
-            at: t.at,
-            needed: t.needed,
-        }
-    }
 }
 
 impl AgentMeta {
@@ -143,12 +134,8 @@ impl AgentMeta {
             return Err(MetaError::Version(version));
         }
         // Verify the checksum before parsing anything else.
-        let Some(body) = bytes.len().checked_sub(8).filter(|&n| n >= r.at()) else {
-            return Err(MetaError::Truncated {
-                at: r.at(),
-                needed: r.at() + 8 - bytes.len(),
-            });
-        };
+        r.ensure(8)?;
+        let body = bytes.len() - 8;
         let mut sum = [0u8; 8];
         sum.copy_from_slice(&bytes[body..]);
         if xxh3_64(&bytes[..body]) != u64::from_le_bytes(sum) {
@@ -163,14 +150,7 @@ impl AgentMeta {
         let nixl_name = read_name(&mut r)?;
         let count = u32::from_le_bytes(r.array()?) as usize;
         // Check the count against the bytes present before allocating anything for it.
-        let need = count.saturating_mul(REGION_BYTES);
-        let left = bytes.len() - r.at();
-        if need > left {
-            return Err(MetaError::Truncated {
-                at: r.at(),
-                needed: need - left,
-            });
-        }
+        r.ensure(count.saturating_mul(REGION_BYTES))?;
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             let id = r.u64()?;
@@ -297,7 +277,7 @@ mod tests {
         reseal(&mut v);
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Truncated { .. })
+            Err(MetaError::Truncated(_))
         ));
         let kind_at = count_at + 4 + 24;
         let mut v = full.clone();

@@ -46,8 +46,8 @@ pub(crate) enum MetaError {
     Magic,
     #[error("unsupported ucx metadata version {0} (this build reads {VERSION})")]
     Version(u8),
-    #[error("truncated: needed {needed} more bytes at offset {at}")]
-    Truncated { at: usize, needed: usize },
+    #[error(transparent)]
+    Truncated(#[from] Truncated),
     #[error("agent name is not UTF-8")]
     Name,
     #[error("empty worker address")]
@@ -62,15 +62,6 @@ pub(crate) enum MetaError {
     Trailing(usize),
     #[error("region {0} listed twice")]
     DuplicateRegion(u64),
-}
-
-impl From<Truncated> for MetaError {
-    fn from(t: Truncated) -> Self {
-        MetaError::Truncated {
-            at: t.at,
-            needed: t.needed,
-        }
-    }
 }
 
 impl EndpointMeta {
@@ -139,14 +130,7 @@ impl EndpointMeta {
         }
         let count = r.u32()? as usize;
         // Check the count against the bytes present before allocating anything for it.
-        let need = count.saturating_mul(REGION_FIXED);
-        let left = r.left();
-        if need > left {
-            return Err(MetaError::Truncated {
-                at: r.at(),
-                needed: need - left,
-            });
-        }
+        r.ensure(count.saturating_mul(REGION_FIXED))?;
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             let id = r.u64()?;
@@ -256,7 +240,7 @@ mod tests {
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Truncated { .. })
+            Err(MetaError::Truncated(_))
         ));
         // A huge key length too.
         let key_len_at = count_at + 4 + 8 + 8 + 8 + 1 + 4;
@@ -264,7 +248,7 @@ mod tests {
         v[key_len_at..key_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Truncated { .. })
+            Err(MetaError::Truncated(_))
         ));
         let mut v = full.clone();
         v[count_at + 4 + 24] = 7;
