@@ -17,7 +17,7 @@ pub fn reference_geometry() -> Result<(MergedTable, Vec<WantedLayout>)> {
     let tables = geometry_tables(&model, &"ep=8,dp=8".parse()?, 0)?;
     let table = dedup(&merge(&tables)?, DedupOptions::default())?.0;
     let layouts = (0..2)
-        .map(|r| receiver_layout(&model, &ReceiverTopology { tp: 2 }, r))
+        .map(|r| receiver_layout(&model, &ReceiverTopology::tp(2), r))
         .collect::<Result<Vec<_>>>()?;
     Ok((table, layouts))
 }
@@ -70,7 +70,7 @@ impl LoopbackRig {
         .await?;
         let t: Arc<dyn Transport> = Arc::new(LoopbackTransport::new(&fabric, "receiver", workers)?);
         cluster.connect(t.as_ref()).await?;
-        let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp }, 0)?;
+        let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(tp), 0)?;
         let receiver = Receiver::new(t, layout, opts)?;
         Ok(LoopbackRig { cluster, receiver })
     }

@@ -138,7 +138,7 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         args.seed,
     )
     .await?;
-    let per_arm = (args.updates as u64 + 1) * recv.tp as u64;
+    let per_arm = (args.updates as u64 + 1) * recv.world() as u64;
     let bar = progress(per_arm * opts.len() as u64, args.json, "bench");
     let mut runs = Vec::new();
     let mut step = 0;

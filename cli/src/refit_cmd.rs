@@ -13,7 +13,7 @@ use reshard_core::config::Config;
 use reshard_core::encoding::encode_table;
 use reshard_core::registry::Registry;
 use reshard_core::{Error, ErrorKind, Result, Transport};
-use reshard_planner::layouts::receiver_layout;
+use reshard_planner::layouts::ReceiverLayouts;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::remote::DEFAULT_TIMEOUT;
@@ -253,14 +253,15 @@ pub(crate) async fn run_arm(
     bar: &ProgressBar,
 ) -> Result<ArmRun> {
     let mut receivers = Vec::new();
-    for rank in 0..recv.tp {
+    let layouts = ReceiverLayouts::new(model, recv)?;
+    for rank in 0..recv.world() {
         let t: Arc<dyn Transport> = registry.create(&format!("receiver-{rank}"), &cfg.transport)?;
         cluster.connect(t.as_ref()).await?;
-        let layout = receiver_layout(model, recv, rank)?;
+        let layout = layouts.layout(rank)?;
         receivers.push(Receiver::new(t, layout, opts.clone())?);
     }
     let mut run = ArmRun {
-        reports: vec![Vec::new(); recv.tp as usize],
+        reports: vec![Vec::new(); recv.world() as usize],
         verified: true,
         failures: Vec::new(),
     };
@@ -440,7 +441,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     )
     .await?;
     let bar = progress(
-        (args.updates as u64 + 1) * recv.tp as u64,
+        (args.updates as u64 + 1) * recv.world() as u64,
         args.json,
         "refit",
     );
@@ -515,7 +516,10 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             if cfg.planner.dedup { "" } else { " (no dedup)" },
             args.updates
         );
-        println!("  median stage seconds per update (all {} ranks):", recv.tp);
+        println!(
+            "  median stage seconds per update (all {} ranks):",
+            recv.world()
+        );
         for (name, v) in StageTimes::NAMES.iter().zip(&med_stages) {
             println!("    {name:<17} {v:>10.4}");
         }

@@ -15,7 +15,7 @@ use reshard_core::{
     Capability, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch,
     Registration, Result, Transport,
 };
-use reshard_planner::layouts::receiver_layout;
+use reshard_planner::layouts::ReceiverLayouts;
 use reshard_runtime::{Receiver, ReceiverOptions};
 
 use crate::refit_cmd::{median, print_verdict, progress, start_bench, Bench, PublisherPlace};
@@ -138,14 +138,15 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
     .await?;
     let live_regs = Arc::new(AtomicU64::new(0));
     let mut receivers = Vec::new();
-    for rank in 0..recv.tp {
+    let layouts = ReceiverLayouts::new(&model, &recv)?;
+    for rank in 0..recv.world() {
         let inner = registry.create(&format!("receiver-{rank}"), &cfg.transport)?;
         let t: Arc<dyn Transport> = Arc::new(CountingTransport {
             inner,
             live: live_regs.clone(),
         });
         cluster.connect(t.as_ref()).await?;
-        let layout = receiver_layout(&model, &recv, rank)?;
+        let layout = layouts.layout(rank)?;
         receivers.push(Receiver::new(
             t,
             layout,
@@ -153,7 +154,7 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
         )?);
     }
     let bar = progress(
-        (args.updates as u64 + 1) * recv.tp as u64,
+        (args.updates as u64 + 1) * recv.world() as u64,
         args.json,
         "soak",
     );

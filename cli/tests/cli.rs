@@ -71,6 +71,62 @@ fn plan_json_has_the_contract_keys() {
 }
 
 #[test]
+fn plan_shares_plans_among_dp_replicas_and_plans_each_expert_parallel_rank() {
+    let plan = |receivers: &str| {
+        json(&reshard(
+            &[
+                "plan",
+                "--preset",
+                "qwen3-30b-a3b",
+                "--publishers",
+                "ep=8,dp=8",
+                "--receivers",
+                receivers,
+                "--layers",
+                "1",
+                "--experts",
+                "16",
+                "--json",
+            ],
+            &[],
+        ))
+    };
+    // Experts TP-sliced: the second DP replica wants what the first does, so it reuses its
+    // plans (same fingerprint, no planner time of its own).
+    let v = plan("tp=2,dp=2");
+    assert_eq!(v["receiver_count"], 4);
+    assert_eq!(v["plans_computed"], 2);
+    assert!(v["peak_rss_bytes"].as_u64().is_some_and(|b| b > 0));
+    assert!(v["table_seconds"].as_f64().is_some());
+    let ranks = v["receivers"].as_array().expect("receivers");
+    assert_eq!(ranks.len(), 4);
+    for r in 2..4 {
+        assert_eq!(ranks[r]["plan_of_rank"], r - 2);
+        assert_eq!(ranks[r]["fingerprint"], ranks[r - 2]["fingerprint"]);
+        assert_eq!(ranks[r]["plan_seconds"], 0.0);
+    }
+    // Expert parallel over all 4 ranks: every rank holds its own 4 experts, so every rank is
+    // planned and no two plans are the same.
+    let e = plan("tp=2,dp=2,ep=4");
+    assert_eq!(e["receiver_count"], 4);
+    assert_eq!(e["plans_computed"], 4);
+    assert_eq!(e["receiver_topology"]["ep"], 4);
+    let ranks = e["receivers"].as_array().expect("receivers");
+    let fps: std::collections::HashSet<_> =
+        ranks.iter().map(|r| r["fingerprint"].to_string()).collect();
+    assert_eq!(fps.len(), 4);
+    for r in ranks {
+        assert_eq!(r["plan_of_rank"], r["rank"]);
+    }
+    // A topology vLLM cannot run is refused before any planning, naming the key.
+    let err = error_text(&reshard(
+        &["plan", "--layers", "1", "--receivers", "tp=2,dp=2,ep=2"],
+        &[],
+    ));
+    assert!(err.contains("ep=2"), "{err}");
+}
+
+#[test]
 fn plan_no_dedup_reads_every_replica() {
     let args = ["plan", "--layers", "1", "--experts", "8", "--json"];
     let with = json(&reshard(&args, &[]));

@@ -103,7 +103,7 @@ impl Harness {
             .connect(transport.as_ref())
             .await
             .expect("load publisher metadata");
-        let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp }, rank)
+        let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(tp), rank)
             .expect("receiver layout");
         Receiver::new(transport, layout, opts).expect("receiver")
     }

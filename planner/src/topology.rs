@@ -1,4 +1,4 @@
-//! Publisher (Megatron TP/EP/DP/PP) and receiver (vLLM TP) topologies, and the boxes each
+//! Publisher (Megatron TP/EP/DP/PP) and receiver (vLLM TP/DP/EP) topologies, and the boxes each
 //! publisher rank offers: the geometry of a training job's shard tables, without any bytes.
 //!
 //! Megatron rank order is `rank = pp_rank * (tp * dp) + dp_rank * tp + tp_rank`. Expert
@@ -12,12 +12,13 @@ use serde::Serialize;
 
 use reshard_core::{
     Error, ErrorKind, MemoryKind, OfferLocation, Result, ShardOffer, ShardTable, TensorBox,
+    TensorSpec,
 };
 
 use crate::layouts::{
     check_heads, column_parallel, kv_rows_for_rank, row_block, row_parallel, TensorIndex,
 };
-use crate::presets::{expert_tensor, layer_norm_suffixes, layer_tensor, ModelConfig};
+use crate::presets::{layer_norm_suffixes, layer_tensor, ModelConfig};
 
 /// How the trainer shards the model: tensor, expert, data and pipeline parallel degrees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -113,33 +114,158 @@ impl FromStr for PublisherTopology {
     }
 }
 
-/// How the inference engine shards the model: its tensor-parallel degree.
+/// How the inference engine shards the model: vLLM's tensor-, data- and expert-parallel degrees.
+///
+/// Receiver rank order is `rank = dp_rank * tp + tp_rank`. Attention, dense and vocabulary
+/// weights are TP-sliced by `tp_rank` and replicated over the `dp` replicas. Experts are either
+/// TP-sliced like dense weights (`ep = 1`), or, with vLLM's `--enable-expert-parallel`
+/// (`ep = tp * dp`), held whole, `experts / ep` consecutive experts per rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct ReceiverTopology {
-    /// Tensor-parallel degree (number of receiver ranks).
+    /// Tensor-parallel degree (ranks of one engine replica).
     pub tp: u32,
+    /// Data-parallel degree (engine replicas).
+    pub dp: u32,
+    /// Expert-parallel degree: 1 (experts TP-sliced) or `tp * dp` (experts spread whole).
+    pub ep: u32,
 }
 
 impl Default for ReceiverTopology {
     fn default() -> Self {
-        ReceiverTopology { tp: 1 }
+        ReceiverTopology::tp(1)
+    }
+}
+
+impl ReceiverTopology {
+    /// One TP group: `tp` ranks, no data or expert parallelism.
+    pub fn tp(n: u32) -> Self {
+        ReceiverTopology {
+            tp: n,
+            dp: 1,
+            ep: 1,
+        }
+    }
+
+    /// Number of receiver ranks, `tp * dp` (saturating; [`ReceiverTopology::validate`] rejects
+    /// overflow).
+    pub fn world(&self) -> u32 {
+        self.tp.saturating_mul(self.dp)
+    }
+
+    /// `(tp_rank, dp_rank)` of a receiver rank (`rank = dp_rank * tp + tp_rank`).
+    pub fn coords(&self, rank: u32) -> (u32, u32) {
+        let tp = self.tp.max(1);
+        (rank % tp, rank / tp)
+    }
+
+    /// The lowest rank whose wanted layout equals `rank`'s apart from `receiver_rank`: with
+    /// experts TP-sliced every DP replica holds what its TP rank does in replica 0, so that TP
+    /// rank; under expert parallelism each rank holds its own experts, so `rank` itself. Lets a
+    /// caller plan each distinct layout once without building the others.
+    pub fn same_layout_as(&self, rank: u32) -> u32 {
+        if self.expert_parallel() {
+            rank
+        } else {
+            self.coords(rank).0
+        }
+    }
+
+    /// Whether experts are spread whole over every rank (vLLM expert parallel) rather than
+    /// TP-sliced.
+    pub fn expert_parallel(&self) -> bool {
+        self.ep > 1
+    }
+
+    /// Checks degrees are non-zero, the world fits a `u32` and `ep` is 1 or `tp * dp`; a
+    /// `Config` error names the key.
+    pub fn validate(&self) -> Result<()> {
+        let cfg = |m: String| Error::new(ErrorKind::Config, m);
+        for (k, v) in [("tp", self.tp), ("dp", self.dp), ("ep", self.ep)] {
+            if v == 0 {
+                return Err(cfg(format!("receiver {k} must be at least 1")));
+            }
+        }
+        let Some(world) = self.tp.checked_mul(self.dp) else {
+            return Err(cfg(format!("receiver world size of {self} overflows u32")));
+        };
+        // vLLM has exactly two placements: experts TP-sliced inside every replica, or with
+        // --enable-expert-parallel one expert group spanning all tp * dp ranks.
+        if self.ep != 1 && self.ep != world {
+            return Err(cfg(format!(
+                "receiver ep={} must be 1 (experts TP-sliced, replicated over dp) or tp*dp={world} (expert parallel over every rank)",
+                self.ep
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks this topology against a model: expert parallelism needs experts, and they must
+    /// split evenly over `ep` (a `Config` or `Layout` error naming the model or tensor).
+    pub fn validate_for(&self, model: &ModelConfig) -> Result<()> {
+        self.validate()?;
+        if self.ep == 1 {
+            return Ok(());
+        }
+        let ep = self.ep as u64;
+        match &model.moe {
+            None => Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "receiver ep={ep} given but {} is a dense model with no experts",
+                    model.name
+                ),
+            )),
+            Some(m) if m.experts % ep != 0 => Err(Error::new(
+                ErrorKind::Layout,
+                format!(
+                    "{} experts (extent {} of dimension 0 of the stacked expert weights) are not divisible by receiver ep={ep}",
+                    m.experts, m.experts
+                ),
+            )
+            .with_tensor(layer_tensor(0, "mlp.experts.w13_weight"))),
+            Some(_) => Ok(()),
+        }
     }
 }
 
 impl fmt::Display for ReceiverTopology {
+    /// `tp=N`, then `dp` and `ep` only when they are not 1 (so a plain TP group prints as before).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "tp={}", self.tp)
+        write!(f, "tp={}", self.tp)?;
+        if self.dp != 1 {
+            write!(f, ",dp={}", self.dp)?;
+        }
+        if self.ep != 1 {
+            write!(f, ",ep={}", self.ep)?;
+        }
+        Ok(())
     }
 }
 
 impl FromStr for ReceiverTopology {
     type Err = Error;
-    /// Parses `tp=N` (the only key).
+    /// Parses `tp=N[,dp=N][,ep=N]`: `tp` is required (a receiver always names its TP degree),
+    /// `dp` and `ep` default to 1.
     fn from_str(s: &str) -> Result<Self> {
         let mut t = ReceiverTopology::default();
-        for (_, v) in parse_pairs(s, "receiver", &["tp"])? {
-            t.tp = v;
+        let mut has_tp = false;
+        for (k, v) in parse_pairs(s, "receiver", &["tp", "dp", "ep"])? {
+            match k {
+                "tp" => {
+                    t.tp = v;
+                    has_tp = true;
+                }
+                "dp" => t.dp = v,
+                _ => t.ep = v,
+            }
         }
+        if !has_tp {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("receiver topology {s:?} does not give tp (e.g. tp=8,dp=16,ep=128)"),
+            ));
+        }
+        t.validate()?;
         Ok(t)
     }
 }
@@ -296,77 +422,79 @@ fn rank_shards(
     let (t, dp_rank, pp_rank) = topo.coords(rank);
     let tp = topo.tp;
     let mut out = Vec::new();
-    let mut push = |name: &str, tensor_box: TensorBox| -> Result<()> {
-        out.push(ShardGeometry {
-            tensor: idx.index(name)?,
-            tensor_box,
-        });
-        Ok(())
+    // Tensors are pushed by index: a trillion-parameter job has ~1M offers, and looking each
+    // one's name up again cost more than building it.
+    let mut push = |tensor: usize, tensor_box: TensorBox| {
+        out.push(ShardGeometry { tensor, tensor_box });
     };
-    let whole = |name: &str| -> Result<TensorBox> { Ok(idx.spec(name)?.full_box()) };
+    let lookup = |name: &str| -> Result<(usize, &TensorSpec)> {
+        let i = idx.index(name)?;
+        Ok((i, &idx.specs()[i]))
+    };
 
     if pp_rank == 0 {
-        let spec = idx.spec("model.embed_tokens.weight")?;
-        push(&spec.name, column_parallel(spec, tp, t)?)?;
+        let (i, spec) = lookup("model.embed_tokens.weight")?;
+        push(i, column_parallel(spec, tp, t)?);
     }
     let first = pp_rank as u64 * plan.layers_per_stage;
     let (tp64, t64) = (tp as u64, t as u64);
     let (hd, kv) = (model.head_dim, model.kv_heads);
     let qpg = model.heads / kv * hd;
     for l in first..first + plan.layers_per_stage {
-        let q = idx.spec(&layer_tensor(l, "self_attn.q_proj.weight"))?;
-        let k = idx.spec(&layer_tensor(l, "self_attn.k_proj.weight"))?;
-        let v = idx.spec(&layer_tensor(l, "self_attn.v_proj.weight"))?;
+        let (qi, q) = lookup(&layer_tensor(l, "self_attn.q_proj.weight"))?;
+        let (ki, k) = lookup(&layer_tensor(l, "self_attn.k_proj.weight"))?;
+        let (vi, v) = lookup(&layer_tensor(l, "self_attn.v_proj.weight"))?;
         if tp64 <= kv {
             let per = kv / tp64;
             for g in t64 * per..(t64 + 1) * per {
-                push(&q.name, row_block(q, g * qpg, qpg))?;
-                push(&k.name, row_block(k, g * hd, hd))?;
-                push(&v.name, row_block(v, g * hd, hd))?;
+                push(qi, row_block(q, g * qpg, qpg));
+                push(ki, row_block(k, g * hd, hd));
+                push(vi, row_block(v, g * hd, hd));
             }
         } else {
             let r = tp64 / kv;
             let g = t64 / r;
             let sub = qpg / r;
-            push(&q.name, row_block(q, g * qpg + (t64 % r) * sub, sub))?;
+            push(qi, row_block(q, g * qpg + (t64 % r) * sub, sub));
             if t64 % r == 0 {
-                push(&k.name, row_block(k, g * hd, hd))?;
-                push(&v.name, row_block(v, g * hd, hd))?;
+                push(ki, row_block(k, g * hd, hd));
+                push(vi, row_block(v, g * hd, hd));
             }
         }
-        let o = idx.spec(&layer_tensor(l, "self_attn.o_proj.weight"))?;
-        push(&o.name, row_parallel(o, tp, t)?)?;
+        let (oi, o) = lookup(&layer_tensor(l, "self_attn.o_proj.weight"))?;
+        push(oi, row_parallel(o, tp, t)?);
         for n in layer_norm_suffixes(model) {
-            let name = layer_tensor(l, n);
-            push(&name, whole(&name)?)?;
+            let (i, spec) = lookup(&layer_tensor(l, n))?;
+            push(i, spec.full_box());
         }
         if model.moe.is_some() {
-            let router = layer_tensor(l, "mlp.gate.weight");
-            push(&router, whole(&router)?)?;
+            let (i, router) = lookup(&layer_tensor(l, "mlp.gate.weight"))?;
+            push(i, router.full_box());
             let ep_rank = (dp_rank % topo.ep) as u64;
             let per = plan.experts_per_rank;
             for e in ep_rank * per..(ep_rank + 1) * per {
-                for proj in ["gate_proj", "up_proj"] {
-                    let spec = idx.spec(&expert_tensor(l, e, proj))?;
-                    push(&spec.name, column_parallel(spec, tp, t)?)?;
+                for proj in 0..2 {
+                    let i = idx.expert_index(l, e, proj)?;
+                    push(i, column_parallel(&idx.specs()[i], tp, t)?);
                 }
-                let down = idx.spec(&expert_tensor(l, e, "down_proj"))?;
-                push(&down.name, row_parallel(down, tp, t)?)?;
+                let i = idx.expert_index(l, e, 2)?;
+                push(i, row_parallel(&idx.specs()[i], tp, t)?);
             }
         } else {
             for proj in ["mlp.gate_proj.weight", "mlp.up_proj.weight"] {
-                let spec = idx.spec(&layer_tensor(l, proj))?;
-                push(&spec.name, column_parallel(spec, tp, t)?)?;
+                let (i, spec) = lookup(&layer_tensor(l, proj))?;
+                push(i, column_parallel(spec, tp, t)?);
             }
-            let down = idx.spec(&layer_tensor(l, "mlp.down_proj.weight"))?;
-            push(&down.name, row_parallel(down, tp, t)?)?;
+            let (i, down) = lookup(&layer_tensor(l, "mlp.down_proj.weight"))?;
+            push(i, row_parallel(down, tp, t)?);
         }
     }
     if pp_rank + 1 == topo.pp {
-        push("model.norm.weight", whole("model.norm.weight")?)?;
+        let (i, norm) = lookup("model.norm.weight")?;
+        push(i, norm.full_box());
         if !model.tied_embeddings {
-            let spec = idx.spec("lm_head.weight")?;
-            push(&spec.name, column_parallel(spec, tp, t)?)?;
+            let (i, spec) = lookup("lm_head.weight")?;
+            push(i, column_parallel(spec, tp, t)?);
         }
     }
     Ok(out)

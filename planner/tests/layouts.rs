@@ -57,7 +57,7 @@ fn tiny_dense() -> ModelConfig {
 }
 
 fn recv(tp: u32) -> ReceiverTopology {
-    ReceiverTopology { tp }
+    ReceiverTopology::tp(tp)
 }
 
 fn topo(s: &str) -> PublisherTopology {

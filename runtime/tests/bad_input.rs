@@ -65,7 +65,7 @@ async fn installed(topo: &str) -> Setup {
     .expect("cluster");
     let t = endpoint(&fabric, "rx");
     cluster.connect(t.as_ref()).await.expect("connect");
-    let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp: 2 }, 0).unwrap();
+    let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(2), 0).unwrap();
     let mut rx = Receiver::new(t, layout, ReceiverOptions::default()).expect("receiver");
     rx.update(&cluster.tables()).await.expect("step 0 installs");
     assert_eq!(rx.live_step(), Some(0));
@@ -308,7 +308,7 @@ async fn offer_outside_the_registered_region() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tp_that_does_not_divide_an_extent() {
     // 8 query heads (128 rows of q_proj) over TP3.
-    let e = receiver_layout(&model(), &ReceiverTopology { tp: 3 }, 0).unwrap_err();
+    let e = receiver_layout(&model(), &ReceiverTopology::tp(3), 0).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Layout, "{e}");
     assert_eq!(e.context().tensor.as_deref(), Some(q_proj().as_str()));
     // 96 expert rows over TP5, through the slicing helper the layouts use.

@@ -50,7 +50,7 @@ async fn setup(topo: &str, opts: ReceiverOptions) -> Setup {
     .expect("cluster");
     let t = endpoint(&fabric, "rx");
     cluster.connect(t.as_ref()).await.expect("connect");
-    let layout = receiver_layout(cluster.model(), &ReceiverTopology { tp: 2 }, 0).unwrap();
+    let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(2), 0).unwrap();
     let rx = Receiver::new(t, layout, opts).expect("receiver");
     Setup {
         fabric,

@@ -71,7 +71,7 @@ fn publisher_process() {
     // The reference bytes are computed in this process from the generator.
     let layout = reshard_planner::layouts::receiver_layout(
         c.model(),
-        &reshard_planner::topology::ReceiverTopology { tp: 2 },
+        &reshard_planner::topology::ReceiverTopology::tp(2),
         0,
     )
     .expect("layout");

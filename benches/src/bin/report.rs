@@ -78,7 +78,7 @@ fn plan_figures() -> Result<(f64, f64, f64, f64)> {
     );
     let t = Instant::now();
     for r in 0..2 {
-        let l = receiver_layout(&model, &ReceiverTopology { tp: 2 }, r)?;
+        let l = receiver_layout(&model, &ReceiverTopology::tp(2), r)?;
         std::hint::black_box(plan(
             &merged,
             &l,
