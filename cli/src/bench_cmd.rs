@@ -107,6 +107,9 @@ fn arm_json(name: &str, s: &ArmSummary, memcpy: f64, verified: bool) -> serde_js
         "wire_fraction_of_memcpy": if memcpy > 0.0 { s.gbps / memcpy } else { 0.0 },
         "reads_per_s": if s.med_stages[6] > 0.0 { s.coalesced as f64 / s.med_stages[6] } else { 0.0 },
         "attribution": s.attribution,
+        "resliced_bytes": s.resliced_bytes,
+        "reslice_gbytes_per_s": s.reslice_gbps,
+        "reslice_fraction_of_memcpy": if memcpy > 0.0 { s.reslice_gbps / memcpy } else { 0.0 },
         "median_stages_s": stages,
         "checked_bytes": s.checked,
     })
@@ -254,6 +257,30 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         (
             "wire / memcpy",
             Box::new(move |s| format!("{:.2}x", if memcpy > 0.0 { s.gbps / memcpy } else { 0.0 })),
+        ),
+        (
+            "re-slice (bytes, median)",
+            Box::new(move |s| {
+                format!(
+                    "{:.3} GiB, {:.1} ms",
+                    gib(s.resliced_bytes),
+                    ms(s.med_stages[7])
+                )
+            }),
+        ),
+        (
+            "re-slice rate / memcpy",
+            Box::new(move |s| {
+                format!(
+                    "{:.2} GB/s = {:.2}x",
+                    s.reslice_gbps,
+                    if memcpy > 0.0 {
+                        s.reslice_gbps / memcpy
+                    } else {
+                        0.0
+                    }
+                )
+            }),
         ),
         (
             "stage attribution",

@@ -321,6 +321,10 @@ pub(crate) struct ArmSummary {
     pub gbps: f64,
     /// Bytes verified by digest (last update).
     pub checked: u64,
+    /// Bytes the re-slice stage wrote, all ranks (last update).
+    pub resliced_bytes: u64,
+    /// Re-sliced bytes over the median re-slice stage (GB/s; 0 without re-slices).
+    pub reslice_gbps: f64,
     /// Per rank.
     pub ranks: Vec<RankSummary>,
 }
@@ -372,6 +376,13 @@ pub(crate) fn summarize(run: &ArmRun, updates: u32) -> ArmSummary {
     } else {
         0.0
     };
+    let resliced_bytes: u64 = last.iter().map(|r| r.resliced_bytes).sum();
+    let reslice_med = med_stages[7];
+    let reslice_gbps = if reslice_med > 0.0 {
+        resliced_bytes as f64 / reslice_med / 1e9
+    } else {
+        0.0
+    };
     let ranks = reports
         .iter()
         .filter_map(|rs| {
@@ -402,6 +413,8 @@ pub(crate) fn summarize(run: &ArmRun, updates: u32) -> ArmSummary {
         attribution,
         wire_bytes,
         gbps,
+        resliced_bytes,
+        reslice_gbps,
         ranks,
     }
 }

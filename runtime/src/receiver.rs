@@ -218,6 +218,8 @@ pub struct UpdateReport {
     pub checked_bytes: u64,
     /// Checks skipped because the publisher sent no digest.
     pub checks_without_digest: u64,
+    /// Bytes the re-slice stage wrote into parameters (the re-slice rate's numerator).
+    pub resliced_bytes: u64,
 }
 
 struct Bank {
@@ -572,6 +574,11 @@ impl Receiver {
             checks_passed: verdict.passed,
             checked_bytes: verdict.bytes,
             checks_without_digest: verdict.without_digest,
+            resliced_bytes: plan
+                .reslices
+                .iter()
+                .map(|r| r.extent.iter().product::<u64>() * r.elem)
+                .sum(),
         })
     }
 

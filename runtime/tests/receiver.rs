@@ -279,6 +279,8 @@ async fn overlapping_reslices_run_in_plan_order() {
     let mut rx = Receiver::new(rx_t, layout, opts).unwrap();
     let r = rx.update(std::slice::from_ref(&table)).await.unwrap();
     assert_eq!(r.plan.full_pull_sources, 2);
+    // Each re-slice writes a [4, 4] box of u8: both count, though they land on the same bytes.
+    assert_eq!(r.resliced_bytes, 2 * 16);
     assert!(!rx.plan().unwrap().reslice_disjoint);
     let want: Vec<u8> = (0..4u8)
         .flat_map(|row| (4..8u8).map(move |c| 32 + row * 8 + c + 1))
