@@ -23,6 +23,9 @@ pub struct UcxOptions {
     /// A posted batch that makes no progress for this long fails with `Timeout`
     /// (milliseconds). Connection set-up happens during the first reads, so this bounds it too.
     pub timeout_ms: u64,
+    /// Threads that copy reads served straight from a peer's shared memory (`ucp_rkey_ptr`);
+    /// the machine's available parallelism when unset. 1 copies on the progress thread.
+    pub copy_threads: Option<usize>,
 }
 
 impl Default for UcxOptions {
@@ -32,6 +35,7 @@ impl Default for UcxOptions {
             net_devices: None,
             reads_in_flight: DEFAULT_READS_IN_FLIGHT,
             timeout_ms: DEFAULT_TIMEOUT_MS,
+            copy_threads: None,
         }
     }
 }
@@ -44,6 +48,15 @@ impl UcxOptions {
         Ok(o)
     }
 
+    /// Copy threads to use: the configured count, else the machine's available parallelism.
+    pub fn effective_copy_threads(&self) -> usize {
+        self.copy_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        })
+    }
+
     /// Checks value ranges.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::new(ErrorKind::Config, m).with_backend(crate::BACKEND));
@@ -52,6 +65,9 @@ impl UcxOptions {
         }
         if self.timeout_ms == 0 {
             return bad("backends.ucx.timeout_ms must be at least 1");
+        }
+        if self.copy_threads == Some(0) {
+            return bad("backends.ucx.copy_threads must be at least 1");
         }
         for (key, v) in [("tls", &self.tls), ("net_devices", &self.net_devices)] {
             if let Some(v) = v {
@@ -90,6 +106,11 @@ mod tests {
                 .unwrap();
         let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
+        let c =
+            Config::from_toml("[transport]\nkind = \"ucx\"\n[backends.ucx]\ncopy_threads = 0\n")
+                .unwrap();
+        let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
+        assert!(e.to_string().contains("copy_threads"), "{e}");
         let c = Config::from_toml("").unwrap();
         assert_eq!(
             UcxOptions::from_transport_config(&c.transport).unwrap(),

@@ -36,6 +36,8 @@ use crate::BACKEND;
 /// Reads longer than this are issued as several pieces, so one large read is pipelined (and
 /// spread over the in-flight window) instead of served as one long operation.
 const MAX_PIECE: u64 = 16 << 20;
+/// Bytes of direct reads copied between two looks at the mailbox (~30 ms at memory speed).
+const DIRECT_BYTES: usize = 256 << 20;
 /// Busy-poll this long after the last event before sleeping on the event fd.
 const SPIN: Duration = Duration::from_micros(50);
 /// Sleep this long while the worker was active within [`HOT`].
@@ -132,6 +134,8 @@ pub(crate) struct EngineOptions {
     pub(crate) context: Arc<Context>,
     pub(crate) reads_in_flight: usize,
     pub(crate) timeout: Duration,
+    /// Threads copying direct reads (1: on the progress thread itself).
+    pub(crate) copy_threads: usize,
 }
 
 /// Starts the progress thread of endpoint `agent`, creating its context and worker there.
@@ -305,6 +309,8 @@ struct Engine {
     zombies: Vec<Running>,
     next_region: u64,
     next_token: u64,
+    /// Copy pool for direct reads, started at the first one when `copy_threads > 1`.
+    copy_pool: Option<rayon::ThreadPool>,
     completions: Vec<(u64, raw::sys::ucs_status_t)>,
     worker: Rc<Worker>,
     ctx: Arc<Context>,
@@ -348,6 +354,7 @@ impl Engine {
             zombies: Vec::new(),
             next_region: 1,
             next_token: 1,
+            copy_pool: None,
             completions: Vec::new(),
             worker,
             ctx,
@@ -895,6 +902,10 @@ impl Engine {
                 break;
             }
             let piece = run.res.plan.order[run.pos];
+            if !run.res.ops[piece as usize].direct.is_null() {
+                issued += self.copy_direct(run, gen_end, cap - issued);
+                continue;
+            }
             run.pos += 1;
             issued += 1;
             let token = self.next_token;
@@ -928,6 +939,48 @@ impl Engine {
             run.last_event = Instant::now();
         }
         issued > 0
+    }
+
+    /// Copies the direct reads of `run` from its position on (at most `max` of them, within
+    /// its generation, up to [`DIRECT_BYTES`]) over the copy pool; returns how many.
+    ///
+    /// They complete before this returns, so they are never outstanding. The byte cap keeps
+    /// the thread answering its mailbox (aborts, other batches) between chunks.
+    fn copy_direct(&mut self, run: &mut Running, gen_end: usize, max: usize) -> usize {
+        let mut tasks = Vec::new();
+        let mut bytes = 0;
+        while run.pos < gen_end && tasks.len() < max.max(1) && bytes < DIRECT_BYTES {
+            let op = &run.res.ops[run.res.plan.order[run.pos] as usize];
+            if op.direct.is_null() {
+                break;
+            }
+            tasks.push(raw::CopyTask {
+                dst: op.local,
+                src: op.direct,
+                len: op.len,
+            });
+            bytes += op.len;
+            run.pos += 1;
+        }
+        let threads = self.opts.copy_threads;
+        if threads > 1 && self.copy_pool.is_none() && !tasks.is_empty() {
+            match rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("ucx-copy-{i}"))
+                .build()
+            {
+                Ok(p) => self.copy_pool = Some(p),
+                // Without threads the copy still happens, on this thread.
+                Err(e) => tracing::warn!(agent = %self.agent, error = %e, "no ucx copy pool"),
+            }
+        }
+        // SAFETY: every task is a resolved direct read of `run`: its source lies inside a
+        // shared-memory segment mapped for a remote key `run.res` keeps alive, its destination
+        // inside a live local registration, checked in `translate`. Reads of one generation
+        // have pairwise disjoint destinations (see `issue_plan`), and no other read of this
+        // batch is outstanding on those bytes, so the copies are independent.
+        unsafe { raw::copy_all(self.copy_pool.as_ref(), &tasks) };
+        tasks.len()
     }
 
     /// Applies the statuses callbacks queued; true when there were any.

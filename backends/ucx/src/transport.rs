@@ -89,6 +89,7 @@ impl UcxTransport {
                 context: Arc::clone(&ctx),
                 reads_in_flight: options.reads_in_flight,
                 timeout: Duration::from_millis(options.timeout_ms),
+                copy_threads: options.effective_copy_threads(),
             },
             Arc::clone(&epoch),
         )?;

@@ -28,6 +28,67 @@ pub(crate) unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
+/// One direct copy of `len` bytes from `src` to `dst` (see [`copy_all`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CopyTask {
+    /// Destination: registered local memory.
+    pub(crate) dst: *mut u8,
+    /// Source: a peer's shared-memory segment mapped here.
+    pub(crate) src: *const u8,
+    /// Bytes to copy.
+    pub(crate) len: usize,
+}
+
+// SAFETY: a task is two addresses and a length; `copy_all`'s caller guarantees the ranges are
+// valid, disjoint from every other task's destination and untouched by anyone else for the
+// whole call, so copying them from any thread is sound.
+unsafe impl Send for CopyTask {}
+// SAFETY: as above; tasks are only read.
+unsafe impl Sync for CopyTask {}
+
+/// Pieces a large task is cut into for the pool: several per thread even for one big read, and
+/// still far above [`STREAM_MIN`] so every piece streams.
+const SPLIT: usize = 4 << 20;
+
+/// Copies every task, spread over `pool`'s threads when there is one.
+///
+/// Why a pool: one thread's streaming copy reaches about half of what the machine's memory
+/// system gives several (measured on the bench: 0.58x of a one-thread glibc memcpy of the same
+/// bytes, which itself uses two memory channels' worth of prefetch); loopback's copy engine
+/// gets 1.1x with two workers.
+///
+/// # Safety
+/// For every task, `src..src+len` must be readable and `dst..dst+len` writable for the whole
+/// call, no destination may overlap another task's destination or any source, and nothing
+/// else may touch the destinations meanwhile.
+pub(crate) unsafe fn copy_all(pool: Option<&rayon::ThreadPool>, tasks: &[CopyTask]) {
+    let Some(pool) = pool else {
+        for t in tasks {
+            // SAFETY: forwarded from the caller.
+            unsafe { stream_copy(t.dst, t.src, t.len) };
+        }
+        return;
+    };
+    let mut parts = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        let mut off = 0;
+        while off < t.len {
+            let n = (t.len - off).min(SPLIT);
+            // SAFETY: `off < len`: inside both ranges of the task.
+            let (dst, src) = unsafe { (t.dst.add(off), t.src.add(off)) };
+            parts.push(CopyTask { dst, src, len: n });
+            off += n;
+        }
+    }
+    use rayon::prelude::*;
+    pool.install(|| {
+        parts.par_iter().for_each(|t| {
+            // SAFETY: each part is a sub-range of one caller task (disjoint destinations).
+            unsafe { stream_copy(t.dst, t.src, t.len) }
+        })
+    });
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
@@ -107,6 +168,43 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_copies_split_tasks_exactly() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let src: Vec<u8> = (0..3 * SPLIT + 4099).map(|i| (i * 13 + 1) as u8).collect();
+        let mut dst = vec![0u8; src.len() + 2 * 64];
+        // Three tasks: a large one split into pieces (odd offsets), a small one, a tail.
+        let layout = [
+            (1, 0, 2 * SPLIT + 5),
+            (2 * SPLIT + 5, 2 * SPLIT + 70, 100),
+            (2 * SPLIT + 105, 2 * SPLIT + 300, SPLIT),
+        ];
+        let tasks: Vec<CopyTask> = layout
+            .iter()
+            .map(|&(s, d, len)| CopyTask {
+                // SAFETY: offsets and lengths stay inside both vectors (asserted below).
+                dst: unsafe { dst.as_mut_ptr().add(d) },
+                src: unsafe { src.as_ptr().add(s) },
+                len,
+            })
+            .collect();
+        for &(s, d, len) in &layout {
+            assert!(s + len <= src.len() && d + len <= dst.len());
+        }
+        for pool in [Some(&pool), None] {
+            dst.iter_mut().for_each(|b| *b = 0);
+            // SAFETY: destinations are disjoint ranges of `dst`, sources ranges of `src`.
+            unsafe { copy_all(pool, &tasks) };
+            for &(s, d, len) in &layout {
+                assert_eq!(dst[d..d + len], src[s..s + len]);
+            }
+            assert_eq!(dst[2 * SPLIT + 5..2 * SPLIT + 70], [0; 65]);
+        }
+    }
 
     #[test]
     fn copies_exactly_at_every_alignment_and_length() {

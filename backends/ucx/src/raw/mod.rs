@@ -16,6 +16,7 @@
 //! order UCX needs.
 
 mod copy;
+pub(crate) use copy::{copy_all, CopyTask};
 mod status;
 
 pub use status::UcxStatusError;
