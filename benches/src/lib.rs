@@ -1,4 +1,5 @@
 //! Shared measurement code of the criterion benches and the `reshard-report` command.
+pub mod wire;
 
 use std::sync::Arc;
 use std::time::Instant;
