@@ -371,6 +371,9 @@ impl Engine {
             }
         };
         let mut last_work = Instant::now();
+        // Last time UCX itself had work (progress returned true). Reads served from mapped
+        // shared memory never touch UCX, so a receiver that only copied does not stay hot.
+        let mut last_ucx = Instant::now();
         loop {
             let mut worked = false;
             loop {
@@ -388,6 +391,7 @@ impl Engine {
             }
             while self.worker.progress() {
                 worked = true;
+                last_ucx = Instant::now();
             }
             worked |= self.apply_completions();
             worked |= self.pump();
@@ -404,10 +408,11 @@ impl Engine {
             // Not every piece of UCX's work is announced on the event fd: a publisher
             // answering emulated reads (shared-memory or TCP active messages) may hold reply
             // fragments queued until the FIFO drains, with no event when it does. So a worker
-            // that was just active only naps briefly, and the nap grows with the quiet time.
+            // whose UCX was just active only naps briefly, and the nap grows with the quiet
+            // time.
             let busy = !self.running.is_empty() || !self.connecting.is_empty();
             let cap = if busy { BUSY_NAP } else { IDLE_NAP };
-            let nap = if quiet < HOT {
+            let nap = if last_ucx.elapsed() < HOT {
                 MIN_NAP
             } else {
                 (quiet / 4).clamp(MIN_NAP, cap)
