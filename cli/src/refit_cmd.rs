@@ -369,20 +369,18 @@ pub(crate) fn summarize(run: &ArmRun, updates: u32) -> ArmSummary {
     // come from different updates, so their sum is not comparable with the median e2e.
     let attribution = median(attr);
     let last: Vec<&UpdateReport> = reports.iter().filter_map(|r| r.last()).collect();
+    // GB/s of `bytes` over a median stage time; 0 for a stage that did not run.
+    let rate = |bytes: u64, secs: f64| {
+        if secs > 0.0 {
+            bytes as f64 / secs / 1e9
+        } else {
+            0.0
+        }
+    };
     let wire_bytes: u64 = last.iter().map(|r| r.wire_bytes).sum();
-    let wire_med = med_stages[6];
-    let gbps = if wire_med > 0.0 {
-        wire_bytes as f64 / wire_med / 1e9
-    } else {
-        0.0
-    };
+    let gbps = rate(wire_bytes, med_stages[6]);
     let resliced_bytes: u64 = last.iter().map(|r| r.resliced_bytes).sum();
-    let reslice_med = med_stages[7];
-    let reslice_gbps = if reslice_med > 0.0 {
-        resliced_bytes as f64 / reslice_med / 1e9
-    } else {
-        0.0
-    };
+    let reslice_gbps = rate(resliced_bytes, med_stages[7]);
     let ranks = reports
         .iter()
         .filter_map(|rs| {

@@ -416,9 +416,16 @@ fn bench_reports_both_arms_and_the_memcpy_ceiling() {
             "wire_gbytes_per_s",
             "wire_fraction_of_memcpy",
             "attribution",
+            "reslice_gbytes_per_s",
+            "reslice_fraction_of_memcpy",
         ] {
             assert!(a[k].as_f64().expect(k) > 0.0, "{k}: {a}");
         }
+        // Both arms pull the experts' down_proj whole and re-slice the rank's columns.
+        assert!(
+            a["resliced_bytes"].as_u64().expect("resliced_bytes") > 0,
+            "{a}"
+        );
     }
     assert!(v["memcpy_gbytes_per_s"].as_f64().expect("memcpy") > 0.0);
     assert!(v["speedup_e2e"].as_f64().expect("speedup") > 0.0);
