@@ -2,35 +2,21 @@
 //! parallelism (`ep = tp * dp`, whole experts spread over every rank), parsed, validated, laid
 //! out element by element on a small MoE model and planned against deduplicated tables.
 
+mod common;
+
 use std::collections::HashMap;
 
 use reshard_core::{
-    dedup, merge, DType, DedupOptions, ErrorKind, MergedTable, ParamSpec, TensorBox, WantedLayout,
+    dedup, merge, DedupOptions, ErrorKind, MergedTable, ParamSpec, TensorBox, WantedLayout,
 };
 use reshard_planner::layouts::{receiver_layout, receiver_layouts, ReceiverLayouts};
 use reshard_planner::plan::{plan, PlanOptions};
-use reshard_planner::presets::{preset, ModelConfig, MoeConfig};
+use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{geometry_tables, PublisherTopology, ReceiverTopology};
 
-/// A small MoE model: 2 layers of 8 experts (intermediate 8, hidden 8), GQA 8/2, qk norm.
+/// The shared small MoE model with 8 experts per layer.
 fn tiny_moe() -> ModelConfig {
-    ModelConfig {
-        name: "tiny-moe".into(),
-        layers: 2,
-        hidden: 8,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 2,
-        intermediate: 0,
-        moe: Some(MoeConfig {
-            experts: 8,
-            expert_intermediate: 8,
-        }),
-        vocab: 16,
-        tied_embeddings: false,
-        qk_norm: true,
-        dtype: DType::Bf16,
-    }
+    common::tiny_moe(8)
 }
 
 fn recv(s: &str) -> ReceiverTopology {

@@ -1,6 +1,8 @@
 //! Receiver layouts, topology parsing and publisher geometry, checked element by element on small
 //! models and against DESIGN §8 at full scale.
 
+mod common;
+
 use std::collections::HashMap;
 
 use reshard_core::layout::row_major_strides;
@@ -17,25 +19,9 @@ use reshard_planner::topology::{
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// A small MoE model whose every element can be enumerated: GQA 8/2, qk norm, untied head.
+/// The shared small MoE model with 4 experts per layer.
 fn tiny_moe() -> ModelConfig {
-    ModelConfig {
-        name: "tiny-moe".into(),
-        layers: 2,
-        hidden: 8,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 2,
-        intermediate: 0,
-        moe: Some(MoeConfig {
-            experts: 4,
-            expert_intermediate: 8,
-        }),
-        vocab: 16,
-        tied_embeddings: false,
-        qk_norm: true,
-        dtype: DType::Bf16,
-    }
+    common::tiny_moe(4)
 }
 
 /// A small dense model: GQA 4/2, tied embeddings, f32 (to exercise a non-2-byte element).
