@@ -1,29 +1,62 @@
 #!/usr/bin/env bash
-# Installs what reshard needs on a fresh Debian machine. Idempotent: it only installs what is
-# missing, so running it twice is cheap.
+# Installs what reshard needs on a fresh Debian machine: everything the README's two commands
+# use, nothing by hand. Idempotent and cheap the second time: each Debian package is checked by
+# its exact name with dpkg-query (never by a file glob that another package could satisfy), and
+# apt runs only when one is missing.
 #
-# - a C toolchain and pkg-config (for crates that build C code);
-# - UCX (Debian's libucx-dev 1.13, plus ucx-utils for ucx_info/ucx_perftest) and libclang for
-#   bindgen, used by backends/ucx;
-# - the NIXL runtime: the PyPI wheel nixl-cu12, unpacked (no CUDA needed for DRAM) into the
-#   git-ignored folder .deps/nixl, used by backends/nixl. RESHARD_NIXL_HOME overrides the folder.
-# The Rust toolchain itself is pinned in rust-toolchain.toml and comes from rustup.
+# - build-essential and pkg-config: crates that compile C/C++ (nixl-sys compiles its stubs);
+# - libclang-dev: bindgen in nixl-sys's build script (it runs even with the stub API), which
+#   needs libclang itself and clang's builtin headers (libclang-common-*-dev, pulled in);
+# - libucx0: the UCP runtime backends/ucx opens at run time (libucp.so.0); the crate's bindings
+#   are checked in (backends/ucx/src/raw/bindings.rs), so no UCX headers are needed to build;
+#   ucx-utils: ucx_info, named by the ucx backend's errors for diagnosing transports;
+# - python3 and pip: only to fetch the NIXL runtime, the PyPI wheel nixl-cu12, unpacked (no CUDA
+#   needed for host memory) into the git-ignored folder .deps/nixl for backends/nixl.
+#   RESHARD_NIXL_HOME overrides the folder.
+# The Rust toolchain is pinned in rust-toolchain.toml; see the end of this script.
+#
+# Runs as root, or through sudo when it is there; without either it names the packages to
+# install and stops.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
+apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3)
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+
+# A Python whose pip works: the first python3 on PATH when `-m pip` runs there (a pyenv or venv
+# python brings its own), else Debian's python3 with python3-pip.
+python=python3
+if ! python3 -m pip --version >/dev/null 2>&1; then
+    python=/usr/bin/python3
+    apt_packages+=(python3-pip)
+fi
+
 need=()
-command -v cc >/dev/null 2>&1 || need+=(build-essential)
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-[ -e /usr/include/ucp/api/ucp.h ] || need+=(libucx-dev)
-command -v ucx_info >/dev/null 2>&1 || need+=(ucx-utils)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
-command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip)
+for p in "${apt_packages[@]}"; do
+    installed "$p" || need+=("$p")
+done
 
 if [ "${#need[@]}" -gt 0 ]; then
-    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+    if [ "$(id -u)" -eq 0 ]; then
+        as_root=()
+    elif command -v sudo >/dev/null 2>&1; then
+        as_root=(sudo)
+    else
+        echo "install-deps: not root and no sudo; install these Debian packages, then run me again:" >&2
+        echo "    apt-get install ${need[*]}" >&2
+        exit 1
+    fi
+    echo "install-deps: installing ${need[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+    "${as_root[@]}" apt-get update -qq
+    "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    for p in "${need[@]}"; do
+        if ! installed "$p"; then
+            echo "install-deps: apt-get did not install $p" >&2
+            exit 1
+        fi
+    done
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then
@@ -31,8 +64,10 @@ if ! command -v cargo >/dev/null 2>&1; then
     exit 1
 fi
 # rust-toolchain.toml pins the toolchain by version. Where rustup cannot download (closed
-# networks) but its stable toolchain is that version, link it under the pinned name.
-pinned=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' "$(dirname "$0")/../rust-toolchain.toml")
+# networks) but its stable toolchain is that version, link it under the pinned name; otherwise
+# let rustup install it. Without rustup (a distribution's cargo) the file is not read and the
+# installed toolchain is used as it is.
+pinned=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' "$root/rust-toolchain.toml")
 if command -v rustup >/dev/null 2>&1 && ! rustup toolchain list | grep -q "^$pinned"; then
     if rustc +stable --version 2>/dev/null | grep -q "^rustc $pinned "; then
         rustup toolchain link "$pinned" "$(rustc +stable --print sysroot)"
@@ -40,17 +75,23 @@ if command -v rustup >/dev/null 2>&1 && ! rustup toolchain list | grep -q "^$pin
         rustup toolchain install "$pinned" --profile minimal --component rustfmt,clippy
     fi
 fi
+
 # NIXL runtime: pinned wheel, installed without its Python dependencies (only its shared
-# libraries are used).
+# libraries are used). --target keeps it out of every Python environment (and out of the
+# reach of Debian's externally-managed-environment rule).
 nixl_version=1.5.1
 nixl_home=${RESHARD_NIXL_HOME:-$root/.deps/nixl}
-if [ ! -e "$nixl_home/.nixl_cu12.mesonpy.libs/libnixl_capi.so" ]; then
+nixl_capi=$nixl_home/.nixl_cu12.mesonpy.libs/libnixl_capi.so
+if [ ! -e "$nixl_capi" ]; then
+    echo "install-deps: installing nixl-cu12==$nixl_version into $nixl_home"
     rm -rf "$nixl_home"
-    PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check --no-deps --target "$nixl_home" \
-        "nixl-cu12==$nixl_version"
+    PIP_ROOT_USER_ACTION=ignore "$python" -m pip install -q --disable-pip-version-check --no-deps \
+        --target "$nixl_home" "nixl-cu12==$nixl_version"
 fi
-if [ ! -e "$nixl_home/.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.so" ]; then
-    echo "install-deps: the NIXL wheel in $nixl_home has no UCX plugin" >&2
-    exit 1
-fi
+for f in "$nixl_capi" "$nixl_home/.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.so"; do
+    if [ ! -e "$f" ]; then
+        echo "install-deps: the NIXL wheel in $nixl_home has no $(basename "$f")" >&2
+        exit 1
+    fi
+done
 echo "install-deps: system dependencies present (NIXL runtime in $nixl_home)"

@@ -8,7 +8,7 @@ use reshard_core::{Error, ErrorKind};
 
 use super::sys;
 
-include!(concat!(env!("OUT_DIR"), "/status_names.rs"));
+include!("status_names.rs");
 
 /// C name of a status code, as the UCX headers spell it.
 pub(crate) fn status_name(code: sys::ucs_status_t) -> &'static str {
