@@ -187,6 +187,7 @@ struct Inner {
     context: ErrorContext,
     detail: Option<Box<ErrorDetail>>,
     retryable: bool,
+    quarantined: bool,
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
@@ -202,6 +203,7 @@ impl Error {
             context: ErrorContext::default(),
             detail: None,
             retryable: false,
+            quarantined: false,
             source: None,
         }))
     }
@@ -269,9 +271,23 @@ impl Error {
         self
     }
 
-    /// Marks the error retryable or not.
+    /// Marks the error retryable or not (a quarantined error stays not retryable).
     pub fn set_retryable(mut self, retryable: bool) -> Self {
-        self.0.retryable = retryable;
+        self.0.retryable = retryable && !self.0.quarantined;
+        self
+    }
+
+    /// Whether bytes of the failed batch may still land: reads that could not be stopped were
+    /// left running, and the backend keeps their memory alive and out of use (quarantined)
+    /// until they are seen to finish. Such an error is never retryable into the same memory.
+    pub fn is_quarantined(&self) -> bool {
+        self.0.quarantined
+    }
+
+    /// Marks the error quarantined (see [`Error::is_quarantined`]); clears `retryable`.
+    pub fn set_quarantined(mut self) -> Self {
+        self.0.quarantined = true;
+        self.0.retryable = false;
         self
     }
 
@@ -303,6 +319,9 @@ impl fmt::Display for Error {
         }
         if self.0.retryable {
             f.write_str(" (retryable)")?;
+        }
+        if self.0.quarantined {
+            f.write_str(" (reads still in flight: memory quarantined)")?;
         }
         if let Some(s) = &self.0.source {
             write!(f, ": {s}")?;
@@ -357,5 +376,19 @@ mod tests {
         assert!(e.is_retryable());
         let s = e.to_string();
         assert!(s.contains("owner 3") && s.contains("tensor w") && s.contains("10..20"));
+    }
+
+    #[test]
+    fn quarantined_errors_are_never_retryable() {
+        let e = Error::new(ErrorKind::Timeout, "stuck")
+            .set_retryable(true)
+            .set_quarantined();
+        assert!(e.is_quarantined() && !e.is_retryable());
+        let e = e.set_retryable(true);
+        assert!(
+            !e.is_retryable(),
+            "quarantine wins over a later set_retryable"
+        );
+        assert!(e.to_string().contains("quarantined"));
     }
 }

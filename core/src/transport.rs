@@ -188,9 +188,15 @@ pub struct WireReport {
 }
 
 /// A posted batch: every owner's reads are already in flight.
+///
+/// Ending a batch — `wait` returning (`Ok` or `Err`), `abort` returning, the `wait` or `abort`
+/// future being dropped part-way, or the handle being dropped — means no byte of it lands
+/// afterwards, unless the error says otherwise ([`crate::Error::is_quarantined`]); see the
+/// in-flight rules on [`Transport`].
 #[async_trait]
 pub trait InFlight: Send {
     /// Waits for every read; the first failure is returned naming its owner and byte range.
+    /// Cancel-safe: dropping the future part-way ends the batch as `abort` would.
     async fn wait(self: Box<Self>) -> Result<WireReport>;
     /// Stops what has not run yet and waits until nothing touches the buffers any more.
     async fn abort(self: Box<Self>);
@@ -211,6 +217,20 @@ pub trait InFlight: Send {
 ///   no-dedup arm reads byte-identical replicas into one place), a backend must apply the
 ///   overlapping reads in batch order, never as concurrent host writes to the same bytes.
 /// - Errors name owner, byte range and backend; `retryable` says whether trying again may help.
+///
+/// # In-flight rules (docs/in-flight-safety.md)
+/// One-sided reads write into the receiver's memory with no further say from the receiver, so
+/// every backend holds these four rules:
+/// 1. After `wait` returns (`Ok` or `Err`), `abort` returns, or a dropped [`InFlight`] (or a
+///    dropped `wait`/`abort` future) finishes its drop, no byte of that batch lands anywhere.
+/// 2. No memory is deregistered or freed while any posted read targets or reads it: dropping a
+///    [`Registration`], a [`PreparedBatch`] or the transport while reads are in flight defers
+///    the release until they have ended; it is neither skipped nor performed early.
+/// 3. A read that cannot be stopped is waited out, or its memory is quarantined: kept alive,
+///    never reused, and reported by an error with [`crate::Error::is_quarantined`] set. An
+///    error after which bytes may still land is never retryable.
+/// 4. Every wait is bounded by a no-progress timer (time since the batch last made progress),
+///    not a total deadline, and dropping the transport wakes every waiter with an error.
 #[async_trait]
 pub trait Transport: Send + Sync + fmt::Debug {
     /// Scheme of the backend ("loopback", "ucx", "nixl").

@@ -563,7 +563,7 @@ async fn region_ids_start_at_one_and_are_unique_per_agent() {
 
 #[derive(Debug)]
 struct FakeVram;
-impl MemoryBlock for FakeVram {
+unsafe impl MemoryBlock for FakeVram {
     fn addr(&self) -> usize {
         0x7000_0000
     }
@@ -705,7 +705,7 @@ struct Shrinking {
     buf: HostBuffer,
     len: std::sync::atomic::AtomicUsize,
 }
-impl MemoryBlock for Shrinking {
+unsafe impl MemoryBlock for Shrinking {
     fn addr(&self) -> usize {
         self.buf.addr()
     }

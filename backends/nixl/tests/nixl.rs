@@ -477,7 +477,7 @@ fn a_missing_runtime_is_unavailable_not_an_abort() {
 #[derive(Debug)]
 struct FakeVram(u32);
 
-impl MemoryBlock for FakeVram {
+unsafe impl MemoryBlock for FakeVram {
     fn addr(&self) -> usize {
         0x1000
     }

@@ -79,7 +79,7 @@ impl fmt::Debug for UcxHostMemory {
     }
 }
 
-impl MemoryBlock for UcxHostMemory {
+unsafe impl MemoryBlock for UcxHostMemory {
     fn addr(&self) -> usize {
         self.alloc.addr
     }

@@ -143,7 +143,7 @@ async fn factory_endpoint_and_capabilities() {
     if !caps.vram {
         #[derive(Debug)]
         struct FakeVram;
-        impl MemoryBlock for FakeVram {
+        unsafe impl MemoryBlock for FakeVram {
             fn addr(&self) -> usize {
                 0x1000
             }
