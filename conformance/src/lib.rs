@@ -4,6 +4,7 @@
 pub mod checks;
 pub mod faults;
 pub mod fixtures;
+pub mod quiescence;
 pub mod remote;
 pub mod wrappers;
 
@@ -103,6 +104,43 @@ macro_rules! conformance_tests {
                     return;
                 }
                 $crate::checks::$check(&harness).await;
+            }
+        )*
+    };
+}
+
+/// Makes the in-flight safety tests (docs/in-flight-safety.md), one per way of ending a batch:
+/// `quiescent_after_abort`, `quiescent_after_dropped_wait_future`,
+/// `quiescent_after_dropped_handle`, `quiescent_after_dropped_registration_batch_and_transport`
+/// and `quiescent_after_wait_on_a_dropped_transport` (see [`quiescence::quiescent_after`]). With `requires = $probe`, each first asks
+/// [`backend_available`].
+#[macro_export]
+macro_rules! quiescence_tests {
+    ($make:expr, requires = $probe:expr) => {
+        $crate::quiescence_tests!(@each $make, $probe;
+            quiescent_after_abort => Abort,
+            quiescent_after_dropped_wait_future => DroppedWaitFuture,
+            quiescent_after_dropped_handle => DroppedHandle,
+            quiescent_after_dropped_registration_batch_and_transport => DroppedEverything,
+            quiescent_after_wait_on_a_dropped_transport => WaitAfterDroppedTransport,
+        );
+    };
+    ($make:expr) => {
+        $crate::quiescence_tests!($make, requires = ::std::result::Result::Ok(()));
+    };
+    (@each $make:expr, $probe:expr; $($name:ident => $ending:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let harness = $make;
+                if !$crate::backend_available(harness.name(), $probe) {
+                    return;
+                }
+                $crate::quiescence::quiescent_after(
+                    &harness,
+                    $crate::quiescence::Ending::$ending,
+                )
+                .await;
             }
         )*
     };

@@ -2,6 +2,7 @@
 //! waits for or aborts them. This is the only module with `unsafe`.
 
 use async_trait::async_trait;
+use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
 use reshard_core::{Error, ErrorKind, InFlight, MemoryBlock, OwnerId, Result, WireReport};
 use std::cell::Cell;
@@ -34,8 +35,55 @@ pub(crate) struct PostCtx {
     /// Indexed by `Piece::dst`; likewise for destinations.
     pub(crate) dsts: Vec<Live>,
     pub(crate) abort: Arc<AtomicBool>,
+    /// Which jobs are touching memory; see [`Gate`].
+    pub(crate) gate: Arc<Gate>,
     #[cfg(test)]
     pub(crate) faults: crate::transport::Faults,
+}
+
+/// Makes "the batch is over" exact (docs/in-flight-safety.md, rule 1): a job enters before its
+/// first memory access and leaves after its last, and [`Gate::close`] both stops jobs from
+/// entering and waits for those inside to leave. The abort flag, checked between chunks, keeps
+/// that wait to at most one chunk ([`COPY_CHUNK`]) per running job.
+#[derive(Default)]
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    left: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    closed: bool,
+    inside: usize,
+}
+
+impl Gate {
+    /// Enters unless the gate is closed.
+    fn enter(&self) -> bool {
+        let mut st = self.state.lock();
+        if st.closed {
+            return false;
+        }
+        st.inside += 1;
+        true
+    }
+
+    fn leave(&self) {
+        let mut st = self.state.lock();
+        st.inside -= 1;
+        if st.inside == 0 {
+            self.left.notify_all();
+        }
+    }
+
+    /// Closes the gate and blocks until no job is inside: afterwards no job touches memory.
+    fn close(&self) {
+        let mut st = self.state.lock();
+        st.closed = true;
+        while st.inside > 0 {
+            self.left.wait(&mut st);
+        }
+    }
 }
 
 type JobResult = Result<()>;
@@ -54,8 +102,10 @@ pub(crate) fn start(pool: &Arc<ThreadPool>, ctx: PostCtx, report: WireReport) ->
     }
     LoopbackInFlight {
         abort: Arc::clone(&ctx.abort),
+        gate: Arc::clone(&ctx.gate),
         jobs,
         report,
+        finished: false,
         _pool: Arc::clone(pool),
     }
 }
@@ -73,8 +123,19 @@ fn piece_error(ctx: &PostCtx, p: &Piece, kind: ErrorKind, msg: String) -> Error 
 /// Runs work list `w`; a panic becomes a `Transport` error naming the piece it hit.
 fn run_job(ctx: &PostCtx, w: usize) -> JobResult {
     let pieces = &ctx.prepared.work[w];
+    if !ctx.gate.enter() {
+        let p = &pieces[0];
+        return Err(piece_error(
+            ctx,
+            p,
+            ErrorKind::Aborted,
+            "read aborted".into(),
+        ));
+    }
     let at = Cell::new(0usize);
-    match catch_unwind(AssertUnwindSafe(|| copy_pieces(ctx, pieces, &at))) {
+    let r = catch_unwind(AssertUnwindSafe(|| copy_pieces(ctx, pieces, &at)));
+    ctx.gate.leave();
+    match r {
         Ok(r) => r,
         Err(payload) => {
             let what = payload
@@ -104,6 +165,7 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
         let mut done = 0u64;
         while done < p.len {
             if ctx.abort.load(Ordering::Acquire) {
+                // Retryable: the gate guarantees nothing of this batch runs once it is over.
                 let e = piece_error(ctx, p, ErrorKind::Aborted, "read aborted".into());
                 return Err(e.set_retryable(true));
             }
@@ -133,8 +195,11 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
 /// A posted loopback batch: every job is already queued on the worker pool.
 pub(crate) struct LoopbackInFlight {
     abort: Arc<AtomicBool>,
+    gate: Arc<Gate>,
     jobs: Vec<oneshot::Receiver<JobResult>>,
     report: WireReport,
+    /// Every job reported: nothing of the batch can run any more.
+    finished: bool,
     /// The pool outlives its queued jobs even if the transport is dropped meanwhile.
     _pool: Arc<ThreadPool>,
 }
@@ -142,10 +207,15 @@ pub(crate) struct LoopbackInFlight {
 impl LoopbackInFlight {
     /// Awaits every job; returns the first real failure (an abort caused by another failure
     /// is not reported in its place).
+    ///
+    /// Cancel-safe: the receivers stay in `self.jobs` until they answer, so a future dropped
+    /// part-way leaves `finished` false and `Drop` ends the batch.
     async fn join(&mut self) -> Result<()> {
         let mut first: Option<Error> = None;
-        for rx in std::mem::take(&mut self.jobs) {
-            let r = match rx.await {
+        while let Some(rx) = self.jobs.last_mut() {
+            let r = rx.await;
+            self.jobs.pop();
+            let r = match r {
                 Ok(r) => r,
                 Err(_) => Err(Error::new(
                     ErrorKind::Transport,
@@ -165,6 +235,7 @@ impl LoopbackInFlight {
                 }
             }
         }
+        self.finished = true;
         first.map_or(Ok(()), Err)
     }
 }
@@ -186,9 +257,12 @@ impl InFlight for LoopbackInFlight {
 
 impl Drop for LoopbackInFlight {
     fn drop(&mut self) {
-        // Dropped without wait/abort: stop at the next chunk; memory stays alive through `ctx`.
-        if !self.jobs.is_empty() {
+        // Dropped without wait/abort, or with their future dropped part-way: stop at the next
+        // chunk and block until the running jobs have left the gate (at most one chunk each,
+        // a fraction of a millisecond), so no byte lands after the drop (rule 1).
+        if !self.finished {
             self.abort.store(true, Ordering::Release);
+            self.gate.close();
         }
     }
 }

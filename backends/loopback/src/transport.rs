@@ -183,6 +183,8 @@ impl LoopbackTransport {
         let mut srcs: Vec<SrcRef> = Vec::new();
         let mut src_ix: HashMap<(OwnerId, u64), u32> = HashMap::new();
         let mut dsts: Vec<DstRef> = Vec::new();
+        // Address of each destination region (index as `dsts`), for overlap detection.
+        let mut dst_base: Vec<u64> = Vec::new();
         let mut dst_ix: HashMap<u64, u32> = HashMap::new();
         let mut whole = Vec::with_capacity(batch.reads.len());
         let mut last_src: Option<(OwnerId, u64, u32, u64)> = None;
@@ -216,7 +218,7 @@ impl LoopbackTransport {
             let (d, llen) = match last_dst {
                 Some((g, d, len)) if g == r.local_region => (d, len),
                 _ => {
-                    let llen = local.get(&r.local_region).map(|g| g.len).ok_or_else(|| {
+                    let region = local.get(&r.local_region).ok_or_else(|| {
                         oob(
                             r.owner,
                             lrange.clone(),
@@ -226,7 +228,9 @@ impl LoopbackTransport {
                             ),
                         )
                     })?;
+                    let llen = region.len;
                     let d = *dst_ix.entry(r.local_region).or_insert_with(|| {
+                        dst_base.push(region.block.addr() as u64);
                         dsts.push(DstRef {
                             region: r.local_region,
                             max_end: 0,
@@ -263,7 +267,7 @@ impl LoopbackTransport {
             });
         }
         // Overlapping destinations run on one worker, in batch order (the last writer wins).
-        let workers = if work::destinations_overlap(&whole) {
+        let workers = if work::destinations_overlap(&whole, &dst_base) {
             1
         } else {
             self.workers
@@ -617,6 +621,7 @@ impl Transport for LoopbackTransport {
             srcs,
             dsts,
             abort: Arc::new(AtomicBool::new(false)),
+            gate: Arc::default(),
             #[cfg(test)]
             faults: self.faults.clone(),
         };

@@ -16,3 +16,5 @@ fn harness() -> Harness {
 reshard_conformance::conformance_tests!(harness());
 
 reshard_conformance::fault_tests!(harness());
+
+reshard_conformance::quiescence_tests!(harness());

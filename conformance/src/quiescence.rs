@@ -1,0 +1,307 @@
+//! The in-flight safety checks (docs/in-flight-safety.md): a batch caught mid-flight is ended
+//! in each way the contract allows, and afterwards not one byte of it may land.
+//!
+//! Each check fills the destination with a canary, measures a clean transfer of the same batch
+//! (duration `T`), posts again and ends it part-way; once the ending call has returned it
+//! snapshots the destination, waits `2 T` (at least [`MIN_WATCH`]) and requires the destination
+//! unchanged. A run only counts when the batch really was caught mid-flight (some but not all
+//! canary bytes overwritten); the delay before the ending is adjusted until one is. Finally a
+//! clean transfer of the same bytes must be byte-exact again.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reshard_core::{
+    HostBuffer, HostMemory, InFlight, MemoryBlock, PreparedBatch, ReadBatch, ReadDesc,
+    Registration, Transport,
+};
+
+use crate::fixtures::Harness;
+
+/// Bytes one check moves: large enough to stay in flight for milliseconds even in one process.
+pub const QUIESCENCE_BYTES: usize = 256 << 20;
+/// Bytes per read (many reads, so every backend has many completions to be part-way through).
+const READ_LEN: u64 = 256 << 10;
+/// The destination's byte before any read lands; the source pattern never contains it.
+const CANARY: u8 = 0xCD;
+/// Shortest time the destination is watched after the ending call returned.
+pub const MIN_WATCH: Duration = Duration::from_millis(200);
+/// Tries at catching the batch mid-flight before the check gives up.
+const TRIES: usize = 8;
+
+/// How a posted batch is ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// `InFlight::abort`.
+    Abort,
+    /// The `wait` future is dropped part-way (what `tokio::time::timeout` around it does).
+    DroppedWaitFuture,
+    /// The `InFlight` handle is dropped without `wait` or `abort`.
+    DroppedHandle,
+    /// The destination's `Registration`, the `PreparedBatch`, the receiving transport and
+    /// then the `InFlight` handle are dropped while the batch is in flight.
+    DroppedEverything,
+    /// The `Registration`, `PreparedBatch` and transport are dropped while the batch is in
+    /// flight, then `wait` is called: it must return (rule 4), and afterwards nothing lands.
+    WaitAfterDroppedTransport,
+}
+
+fn pattern(i: usize) -> u8 {
+    // 1..=200: never the canary (205).
+    (i.wrapping_mul(7).wrapping_add(i >> 12) % 200) as u8 + 1
+}
+
+/// One receiving side: endpoint, destination, its registration and the prepared batch.
+struct Side {
+    /// `None` once [`Ending::DroppedEverything`] dropped it.
+    rx: Option<Arc<dyn Transport>>,
+    dst: Arc<HostBuffer>,
+    reg: Option<Registration>,
+    prepared: Option<PreparedBatch>,
+}
+
+/// Publisher endpoint and source, kept for the whole check.
+struct Source {
+    tx: Arc<dyn Transport>,
+    src: Arc<dyn HostMemory>,
+    region: u64,
+    _reg: Registration,
+}
+
+async fn source(h: &Harness, tag: &str) -> Source {
+    let tx = h
+        .endpoint(&format!("{tag}-src"))
+        .expect("publisher endpoint");
+    // The backend's own host memory where it has one (the fast path a publisher uses).
+    let src: Arc<dyn HostMemory> = match tx
+        .allocate_host(QUIESCENCE_BYTES)
+        .await
+        .expect("allocate_host")
+    {
+        Some(m) => m,
+        None => Arc::new(HostBuffer::zeroed(QUIESCENCE_BYTES)),
+    };
+    {
+        let mut b = src.bytes_mut();
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = pattern(i);
+        }
+    }
+    let reg = tx
+        .register(Arc::clone(&src) as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register source");
+    Source {
+        region: reg.id(),
+        tx,
+        src,
+        _reg: reg,
+    }
+}
+
+async fn side(h: &Harness, s: &Source, agent: &str) -> Side {
+    let rx = h.endpoint(agent).expect("receiver endpoint");
+    rx.load_peer(3, s.tx.export_metadata().await.expect("metadata"))
+        .await
+        .expect("load peer");
+    let dst = Arc::new(HostBuffer::zeroed(QUIESCENCE_BYTES));
+    let reg = rx
+        .register(Arc::clone(&dst) as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register destination");
+    // Reads in an interleaved order (every 7th chunk first), so a part-way batch leaves holes
+    // all over the destination rather than one clean prefix.
+    let n = QUIESCENCE_BYTES as u64 / READ_LEN;
+    let reads = (0..n)
+        .map(|k| (k * 7) % n)
+        .map(|i| ReadDesc {
+            owner: 3,
+            remote_region: s.region,
+            remote_offset: i * READ_LEN,
+            local_region: reg.id(),
+            local_offset: i * READ_LEN,
+            len: READ_LEN,
+        })
+        .collect();
+    let prepared = rx.prepare(ReadBatch { reads }).await.expect("prepare");
+    Side {
+        rx: Some(rx),
+        dst,
+        reg: Some(reg),
+        prepared: Some(prepared),
+    }
+}
+
+fn fill_canary(dst: &HostBuffer) {
+    dst.write().fill(CANARY);
+}
+
+/// Distance between sampled bytes: every read covers many samples, and a sample takes
+/// microseconds, so the snapshot right after the ending is taken before a late read could
+/// finish unseen.
+const SAMPLE_STRIDE: usize = 4096;
+
+/// Every [`SAMPLE_STRIDE`]-th byte of the destination.
+fn samples(dst: &HostBuffer) -> Vec<u8> {
+    dst.read().iter().step_by(SAMPLE_STRIDE).copied().collect()
+}
+
+fn canaries(dst: &HostBuffer) -> usize {
+    dst.read().iter().filter(|&&b| b == CANARY).count()
+}
+
+fn fingerprint(dst: &HostBuffer) -> u128 {
+    xxhash_rust::xxh3::xxh3_128(&dst.read())
+}
+
+fn assert_exact(dst: &HostBuffer, src: &dyn HostMemory, ctx: &str) {
+    let (got, want) = (dst.read(), src.bytes());
+    if got[..] != want[..] {
+        let at = got.iter().zip(want.iter()).position(|(a, b)| a != b);
+        panic!("{ctx}: destination differs from the source at byte {at:?}");
+    }
+}
+
+/// A clean post and wait into `s`; returns how long it took.
+async fn clean(s: &Side, src: &dyn HostMemory, ctx: &str) -> Duration {
+    fill_canary(&s.dst);
+    let t = Instant::now();
+    let prepared = s.prepared.as_ref().expect("prepared batch");
+    let report =
+        s.rx.as_ref()
+            .expect("endpoint")
+            .post(prepared)
+            .await
+            .unwrap_or_else(|e| panic!("{ctx}: post: {e}"))
+            .wait()
+            .await
+            .unwrap_or_else(|e| panic!("{ctx}: wait: {e}"));
+    let took = t.elapsed();
+    assert_eq!(report.bytes, QUIESCENCE_BYTES as u64, "{ctx}: bytes moved");
+    assert_exact(&s.dst, src, ctx);
+    took
+}
+
+/// Ends `inflight` as `ending` says, `delay` after it was posted. Returns when the ending call
+/// has returned (for the dropped variants: when the drop has finished).
+async fn end(ending: Ending, inflight: Box<dyn InFlight>, delay: Duration, s: &mut Side) {
+    match ending {
+        Ending::Abort => {
+            tokio::time::sleep(delay).await;
+            inflight.abort().await;
+        }
+        Ending::DroppedWaitFuture => {
+            // Elapsing drops the `wait` future, and with it the handle, part-way.
+            let r = tokio::time::timeout(delay, inflight.wait()).await;
+            if let Ok(r) = r {
+                // Finished before the timer: still a valid (if uninteresting) ending.
+                r.expect("a batch that finished must have succeeded");
+            }
+        }
+        Ending::DroppedHandle => {
+            tokio::time::sleep(delay).await;
+            drop(inflight);
+        }
+        Ending::DroppedEverything => {
+            tokio::time::sleep(delay).await;
+            drop(s.reg.take());
+            drop(s.prepared.take());
+            // The only reference to the endpoint outside the backend.
+            drop(s.rx.take());
+            drop(inflight);
+        }
+        Ending::WaitAfterDroppedTransport => {
+            tokio::time::sleep(delay).await;
+            drop(s.reg.take());
+            drop(s.prepared.take());
+            drop(s.rx.take());
+            // Every waiter wakes (rule 4): with the bytes or with an error, but it returns.
+            let r = tokio::time::timeout(Duration::from_secs(60), inflight.wait())
+                .await
+                .expect("wait on a batch whose transport was dropped must return");
+            if let Err(e) = r {
+                eprintln!("wait after dropping the transport: {e}");
+            }
+        }
+    }
+}
+
+/// The check: catch a batch mid-flight, end it with `ending`, and prove no byte lands after.
+pub async fn quiescent_after(h: &Harness, ending: Ending) {
+    let tag = format!("quiet-{ending:?}").to_lowercase();
+    let src = source(h, &tag).await;
+    let mut caught = 0usize;
+    let mut delay: Option<Duration> = None;
+    let mut log = Vec::new();
+    for attempt in 0..TRIES {
+        let mut s = side(h, &src, &format!("{tag}-dst{attempt}")).await;
+        let took = clean(&s, &*src.src, &format!("{ending:?}: clean transfer")).await;
+        let d = *delay.get_or_insert(took / 4);
+        fill_canary(&s.dst);
+        let prepared = s.prepared.as_ref().expect("prepared batch");
+        let inflight =
+            s.rx.as_ref()
+                .expect("endpoint")
+                .post(prepared)
+                .await
+                .expect("post");
+        end(ending, inflight, d, &mut s).await;
+        // The ending call has returned: from here on not one byte may land. A quick sampled
+        // snapshot first (a late read would change it), then the full picture.
+        let first = samples(&s.dst);
+        let left = canaries(&s.dst);
+        let before = fingerprint(&s.dst);
+        tokio::time::sleep((took * 2).max(MIN_WATCH)).await;
+        let last = samples(&s.dst);
+        let after = fingerprint(&s.dst);
+        let still = canaries(&s.dst);
+        let moved = first.iter().zip(&last).filter(|(a, b)| a != b).count();
+        assert!(
+            moved == 0 && before == after,
+            "{ending:?}: bytes of the batch landed after the ending call returned ({moved} of \
+             {} sampled bytes changed; canary bytes {left} -> {still}; clean transfer took \
+             {took:?}, ended after {d:?})",
+            first.len()
+        );
+        let left = first.iter().filter(|&&b| b == CANARY).count() * SAMPLE_STRIDE;
+        log.push(format!("{d:?}: ~{left} canary bytes left"));
+        if ending == Ending::WaitAfterDroppedTransport {
+            // `wait` ran the batch to its end (or failed it); what counts is that it returned
+            // and that nothing landed after it did.
+            caught += 1;
+        } else if left == 0 {
+            // Finished before it was ended: end sooner.
+            delay = Some(d / 3);
+        } else if left == QUIESCENCE_BYTES {
+            // Nothing had landed yet: end later.
+            delay = Some((d * 2).max(Duration::from_micros(200)));
+        } else {
+            caught += 1;
+        }
+        if s.rx.is_some() {
+            // The same prepared batch moves the bytes exactly again: the ending left the
+            // backend's state clean (nothing was quarantined: the peer is alive).
+            clean(
+                &s,
+                &*src.src,
+                &format!("{ending:?}: transfer after the ending"),
+            )
+            .await;
+        } else {
+            let s = side(h, &src, &format!("{tag}-again{attempt}")).await;
+            clean(
+                &s,
+                &*src.src,
+                &format!("{ending:?}: transfer on a new endpoint"),
+            )
+            .await;
+        }
+        if caught >= 2 {
+            return;
+        }
+    }
+    panic!(
+        "{ending:?}: caught the batch mid-flight only {caught} times in {TRIES} tries ({})",
+        log.join("; ")
+    );
+}
