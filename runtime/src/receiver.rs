@@ -496,9 +496,23 @@ impl Receiver {
             .as_ref()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         let wire_t0 = Instant::now();
-        let wire = wire_leg(transport.as_ref(), &cached.batch, &self.opts)
-            .await
-            .map_err(|e| name_tensor(e, &prep.plan))?;
+        let wire = match wire_leg(transport.as_ref(), &cached.batch, &self.opts).await {
+            Ok(w) => w,
+            Err((e, cut_short)) => {
+                let e = name_tensor(e, &prep.plan);
+                if e.is_quarantined() || cut_short {
+                    // Bytes of this batch may still land in the bank and staging it targeted
+                    // (docs/in-flight-safety.md, rule 3), or the wait was cut short by the
+                    // wire-leg timeout: never post into those buffers again. Dropping them
+                    // here hands their registrations back to the backend (which defers the
+                    // release while reads run); the live weights keep their own Arcs, and the
+                    // next update allocates fresh buffers.
+                    tracing::warn!(error = %e, "discarding receive buffers after a wire leg that may still write");
+                    self.prepared = None;
+                }
+                return Err(e);
+            }
+        };
         // A backend that says it finished must have moved every planned byte; a short count
         // is a bug or a lie that digests would only catch when verification is on.
         let planned = cached.batch.batch().bytes();
@@ -784,11 +798,13 @@ fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> ReadBatch {
 
 /// Posts the prepared batch and waits, posting again after a retryable failure (up to
 /// `opts.retries` times, with doubling backoff), all within `opts.wire_timeout` when set.
+/// The error comes with `true` when the timeout cut a wait short (its future was dropped,
+/// which ends the batch by the transport contract, but the receiver stays cautious).
 async fn wire_leg(
     transport: &dyn Transport,
     batch: &PreparedBatch,
     opts: &ReceiverOptions,
-) -> Result<WireReport> {
+) -> std::result::Result<WireReport, (Error, bool)> {
     let attempts = async {
         let mut backoff = opts.retry_backoff;
         let mut attempt = 0;
@@ -809,17 +825,19 @@ async fn wire_leg(
         }
     };
     match opts.wire_timeout {
-        None => attempts.await,
-        Some(limit) => tokio::time::timeout(limit, attempts)
-            .await
-            .unwrap_or_else(|_| {
-                Err(Error::new(
+        None => attempts.await.map_err(|e| (e, false)),
+        Some(limit) => match tokio::time::timeout(limit, attempts).await {
+            Ok(r) => r.map_err(|e| (e, false)),
+            Err(_) => Err((
+                Error::new(
                     ErrorKind::Timeout,
                     format!("the wire leg did not complete within {limit:?} (retries included)"),
                 )
                 .with_backend(transport.name())
-                .set_retryable(true))
-            }),
+                .set_retryable(true),
+                true,
+            )),
+        },
     }
 }
 

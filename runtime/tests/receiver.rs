@@ -387,6 +387,8 @@ struct Flaky {
     inner: Arc<dyn Transport>,
     fail: std::sync::atomic::AtomicU32,
     retryable: bool,
+    /// The injected failure says bytes may still land (quarantined).
+    quarantined: bool,
     delay: std::time::Duration,
     short: bool,
     posts: std::sync::atomic::AtomicU32,
@@ -454,12 +456,17 @@ impl Transport for Flaky {
         let left = self.fail.load(Ordering::SeqCst);
         if left > 0 {
             self.fail.store(left - 1, Ordering::SeqCst);
-            return Err(reshard_core::Error::new(
+            let e = reshard_core::Error::new(
                 reshard_core::ErrorKind::Transport,
                 "injected: link flapped",
             )
             .with_owner(1)
-            .set_retryable(self.retryable));
+            .set_retryable(self.retryable);
+            return Err(if self.quarantined {
+                e.set_quarantined()
+            } else {
+                e
+            });
         }
         let inner = self.inner.post(batch).await?;
         Ok(Box::new(Delayed {
@@ -492,6 +499,7 @@ async fn flaky_setup_short(
         inner: endpoint(&s.fabric, "rx-flaky"),
         fail: fail.into(),
         retryable,
+        quarantined: false,
         delay: std::time::Duration::from_millis(delay_ms),
         short,
         posts: 0.into(),
@@ -529,6 +537,44 @@ async fn retryable_wire_failures_are_retried_within_the_budget() {
     s.rx.update(&s.cluster.tables()).await.unwrap_err();
     assert_eq!(flaky.posts.load(Ordering::SeqCst), 1);
     assert_eq!(s.rx.live_step(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quarantined_wire_failures_are_not_retried_and_retire_the_buffers() {
+    use std::sync::atomic::Ordering;
+    let opts = ReceiverOptions {
+        retries: 3,
+        retry_backoff: std::time::Duration::from_millis(1),
+        ..ReceiverOptions::default()
+    };
+    // A retryable failure keeps the buffers: the next update reuses plan and descriptors.
+    let (mut s, flaky) = flaky_setup(1, true, 0, ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    let r = s.rx.update(&s.cluster.tables()).await.expect("next update");
+    assert!(!r.plan_rebuilt && !r.descriptors_rebuilt);
+    assert_eq!(flaky.posts.load(Ordering::SeqCst), 2);
+    assert_exact(&s);
+    // A quarantined failure (bytes may still land) is never retried, leaves the live weights
+    // untouched, and the next update lands in freshly allocated buffers.
+    let (mut s, flaky) = flaky_setup(0, true, 0, opts).await;
+    let quarantined = Arc::new(Flaky {
+        inner: Arc::clone(&flaky.inner),
+        fail: 1.into(),
+        retryable: true,
+        quarantined: true,
+        delay: std::time::Duration::ZERO,
+        short: false,
+        posts: 0.into(),
+    });
+    s.rx.set_transport(quarantined.clone());
+    let e = s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    assert!(e.is_quarantined() && !e.is_retryable(), "{e}");
+    assert_eq!(quarantined.posts.load(Ordering::SeqCst), 1, "not retried");
+    assert_eq!(s.rx.live_step(), Some(0));
+    let r = s.rx.update(&s.cluster.tables()).await.expect("next update");
+    assert!(r.plan_rebuilt && r.descriptors_rebuilt, "fresh buffers");
+    assert_eq!(s.rx.live_step(), Some(1));
+    assert_exact(&s);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
