@@ -211,6 +211,17 @@ macro_rules! cross_process_conformance_tests {
         }
 
         $crate::conformance_tests!(@checks cross_process_harness(), $probe);
+
+        /// In-flight safety when the publishers' process dies mid-refit
+        /// (docs/in-flight-safety.md; see
+        /// [`quiescence::quiescent_after_publisher_killed`]).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn quiescent_after_publisher_killed() {
+            if !$crate::backend_available($name, $probe) {
+                return;
+            }
+            $crate::quiescence::quiescent_after_publisher_killed(&cross_process_harness()).await;
+        }
     };
     ($name:expr, $endpoint:path) => {
         $crate::cross_process_conformance_tests!(

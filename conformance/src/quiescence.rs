@@ -305,3 +305,115 @@ pub async fn quiescent_after(h: &Harness, ending: Ending) {
         log.join("; ")
     );
 }
+
+/// A dense model of about 300 MB in bf16: a refit of one TP-2 rank stays on the wire for tens
+/// of milliseconds in shared memory and for hundreds over TCP.
+pub fn large_dense() -> reshard_planner::presets::ModelConfig {
+    reshard_planner::presets::ModelConfig {
+        name: "large-dense".into(),
+        layers: 2,
+        hidden: 2048,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 5632,
+        moe: None,
+        vocab: 16000,
+        tied_embeddings: false,
+        qk_norm: false,
+        dtype: reshard_core::DType::Bf16,
+    }
+}
+
+fn live_fingerprint(rx: &reshard_runtime::Receiver) -> Vec<u128> {
+    rx.live_params()
+        .expect("live weights")
+        .iter()
+        .map(|b| fingerprint(b))
+        .collect()
+}
+
+/// Kills the publishers' process (SIGKILL) while a refit is reading from it. The refit must
+/// return (rule 4) — with an error, leaving the previous weights exactly as they were, or, where
+/// the bytes were still reachable (shared memory outlives its creator's death), having installed
+/// and verified them — and afterwards nothing may change; a refit from a new publisher process
+/// is then byte-exact. Needs a harness with publishers in a child process.
+pub async fn quiescent_after_publisher_killed(h: &Harness) {
+    assert!(h.is_cross_process(), "needs publishers in a child process");
+    let mut caught = 0usize;
+    let mut log = Vec::new();
+    let mut delay: Option<Duration> = None;
+    for _attempt in 0..TRIES {
+        let mut cluster = h.cluster(large_dense(), "tp=2").await;
+        let mut rx = h.receiver(&cluster, 2, 0).await;
+        let t = Instant::now();
+        rx.update(&cluster.tables()).await.expect("first refit");
+        let took = t.elapsed();
+        let d = *delay.get_or_insert(took / 4);
+        let before = live_fingerprint(&rx);
+        cluster.publish_step(1).expect("publish step 1");
+        let want = cluster
+            .expected_params(rx.layout())
+            .expect("reference parameters");
+        let tables = cluster.tables();
+        let started = Instant::now();
+        let (r, ()) = tokio::join!(
+            tokio::time::timeout(Duration::from_secs(120), rx.update(&tables)),
+            async {
+                tokio::time::sleep(d).await;
+                cluster.kill().expect("kill the publisher process");
+            }
+        );
+        let r = r.expect("a refit whose publisher died must return");
+        let ran = started.elapsed();
+        // Whatever happened, from here on the live weights must not change.
+        let now = live_fingerprint(&rx);
+        match &r {
+            Err(e) => {
+                assert_eq!(now, before, "a failed refit changed the live weights ({e})");
+                assert_eq!(rx.live_step(), Some(0));
+                log.push(format!("{d:?}: failed after {ran:?}: {e}"));
+                caught += 1;
+            }
+            Ok(_) => {
+                let live = rx.live_params().expect("live weights");
+                for (got, want) in live.iter().zip(&want) {
+                    assert!(got.read()[..] == want[..], "installed weights are exact");
+                }
+                log.push(format!("{d:?}: installed after {ran:?}"));
+                // Too late to catch it on the wire when the transfer ended before the kill.
+                if ran <= d {
+                    delay = Some(d / 3);
+                } else {
+                    caught += 1;
+                }
+            }
+        }
+        tokio::time::sleep((took * 2).max(MIN_WATCH)).await;
+        assert_eq!(
+            live_fingerprint(&rx),
+            now,
+            "live weights changed after the refit returned ({})",
+            log.last().map_or("", String::as_str)
+        );
+        // A new publisher process: the same receiver refits from it, byte-exact.
+        let mut fresh = h.cluster(large_dense(), "tp=2").await;
+        fresh.publish_step(2).expect("publish step 2");
+        fresh
+            .connect(rx.transport().as_ref())
+            .await
+            .expect("load the new publishers' metadata");
+        rx.update(&fresh.tables())
+            .await
+            .unwrap_or_else(|e| panic!("refit from a new publisher process: {e}"));
+        crate::checks::assert_installed(&fresh, &rx);
+        if caught >= 2 {
+            eprintln!("publisher killed: {}", log.join("; "));
+            return;
+        }
+    }
+    panic!(
+        "caught the refit on the wire only {caught} times in {TRIES} tries ({})",
+        log.join("; ")
+    );
+}

@@ -104,6 +104,18 @@ impl Publishers {
         }
     }
 
+    /// Kills the publishers' process (see [`RemoteCluster::kill`]); publishers in this process
+    /// cannot be killed (`Unsupported`).
+    pub fn kill(&mut self) -> Result<()> {
+        match self {
+            Publishers::Local(_) => Err(reshard_core::Error::new(
+                reshard_core::ErrorKind::Unsupported,
+                "publishers in this process cannot be killed",
+            )),
+            Publishers::Remote(c) => c.kill().map(|_| ()),
+        }
+    }
+
     /// True when the publishers live in another process.
     pub fn is_remote(&self) -> bool {
         matches!(self, Publishers::Remote(_))

@@ -488,6 +488,20 @@ impl RemoteCluster {
         reference_params(&self.specs, self.seed, self.step, layout)
     }
 
+    /// Kills the child at once (SIGKILL: a publisher dying mid-transfer, as a crashed trainer
+    /// would) and reaps it. Its memory, and every read still served from it, is gone.
+    pub fn kill(&mut self) -> Result<ExitStatus> {
+        let Some(mut child) = self.child.take() else {
+            return Err(Error::new(ErrorKind::Internal, "already shut down"));
+        };
+        let _ = child.kill();
+        let status = child
+            .wait()
+            .map_err(|e| channel_error("wait for the killed publisher process", e));
+        let _ = std::fs::remove_file(&self.socket);
+        status
+    }
+
     /// Asks the child to release its publishers and exit, and waits for it.
     pub fn shutdown(mut self) -> Result<ExitStatus> {
         self.stop()
