@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs the in-flight safety tests (every `quiescent_after_*` test of every backend) under
+# AddressSanitizer, so a backend that frees, unmaps or reuses memory a read still touches fails
+# loudly instead of corrupting silently (docs/in-flight-safety.md).
+#
+#   scripts/asan-quiescence.sh                 # loopback, ucx and nixl
+#   scripts/asan-quiescence.sh loopback        # just the named backends
+#
+# AddressSanitizer needs nightly-only rustc flags; this toolchain is stable, so RUSTC_BOOTSTRAP=1
+# unlocks them for this build only (as scripts/fuzz-smoke.sh does). The standard library is not
+# rebuilt with the sanitizer (hence the ABI-mismatch allowance): heap and stack accesses of
+# reshard's own code and its crates are checked, and ASan's allocator replaces malloc for the
+# whole process, so a use-after-free by UCX or NIXL of memory reshard released is caught too.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+backends=("$@")
+if [[ ${#backends[@]} -eq 0 ]]; then
+    backends=(loopback ucx nixl)
+fi
+target=$(rustc -vV | sed -n 's/^host: //p')
+export RUSTC_BOOTSTRAP=1
+export RUSTFLAGS="-Zsanitizer=address -Cunsafe-allow-abi-mismatch=sanitizer"
+# Leak checking is off: UCX and NIXL keep process-lifetime allocations by design.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
+for b in "${backends[@]}"; do
+    echo "== AddressSanitizer: quiescent_after_* on $b"
+    cargo test --release --target "$target" --target-dir target/asan \
+        -p "reshard-backend-$b" --test conformance quiescent_after_
+done
