@@ -146,6 +146,46 @@ macro_rules! quiescence_tests {
     };
 }
 
+/// Set in the child process of [`quiescence_tests_in_child!`].
+pub const QUIESCENCE_CHILD_ENV: &str = "RESHARD_QUIESCENCE_CHILD";
+
+/// Makes test `$test`, which runs this test binary's in-process `quiescent_after_*` tests (those
+/// of [`quiescence_tests!`]) again in a child process with extra environment: for a backend
+/// whose native library reads its transport choice from the environment at start-up (NIXL's
+/// UCX with `UCX_TLS=tcp`), so that its reads stay in flight long enough to be ended part-way.
+/// `$name` is the backend's scheme, `$probe` as in [`conformance_tests!`].
+#[macro_export]
+macro_rules! quiescence_tests_in_child {
+    ($test:ident, $name:expr, env = [$(($k:expr, $v:expr)),* $(,)?], requires = $probe:expr) => {
+        #[test]
+        fn $test() {
+            if ::std::env::var_os($crate::QUIESCENCE_CHILD_ENV).is_some()
+                || !$crate::backend_available($name, $probe)
+            {
+                return;
+            }
+            let out = ::std::process::Command::new(
+                ::std::env::current_exe().expect("the test binary"),
+            )
+            .args(["quiescent_after_", "--skip", "cross_process", "--test-threads=2"])
+            .env($crate::QUIESCENCE_CHILD_ENV, "1")
+            $(.env($k, $v))*
+            .output()
+            .expect("run the child");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success()
+                    && stdout.contains("test result: ok.")
+                    && !stdout.contains(" 0 passed"),
+                "quiescence tests with {:?} failed ({:?}):\n{stdout}\n{}",
+                [$(($k, $v)),*],
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+}
+
 /// Makes the fault property test, `fault_schedules_never_expose_bad_weights`, over a harness
 /// from `$make`: [`fault_cases`] random [`faults::FaultSchedule`]s through a
 /// [`faults::FaultyTransport`] (see [`checks::fault_schedules_never_expose_bad_weights`]). With

@@ -30,6 +30,12 @@ pub(crate) fn status_name(e: &NixlError) -> &'static str {
     }
 }
 
+/// Whether a failed post came from the plugin (`NIXL_ERR_BACKEND`), possibly after it had
+/// started some of the request's reads, rather than from NIXL's own checks before it.
+pub(crate) fn plugin_failed(e: &NixlError) -> bool {
+    matches!(e, NixlError::BackendError)
+}
+
 /// A `Transport` error for a failed NIXL call: names the call and NIXL's status.
 pub(crate) fn nixl_error(what: &str, e: NixlError) -> Error {
     Error::new(
@@ -255,7 +261,9 @@ unsafe impl Send for Prepped {}
 // SAFETY: shared access only reads the pointer to pass it to NIXL calls, serialised as above.
 unsafe impl Sync for Prepped {}
 
-/// A transfer request (`nixlXferReqH`), released on drop (NIXL cancels it if still active).
+/// A transfer request (`nixlXferReqH`), released on drop. NIXL releases a request in
+/// progress without stopping its reads, so only drop one that has been seen to end (see
+/// `crate::xfer` and `crate::quarantine`).
 pub(crate) struct Request(Option<XferRequest>);
 
 impl Request {

@@ -3,6 +3,7 @@
 mod agent;
 mod meta;
 mod options;
+mod quarantine;
 pub mod runtime;
 mod transport;
 mod xfer;

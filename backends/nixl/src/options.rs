@@ -11,11 +11,14 @@ pub struct NixlOptions {
     /// NIXL plugin that moves the bytes (default `"UCX"`).
     #[serde(alias = "backends")]
     pub backend: String,
-    /// Folder of NIXL plugins; exported as `NIXL_PLUGIN_DIR` before the first agent of the
-    /// process (default: NIXL's own lookup, `plugins/` next to `libnixl.so`).
+    /// Folder of NIXL plugins, checked against the one NIXL uses (`NIXL_PLUGIN_DIR` as the
+    /// process was started with, else `plugins/` next to `libnixl.so`); a different folder is a
+    /// `Config` error, because NIXL reads it only from the environment, which reshard never
+    /// changes in a running process.
     pub plugin_dir: Option<PathBuf>,
-    /// How long `wait` (and `abort`'s drain) may take before every request is released and a
-    /// `Timeout` error returned, in milliseconds.
+    /// The no-progress bound of `wait` (and of `abort`'s drain), in milliseconds: how long
+    /// they go on while no pending request of the batch completes. Past it the batch's reads,
+    /// which NIXL cannot stop, are quarantined and the error is a quarantined `Timeout`.
     #[serde(alias = "progress_timeout_ms")]
     pub timeout_ms: u64,
     /// Overrides of the plugin's own parameters (for UCX: `ucx_devices`, `num_workers`,

@@ -67,46 +67,41 @@ fn unavailable(why: String) -> Error {
     .with_backend(BACKEND)
 }
 
-/// The loaded runtime: where it came from, and the library handle kept open for the process.
+/// The loaded runtime: where it came from, and the library handles kept open for the process.
 pub(crate) struct Runtime {
     /// Path of the library, or a note that the loader's search path provided it.
     pub(crate) source: String,
-    /// The plugin folder forced through `NIXL_PLUGIN_DIR`, if reshard set it.
+    /// The folder NIXL loads its plugins from: `NIXL_PLUGIN_DIR` of the process environment,
+    /// else `plugins/` next to the library (`None` when the loader's search path found it).
     pub(crate) plugin_dir: Option<PathBuf>,
     /// Never closed: the stubs hold function pointers into it for the rest of the process.
     _lib: Option<libloading::os::unix::Library>,
+    /// The wheel's UCX core library, configured before the UCX plugin uses it (see
+    /// [`exclude_efa`]); kept open so the plugin finds this very object by its soname.
+    _ucs: Option<libloading::os::unix::Library>,
 }
 
 static RUNTIME: OnceLock<std::result::Result<Runtime, (ErrorKind, String)>> = OnceLock::new();
-/// Serialises the first load so the plugin folder of the first caller wins deterministically.
+/// Serialises the first load.
 static INIT: Mutex<()> = Mutex::new(());
 
-/// Loads the runtime once per process (idempotent). `plugin_dir`, when given, is exported as
-/// `NIXL_PLUGIN_DIR` (unless that is already set) before any agent exists, because NIXL's
-/// plugin manager reads it once, when the first agent is created, and the C API has no other
-/// way to pass it. Without it NIXL looks in `plugins/` next to `libnixl.so`, which is where
-/// the wheel puts them.
+/// Loads the runtime once per process (idempotent) and checks `plugin_dir` against the folder
+/// NIXL uses.
+///
+/// This never changes the process environment: `std::env::set_var` in a process whose other
+/// threads may read the environment (tokio workers, NIXL and UCX threads, `getenv` in C code)
+/// is unsound. NIXL's plugin manager takes its folder from `NIXL_PLUGIN_DIR` when the first
+/// agent is created, and neither the C API nor the agent configuration can pass one, so a
+/// `plugin_dir` must be the folder NIXL will use anyway: `NIXL_PLUGIN_DIR` as the process was
+/// started with, or `plugins/` next to the library; anything else is a `Config` error saying
+/// to set `NIXL_PLUGIN_DIR` when starting the process.
 pub(crate) fn ensure(plugin_dir: Option<&Path>) -> Result<&'static Runtime> {
     let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
-    let rt = RUNTIME.get_or_init(|| load(plugin_dir).map_err(|e| (e.kind(), e.message().into())));
+    let rt = RUNTIME.get_or_init(|| load().map_err(|e| (e.kind(), e.message().into())));
     match rt {
         Ok(rt) => {
             if let Some(want) = plugin_dir {
-                if rt.plugin_dir.as_deref() != Some(want) {
-                    return Err(Error::new(
-                        ErrorKind::Config,
-                        format!(
-                            "plugin_dir {} must be set before the first NIXL agent of the \
-                             process; NIXL already uses {}",
-                            want.display(),
-                            rt.plugin_dir.as_deref().map_or_else(
-                                || "the plugins next to libnixl.so".to_string(),
-                                |p| p.display().to_string()
-                            )
-                        ),
-                    )
-                    .with_backend(BACKEND));
-                }
+                check_plugin_dir(want, rt.plugin_dir.as_deref())?;
             }
             Ok(rt)
         }
@@ -114,12 +109,45 @@ pub(crate) fn ensure(plugin_dir: Option<&Path>) -> Result<&'static Runtime> {
     }
 }
 
+/// `want` (the `plugin_dir` option) must be the folder NIXL uses (`used`).
+fn check_plugin_dir(want: &Path, used: Option<&Path>) -> Result<()> {
+    if !want.is_dir() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!("plugin_dir {} is not a folder", want.display()),
+        )
+        .with_backend(BACKEND));
+    }
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if used.is_some_and(|u| same(u, want)) {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Config,
+        format!(
+            "plugin_dir {} is not the folder NIXL loads plugins from ({}); NIXL reads it only \
+             from the NIXL_PLUGIN_DIR environment variable, which reshard does not change in a \
+             running process: start the process with NIXL_PLUGIN_DIR={}",
+            want.display(),
+            used.map_or_else(
+                || "the plugins next to libnixl.so".to_string(),
+                |p| p.display().to_string()
+            ),
+            want.display()
+        ),
+    )
+    .with_backend(BACKEND))
+}
+
 /// Where the runtime was loaded from, once it has been loaded successfully.
 pub fn loaded_from() -> Option<&'static str> {
     RUNTIME.get()?.as_ref().ok().map(|r| r.source.as_str())
 }
 
-fn load(plugin_dir: Option<&Path>) -> Result<Runtime> {
+fn load() -> Result<Runtime> {
     let home = std::env::var_os(HOME_ENV)
         .filter(|h| !h.is_empty())
         .map(PathBuf::from);
@@ -141,31 +169,10 @@ fn load(plugin_dir: Option<&Path>) -> Result<Runtime> {
         }
         None => None,
     };
-    let mut forced = None;
-    if let Some(dir) = plugin_dir {
-        if !dir.is_dir() {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!("plugin_dir {} is not a folder", dir.display()),
-            )
-            .with_backend(BACKEND));
-        }
-        if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
-            // Done once, under INIT, before any NIXL agent (and its plugin manager) exists.
-            std::env::set_var("NIXL_PLUGIN_DIR", dir);
-        }
-        forced = Some(dir.to_path_buf());
-    }
-    if path.as_deref().is_some_and(is_wheel) && std::env::var_os("UCX_MODULES").is_none() {
-        // The wheel bundles UCX and its own libibverbs/libnl. Its `ib_efa` module also needs
-        // the system's libefa, which pulls in the system's libibverbs and a second libnl-route;
-        // the two libnl-route copies then corrupt each other's lists and crash in their exit
-        // destructors (SIGSEGV in rtnl_tc_unregister after main returns). EFA is served by
-        // NIXL's LIBFABRIC plugin, so the UCX `efa` module is left out unless the user chose
-        // the modules. Set once, under INIT, before the UCX plugin (and libucs, which reads
-        // it) is loaded.
-        std::env::set_var("UCX_MODULES", "^efa");
-    }
+    let ucs = match &path {
+        Some(p) if is_wheel(p) && std::env::var_os("UCX_MODULES").is_none() => exclude_efa(p),
+        _ => None,
+    };
     // Never aborts: with the library already loaded the stub's dlopen by soname finds it;
     // otherwise it tries the loader's search path and reports failure.
     if nixl_sys::is_stub() {
@@ -174,16 +181,79 @@ fn load(plugin_dir: Option<&Path>) -> Result<Runtime> {
             repo_default().display()
         )));
     }
-    let source = path.map_or_else(
+    let source = path.as_ref().map_or_else(
         || format!("{CAPI} from the loader's search path"),
         |p| p.display().to_string(),
     );
+    // NIXL's own lookup: NIXL_PLUGIN_DIR (read, never written), else plugins/ next to it.
+    let plugin_dir = std::env::var_os("NIXL_PLUGIN_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            path.as_ref()
+                .and_then(|p| Some(p.parent()?.join("plugins")))
+        });
     tracing::debug!(%source, "nixl runtime loaded");
     Ok(Runtime {
         source,
-        plugin_dir: forced,
+        plugin_dir,
         _lib: lib,
+        _ucs: ucs,
     })
+}
+
+/// The wheel bundles UCX and its own libibverbs/libnl. Its `ib_efa` module also needs the
+/// system's libefa, which pulls in the system's libibverbs and a second libnl-route; the two
+/// libnl-route copies then corrupt each other's lists and crash in their exit destructors
+/// (SIGSEGV in rtnl_tc_unregister after main returns). EFA is served by NIXL's LIBFABRIC
+/// plugin, so the `efa` module is left out, as `UCX_MODULES=^efa` would, unless the user chose
+/// the modules (`UCX_MODULES` set).
+///
+/// Without touching the environment: the wheel's libucs is loaded here, by absolute path and
+/// before any NIXL agent exists (its constructor reads the `UCX_*` environment once), and its
+/// global `MODULES` option is set through `ucs_global_opts_set_value`. UCX consults that option
+/// only when it loads its transport modules, inside `ucp_init` of the UCX plugin, which finds
+/// this same library object by its soname. Best effort: a failure is logged, never fatal.
+fn exclude_efa(capi: &Path) -> Option<libloading::os::unix::Library> {
+    let libs = capi.parent()?.parent()?.join("nixl_cu12.libs");
+    let ucs = std::fs::read_dir(&libs).ok()?.flatten().find_map(|e| {
+        let name = e.file_name();
+        let name = name.to_str()?;
+        (name.starts_with("libucs-") && name.contains(".so")).then(|| e.path())
+    })?;
+    // SAFETY: libucs' initialisers set up UCX's globals (configuration parsed from the
+    // environment, logging); they start no thread that outlives the call. RTLD_LOCAL keeps its
+    // symbols private, as for the C API library.
+    let lib = match unsafe {
+        libloading::os::unix::Library::open(
+            Some(ucs.as_os_str()),
+            libc::RTLD_NOW | libc::RTLD_LOCAL,
+        )
+    } {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(%e, "nixl: cannot load the wheel's libucs to exclude its efa module");
+            return None;
+        }
+    };
+    // `ucs_status_t ucs_global_opts_set_value(const char *name, const char *value)`;
+    // `ucs_status_t` is a packed (one byte) enum, UCS_OK = 0.
+    type SetValue =
+        unsafe extern "C" fn(*const libc::c_char, *const libc::c_char) -> std::ffi::c_schar;
+    // SAFETY: the symbol has this C signature in every UCX release that has it.
+    let status = unsafe {
+        match lib.get::<SetValue>(b"ucs_global_opts_set_value\0") {
+            Ok(set) => Some(set(c"MODULES".as_ptr(), c"^efa".as_ptr())),
+            Err(_) => None,
+        }
+    };
+    if status != Some(0) {
+        tracing::warn!(
+            ?status,
+            "nixl: could not exclude the wheel's UCX efa module (ucs_global_opts_set_value)"
+        );
+    }
+    Some(lib)
 }
 
 /// True for the pip wheel's layout (its bundled UCX needs the `efa` workaround above).

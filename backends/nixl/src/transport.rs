@@ -11,15 +11,15 @@ use reshard_core::{
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::agent::{NixlAgent, Prepped, Reg, Request};
 use crate::meta::{AgentMeta, RegionMeta};
 use crate::options::NixlOptions;
-use crate::xfer::{self, NixlInFlight};
-use crate::{runtime, BACKEND};
+use crate::xfer::NixlInFlight;
+use crate::{quarantine, runtime, BACKEND};
 
 /// A NIXL endpoint: one agent (with its plugin backend) and the regions and peers it knows.
 pub struct NixlTransport {
@@ -32,7 +32,13 @@ pub(crate) struct Shared {
     pub(crate) name: String,
     pub(crate) nixl_name: String,
     pub(crate) uid: u64,
+    /// The no-progress bound: how long a wait (or an abort's drain) goes on while no pending
+    /// request completes.
     pub(crate) timeout: Duration,
+    /// Set when the [`NixlTransport`] is dropped: waiters stop waiting (after draining).
+    pub(crate) closed: AtomicBool,
+    /// NIXL registrations of this endpoint not yet deregistered (diagnostics and tests).
+    registrations: Arc<AtomicUsize>,
     /// This rank's GPU, when configured: VRAM on other devices is refused.
     device_id: Option<u32>,
     state: Mutex<State>,
@@ -50,18 +56,48 @@ struct State {
     peers: HashMap<OwnerId, Arc<Peer>>,
     /// Loaded peers by NIXL agent name (several owners may name one agent).
     loaded: HashMap<String, Arc<Peer>>,
+    /// Every prepared batch of this endpoint still alive, so a peer reload can find those
+    /// made from the metadata it replaces.
+    batches: Vec<Weak<Prepared>>,
 }
 
 /// A local registered region.
 struct Local {
-    block: Arc<dyn MemoryBlock>,
+    mem: Arc<LocalMem>,
     addr: u64,
     len: u64,
     kind: MemoryKind,
     /// Changes when the id is reused by nothing but a new registration; checked at post.
     generation: u64,
-    /// Deregisters from NIXL when dropped (after the block is no longer used by any batch).
-    _reg: Option<Reg>,
+}
+
+/// The NIXL registration of a local region and the memory behind it, shared by the region
+/// entry and every prepared batch that reads into the region (and so by a quarantined one):
+/// the last holder deregisters, and only then lets go of the memory.
+pub(crate) struct LocalMem {
+    reg: Option<Reg>,
+    /// Only held: released after `reg` (see `Drop`).
+    _block: Arc<dyn MemoryBlock>,
+    registrations: Arc<AtomicUsize>,
+}
+
+impl Drop for LocalMem {
+    fn drop(&mut self) {
+        // Deregister first, explicitly: the block (a field, dropped after this body) must
+        // outlive its registration.
+        if let Some(reg) = self.reg.take() {
+            drop(reg);
+            self.registrations.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Address space of a memory kind, for comparing address ranges.
+fn space(kind: MemoryKind) -> u64 {
+    match kind {
+        MemoryKind::Dram => 0,
+        MemoryKind::Vram { device } => 1 + u64::from(device),
+    }
 }
 
 /// A loaded peer: its NIXL name, the regions its metadata lists, and the exact bytes loaded.
@@ -82,28 +118,62 @@ pub(crate) struct Group {
     remote_ix: Vec<i32>,
     /// Remote byte range of its first read, for errors.
     pub(crate) range: Range<u64>,
+    /// Bytes its reads move (at most [`REQUEST_BYTES`] unless one read is larger).
+    bytes: u64,
 }
+
+/// Largest number of bytes one NIXL request carries (a larger read still gets one request of
+/// its own). NIXL tells completion per request, not per read, so this is the granularity at
+/// which the no-progress timer sees a transfer advance: 64 MiB is a tenth of a second over
+/// TCP and well under a millisecond in shared memory, while a 3 GB refit needs only ~50
+/// requests.
+const REQUEST_BYTES: u64 = 64 << 20;
+
+/// The NIXL objects of a prepared batch. Field order is release order: requests before the
+/// lists they were made from.
+pub(crate) struct NixlObjects {
+    /// Per segment, one request per group. `None` after a failure that every pending request
+    /// was seen to end: the next post re-makes them from the prepared lists.
+    pub(crate) requests: Option<Vec<Vec<Request>>>,
+    local_lists: Vec<Prepped>,
+    remote_lists: Vec<Prepped>,
+}
+
+/// [`Prepared::phase`]: no request in progress; `post` may take it.
+pub(crate) const IDLE: u8 = 0;
+/// A [`NixlInFlight`] owns the requests.
+pub(crate) const BUSY: u8 = 1;
+/// Requests may still be in progress with nobody waiting: the quarantine holds the batch.
+/// Never posted again.
+pub(crate) const QUARANTINED: u8 = 2;
+/// A peer it reads from was reloaded: its NIXL objects were released. Never posted again.
+pub(crate) const RETIRED: u8 = 3;
 
 /// The NIXL state of a [`PreparedBatch`]: prepared descriptor lists, the requests made from
 /// them, and what `post` re-checks.
+///
+/// Invariant: a request is only released (dropped) while the phase is `IDLE` or `RETIRED`
+/// (every request seen to end), or by the quarantine once it saw them end. Whoever holds an
+/// `Arc<Prepared>` keeps the lists, the registrations and the memory alive, so a batch's
+/// in-flight handle and the quarantine keep everything its reads touch.
 pub(crate) struct Prepared {
-    /// Per segment, one request per group. `None` after a release (failure, timeout, abort):
-    /// the next post re-makes them from the prepared lists. Declared first so requests are
-    /// released before the lists they were made from.
-    pub(crate) requests: Mutex<Option<Vec<Vec<Request>>>>,
-    local_lists: Vec<Prepped>,
-    remote_lists: Vec<Prepped>,
+    /// `None` once released (the batch was retired or left the quarantine). Declared first:
+    /// released before the registrations and memory below.
+    pub(crate) nixl: Mutex<Option<NixlObjects>>,
     /// Segments run one after another; a batch without overlapping destinations has one.
     pub(crate) segments: Vec<Vec<Group>>,
-    /// `(region id, generation, block)` of every local region used; keeps the memory alive.
-    locals: Vec<(u64, u64, Arc<dyn MemoryBlock>)>,
+    /// `(region id, generation, registration and memory)` of every local region used.
+    locals: Vec<(u64, u64, Arc<LocalMem>)>,
+    /// `(space, start, end)` local address range of every local region used.
+    local_ranges: Vec<(u64, u64, u64)>,
     peers: Vec<(OwnerId, u64)>,
+    /// NIXL names of the remote agents the remote lists were made from.
+    remote_agents: Vec<String>,
     pub(crate) report: WireReport,
-    /// A post of this batch is in flight.
-    pub(crate) busy: AtomicBool,
-    /// An in-flight handle was dropped without wait/abort: its requests may still run.
-    pub(crate) dirty: AtomicBool,
-    /// Times the requests were made (1 unless a failure, timeout or abort released them).
+    /// `IDLE`, `BUSY`, `QUARANTINED` or `RETIRED`; moves out of `IDLE` only under the
+    /// endpoint's state lock.
+    pub(crate) phase: AtomicU8,
+    /// Times the requests were made (1 unless a failure released them).
     builds: AtomicU64,
     /// Times the batch was posted.
     pub(crate) posts: AtomicU64,
@@ -161,6 +231,8 @@ impl NixlTransport {
                 nixl_name,
                 uid,
                 timeout: Duration::from_millis(options.timeout_ms),
+                closed: AtomicBool::new(false),
+                registrations: Arc::new(AtomicUsize::new(0)),
                 device_id: options.device_id,
                 state: Mutex::new(State {
                     next_region: 1,
@@ -178,22 +250,48 @@ impl NixlTransport {
         &self.shared.nixl_name
     }
 
-    /// Timeout of `wait` and of `abort`'s drain.
+    /// The no-progress bound of `wait` and of `abort`'s drain: how long they go on while no
+    /// pending request completes.
     pub fn timeout(&self) -> Duration {
         self.shared.timeout
+    }
+
+    /// NIXL registrations of this endpoint still in place. A dropped [`Registration`] stays
+    /// registered while a prepared, posted or quarantined batch still uses its region.
+    pub fn registrations(&self) -> usize {
+        self.shared.registrations.load(Ordering::Acquire)
+    }
+
+    /// Batches of this endpoint held by the quarantine: their reads were still in progress
+    /// when they were ended, and their memory stays alive until NIXL reports them finished.
+    pub fn quarantined(&self) -> usize {
+        quarantine::count(self.shared.uid)
     }
 
     /// What a batch prepared by a NIXL endpoint holds (`None` for other batches).
     pub fn prepared_stats(batch: &PreparedBatch) -> Option<PreparedStats> {
         let p = batch.state::<Arc<Prepared>>()?;
+        let (local_lists, remote_lists) = p
+            .nixl
+            .lock()
+            .as_ref()
+            .map_or((0, 0), |n| (n.local_lists.len(), n.remote_lists.len()));
         Some(PreparedStats {
             segments: p.segments.len(),
             requests: p.segments.iter().map(Vec::len).sum(),
-            local_lists: p.local_lists.len(),
-            remote_lists: p.remote_lists.len(),
+            local_lists,
+            remote_lists,
             request_builds: p.builds.load(Ordering::Relaxed),
             posts: p.posts.load(Ordering::Relaxed),
         })
+    }
+}
+
+impl Drop for NixlTransport {
+    fn drop(&mut self) {
+        // Wakes every waiter (rule 4); the agent itself lives on while any batch, in-flight
+        // handle or quarantine entry holds the shared state.
+        self.shared.closed.store(true, Ordering::Release);
     }
 }
 
@@ -233,32 +331,35 @@ struct Resolved {
     local_kind: MemoryKind,
     len: u64,
     remote_range: Range<u64>,
-    /// (local region, start, end), for overlap detection.
+    /// (address space, start address, end address) of the destination, for overlap
+    /// detection.
     dst: (u64, u64, u64),
 }
 
 /// Splits reads (in batch order) into consecutive segments whose destinations are pairwise
 /// disjoint: running segments one after another applies overlapping reads in batch order.
+/// Destinations are local *address* ranges (with their address space), not region offsets:
+/// the same memory registered twice is two regions but one destination.
 fn segments(dsts: &[(u64, u64, u64)]) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0usize;
-    // Disjoint intervals of the current segment: (region, start) -> end.
+    // Disjoint intervals of the current segment: (space, start) -> end.
     let mut seen: BTreeMap<(u64, u64), u64> = BTreeMap::new();
-    for (i, &(region, s, e)) in dsts.iter().enumerate() {
+    for (i, &(space, s, e)) in dsts.iter().enumerate() {
         let before = seen
-            .range(..=(region, s))
+            .range(..=(space, s))
             .next_back()
-            .is_some_and(|(&(r, _), &end)| r == region && end > s);
+            .is_some_and(|(&(r, _), &end)| r == space && end > s);
         let after = seen
-            .range((region, s)..)
+            .range((space, s)..)
             .next()
-            .is_some_and(|(&(r, st), _)| r == region && st < e);
+            .is_some_and(|(&(r, st), _)| r == space && st < e);
         if before || after {
             out.push(start..i);
             start = i;
             seen.clear();
         }
-        seen.insert((region, s), e);
+        seen.insert((space, s), e);
     }
     if start < dsts.len() {
         out.push(start..dsts.len());
@@ -267,8 +368,9 @@ fn segments(dsts: &[(u64, u64, u64)]) -> Vec<Range<usize>> {
 }
 
 impl Prepared {
-    /// Makes every request from the prepared lists (at prepare, and after a release).
-    pub(crate) fn make_requests(&self) -> Result<Vec<Vec<Request>>> {
+    /// Makes every request from the prepared lists (at prepare, and after a failure that
+    /// every pending request was seen to end).
+    pub(crate) fn make_requests(&self, nixl: &NixlObjects) -> Result<Vec<Vec<Request>>> {
         let agent = &self.shared.agent;
         self.builds.fetch_add(1, Ordering::Relaxed);
         self.segments
@@ -278,9 +380,9 @@ impl Prepared {
                     .map(|g| {
                         agent
                             .make_read(
-                                &self.local_lists[g.local_list],
+                                &nixl.local_lists[g.local_list],
                                 &g.local_ix,
-                                &self.remote_lists[g.remote_list],
+                                &nixl.remote_lists[g.remote_list],
                                 &g.remote_ix,
                             )
                             .map_err(|e| e.with_owner(g.owner).with_range(g.range.clone()))
@@ -290,9 +392,25 @@ impl Prepared {
             .collect()
     }
 
+    /// `(space, start, end)` of every local region this batch writes into.
+    pub(crate) fn local_ranges(&self) -> &[(u64, u64, u64)] {
+        &self.local_ranges
+    }
+
+    /// Ids of the local regions this batch writes into.
+    pub(crate) fn local_regions(&self) -> Vec<u64> {
+        self.locals.iter().map(|l| l.0).collect()
+    }
+
+    /// Releases the NIXL objects (requests, then lists). Only for a batch none of whose
+    /// requests is in progress.
+    pub(crate) fn release_nixl(&self) {
+        let old = self.nixl.lock().take();
+        drop(old);
+    }
+
     /// Fails when a region or peer this batch was prepared against has changed since.
-    fn check_live(&self) -> Result<()> {
-        let st = self.shared.state.lock();
+    fn check_live(&self, st: &State) -> Result<()> {
         for &(id, generation, _) in &self.locals {
             if st.regions.get(&id).map(|l| l.generation) != Some(generation) {
                 return Err(Error::new(
@@ -316,15 +434,10 @@ impl Prepared {
     }
 }
 
-impl Drop for Prepared {
-    fn drop(&mut self) {
-        // A post dropped without wait/abort may still be moving bytes into memory this batch
-        // keeps alive: wait (bounded) before the blocks and requests go.
-        if self.dirty.load(Ordering::Acquire) || self.busy.load(Ordering::Acquire) {
-            xfer::drain_blocking(self);
-        }
-    }
-}
+// `Prepared` has no `Drop`: its last `Arc` goes only when no in-flight handle and no
+// quarantine entry holds it, i.e. when none of its requests can be in progress, so its
+// fields are released in declaration order without waiting: requests, lists, then the
+// registrations (deregistered when no other batch or region entry holds them) and memory.
 
 impl fmt::Debug for NixlTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -336,6 +449,65 @@ impl fmt::Debug for NixlTransport {
             .field("peers", &st.peers.len())
             .finish()
     }
+}
+
+/// Live batches of the endpoint whose remote lists were made from agent `nixl_name`'s
+/// metadata (forgets dead ones).
+fn users(st: &mut State, nixl_name: &str) -> Vec<Arc<Prepared>> {
+    st.batches.retain(|w| w.strong_count() > 0);
+    st.batches
+        .iter()
+        .filter_map(Weak::upgrade)
+        .filter(|p| p.remote_agents.iter().any(|a| a == nixl_name))
+        .collect()
+}
+
+fn has_users(st: &mut State, nixl_name: &str) -> bool {
+    !users(st, nixl_name).is_empty()
+}
+
+/// Before the metadata of agent `nixl_name` is invalidated: refuses while a batch made from it
+/// is posted or quarantined (its requests may be in progress), and releases the NIXL objects
+/// of the idle ones, which can then never be posted again.
+///
+/// Releasing them now, rather than keeping the old remote loaded until they are dropped, is
+/// deliberate: NIXL keeps one metadata per agent name, so the new metadata cannot be loaded
+/// while the old one stays, and idle requests and lists are safe to release at any time.
+/// They already fail `check_live` (the peer's generation changes), so nothing is lost, and
+/// their later drop finds nothing made from the freed metadata. Runs under the state lock, so
+/// no `post` can move a batch out of `IDLE` meanwhile.
+fn retire_users(st: &mut State, nixl_name: &str, owner: OwnerId) -> Result<()> {
+    let users = users(st, nixl_name);
+    for p in &users {
+        let what = match p.phase.load(Ordering::Acquire) {
+            BUSY => "is in flight: wait for it or abort it first",
+            QUARANTINED => {
+                "was ended while its reads still ran and is quarantined until they finish: \
+                 wait for them (NixlTransport::quarantined) first"
+            }
+            _ => continue,
+        };
+        return Err(Error::new(
+            ErrorKind::Transport,
+            format!(
+                "cannot reload the metadata of owner {owner} (NIXL agent {nixl_name}): a batch \
+                 reading from it {what}"
+            ),
+        )
+        .with_owner(owner)
+        .with_backend(BACKEND)
+        .set_retryable(true));
+    }
+    for p in users {
+        let idle = p
+            .phase
+            .compare_exchange(IDLE, RETIRED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if idle || p.phase.load(Ordering::Acquire) == RETIRED {
+            p.release_nixl();
+        }
+    }
+    Ok(())
 }
 
 #[async_trait]
@@ -402,6 +574,14 @@ impl Transport for NixlTransport {
                 }
             })?)
         };
+        if reg.is_some() {
+            s.registrations.fetch_add(1, Ordering::AcqRel);
+        }
+        let mem = Arc::new(LocalMem {
+            reg,
+            _block: block,
+            registrations: Arc::clone(&s.registrations),
+        });
         let id = {
             let mut st = s.state.lock();
             let id = st.next_region;
@@ -410,12 +590,11 @@ impl Transport for NixlTransport {
             st.regions.insert(
                 id,
                 Local {
-                    block,
+                    mem,
                     addr: addr as u64,
                     len: len as u64,
                     kind,
                     generation,
-                    _reg: reg,
                 },
             );
             id
@@ -426,6 +605,8 @@ impl Transport for NixlTransport {
         Ok(Registration::new(id, len as u64, kind, move || {
             if let Some(s) = weak.upgrade() {
                 // Deregister outside the lock: NIXL calls and the block's Drop may take time.
+                // The region's registration is shared with every batch that reads into it;
+                // it is deregistered when the last of them (and this entry) is gone.
                 let removed = s.state.lock().regions.remove(&id);
                 if removed.is_some() {
                     s.bump();
@@ -480,7 +661,11 @@ impl Transport for NixlTransport {
             Some(p) if p.raw == metadata => Arc::clone(p),
             old => {
                 if old.is_some() {
-                    // Replace, not merge: drop what NIXL holds for the old metadata first.
+                    // Replace, not merge: drop what NIXL holds for the old metadata first,
+                    // but never under a request made from it (invalidation destroys the
+                    // remote keys those requests read with, and their completion could no
+                    // longer be observed).
+                    retire_users(&mut st, &meta.nixl_name, owner)?;
                     s.agent
                         .invalidate_remote(&meta.nixl_name)
                         .map_err(|e| e.with_owner(owner))?;
@@ -491,7 +676,11 @@ impl Transport for NixlTransport {
                     .load_remote(&meta.nixl_md)
                     .map_err(|e| e.with_owner(owner))?;
                 if name != meta.nixl_name {
-                    let _ = s.agent.invalidate_remote(&name);
+                    // Forget what was just loaded, unless that agent is one this endpoint
+                    // already uses (its batches' requests need its keys).
+                    if !st.loaded.contains_key(&name) && !has_users(&mut st, &name) {
+                        let _ = s.agent.invalidate_remote(&name);
+                    }
                     return Err(Error::new(
                         ErrorKind::Decode,
                         format!(
@@ -536,10 +725,12 @@ impl Transport for NixlTransport {
             );
         }
         let mut resolved = Vec::with_capacity(batch.reads.len());
-        let mut locals: BTreeMap<u64, (u64, Arc<dyn MemoryBlock>)> = BTreeMap::new();
+        let mut locals: BTreeMap<u64, (u64, Arc<LocalMem>, (u64, u64, u64))> = BTreeMap::new();
         let mut peers: BTreeMap<OwnerId, (u64, String)> = BTreeMap::new();
+        // Held until the batch is registered in `batches`: no peer reload can invalidate the
+        // metadata its lists and requests are made from in between.
+        let mut st = s.state.lock();
         {
-            let st = s.state.lock();
             for (i, r) in batch.reads.iter().enumerate() {
                 let remote = span(r.remote_offset, r.len);
                 if r.len == 0 {
@@ -597,9 +788,13 @@ impl Transport for NixlTransport {
                         ),
                     ));
                 }
-                locals
-                    .entry(r.local_region)
-                    .or_insert_with(|| (local.generation, Arc::clone(&local.block)));
+                locals.entry(r.local_region).or_insert_with(|| {
+                    (
+                        local.generation,
+                        Arc::clone(&local.mem),
+                        (space(local.kind), local.addr, local.addr + local.len),
+                    )
+                });
                 peers
                     .entry(r.owner)
                     .or_insert_with(|| (peer.generation, peer.nixl_name.clone()));
@@ -611,7 +806,11 @@ impl Transport for NixlTransport {
                     local_kind: local.kind,
                     len: r.len,
                     remote_range: remote,
-                    dst: (r.local_region, r.local_offset, r.local_offset + r.len),
+                    dst: (
+                        space(local.kind),
+                        local.addr + r.local_offset,
+                        local.addr + r.local_offset + r.len,
+                    ),
                 });
             }
         }
@@ -671,13 +870,18 @@ impl Transport for NixlTransport {
             for i in cut.clone() {
                 let (l, li, m, mi) = at[i];
                 let r = &resolved[i];
-                match groups
-                    .iter_mut()
-                    .find(|g| g.local_list == l && g.remote_list == m)
-                {
+                // The newest request of these lists, while it has room: NIXL reports progress
+                // only per request, so requests are capped at REQUEST_BYTES to give the
+                // no-progress timer something to see on a long transfer.
+                match groups.iter_mut().rev().find(|g| {
+                    g.local_list == l
+                        && g.remote_list == m
+                        && g.bytes.saturating_add(r.len) <= REQUEST_BYTES
+                }) {
                     Some(g) => {
                         g.local_ix.push(li);
                         g.remote_ix.push(mi);
+                        g.bytes += r.len;
                     }
                     None => groups.push(Group {
                         owner: r.owner,
@@ -686,30 +890,45 @@ impl Transport for NixlTransport {
                         local_ix: vec![li],
                         remote_ix: vec![mi],
                         range: r.remote_range.clone(),
+                        bytes: r.len,
                     }),
                 }
             }
             segs.push(groups);
         }
+        let mut remote_agents: Vec<String> = peers.values().map(|(_, n)| n.clone()).collect();
+        remote_agents.sort_unstable();
+        remote_agents.dedup();
         let prepared = Prepared {
-            requests: Mutex::new(None),
-            local_lists,
-            remote_lists,
+            nixl: Mutex::new(None),
             segments: segs,
-            locals: locals.into_iter().map(|(id, (g, b))| (id, g, b)).collect(),
+            local_ranges: locals.values().map(|l| l.2).collect(),
+            locals: locals
+                .into_iter()
+                .map(|(id, (g, m, _))| (id, g, m))
+                .collect(),
             peers: peers.into_iter().map(|(o, (g, _))| (o, g)).collect(),
+            remote_agents,
             report: WireReport {
                 reads: batch.reads.len() as u64,
                 bytes: batch.bytes(),
             },
-            busy: AtomicBool::new(false),
-            dirty: AtomicBool::new(false),
+            phase: AtomicU8::new(IDLE),
             builds: AtomicU64::new(0),
             posts: AtomicU64::new(0),
             shared: Arc::clone(&self.shared),
         };
-        let requests = prepared.make_requests()?;
-        *prepared.requests.lock() = Some(requests);
+        let mut objects = NixlObjects {
+            requests: None,
+            local_lists,
+            remote_lists,
+        };
+        objects.requests = Some(prepared.make_requests(&objects)?);
+        *prepared.nixl.lock() = Some(objects);
+        let prepared = Arc::new(prepared);
+        st.batches.retain(|w| w.strong_count() > 0);
+        st.batches.push(Arc::downgrade(&prepared));
+        drop(st);
         tracing::debug!(
             agent = %s.name,
             reads = prepared.report.reads,
@@ -718,11 +937,7 @@ impl Transport for NixlTransport {
             requests = prepared.segments.iter().map(Vec::len).sum::<usize>(),
             "nixl prepare"
         );
-        Ok(PreparedBatch::new(
-            Arc::new(batch),
-            BACKEND,
-            Arc::new(prepared),
-        ))
+        Ok(PreparedBatch::new(Arc::new(batch), BACKEND, prepared))
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
@@ -741,14 +956,70 @@ impl Transport for NixlTransport {
                 )
                 .with_backend(BACKEND)
             })?;
-        p.check_live()?;
-        if p.busy.swap(true, Ordering::AcqRel) {
-            return Err(Error::new(
-                ErrorKind::Transport,
-                "this prepared batch is still in flight; wait for or abort it first",
-            )
-            .with_backend(BACKEND)
-            .set_retryable(true));
+        {
+            // Under the state lock: a peer reload never sees a batch leave IDLE meanwhile.
+            let st = self.shared.state.lock();
+            match p.phase.load(Ordering::Acquire) {
+                BUSY => {
+                    return Err(Error::new(
+                        ErrorKind::Transport,
+                        "this prepared batch is still in flight; wait for or abort it first",
+                    )
+                    .with_backend(BACKEND)
+                    .set_retryable(true))
+                }
+                QUARANTINED => {
+                    return Err(Error::new(
+                        ErrorKind::Transport,
+                        format!(
+                            "this prepared batch was ended while its reads still ran and is \
+                             quarantined (local regions {:?} kept alive until they finish); it \
+                             is never posted again: prepare a new batch",
+                            p.local_regions()
+                        ),
+                    )
+                    .with_backend(BACKEND)
+                    .set_quarantined())
+                }
+                RETIRED => {
+                    return Err(Error::new(
+                        ErrorKind::Transport,
+                        "the metadata of a peer of this batch was reloaded after prepare; \
+                         prepare again",
+                    )
+                    .with_backend(BACKEND))
+                }
+                _ => {}
+            }
+            p.check_live(&st)?;
+            let busy = quarantine::conflicts(self.shared.uid, p.local_ranges());
+            if !busy.is_empty() {
+                let ranges: Vec<String> = busy
+                    .iter()
+                    .map(|(a, b)| format!("{a:#x}..{b:#x}"))
+                    .collect();
+                return Err(Error::new(
+                    ErrorKind::Transport,
+                    format!(
+                        "local memory {} is quarantined: reads of an earlier batch may still \
+                         land in it; use other memory or wait until they finish",
+                        ranges.join(", ")
+                    ),
+                )
+                .with_backend(BACKEND)
+                .set_quarantined());
+            }
+            if p.phase
+                .compare_exchange(IDLE, BUSY, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                return Err(Error::new(
+                    ErrorKind::Transport,
+                    "this prepared batch is being posted concurrently",
+                )
+                .with_backend(BACKEND)
+                .set_retryable(true));
+            }
         }
         let flight = NixlInFlight::start(Arc::clone(p)).await?;
         Ok(Box::new(flight))

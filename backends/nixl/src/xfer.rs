@@ -1,9 +1,12 @@
-//! Posted batches: posting every owner's request, polling completion with backoff, the
-//! timeout, failure and abort paths, and the [`InFlight`] handle.
+//! Posted batches: posting every owner's request, polling completion with backoff under a
+//! no-progress bound, the failure, abort and drop paths, and the [`InFlight`] handle.
 //!
 //! Requests are re-posted every step (NIXL allows re-posting a request once its previous
-//! transfer completed). A request whose transfer failed or timed out, or that an abort
-//! drained, is released; the next post re-makes it from the prepared descriptor lists.
+//! transfer completed). NIXL cannot stop a READ: `releaseXferReq` on a request in progress
+//! frees it while the get carries on (docs/in-flight-safety.md). So a request is never
+//! released while it may be in progress. A batch either ends with every posted request seen
+//! to end (completed or failed), or it is handed to the [`crate::quarantine`] with everything
+//! its reads touch, and the error says so (`is_quarantined`, never retryable).
 
 use async_trait::async_trait;
 use reshard_core::{Error, ErrorKind, InFlight, Result, WireReport};
@@ -11,8 +14,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::agent::status_name;
-use crate::transport::Prepared;
+use crate::agent::{plugin_failed, status_name};
+use crate::quarantine;
+use crate::transport::{Prepared, IDLE, QUARANTINED};
 use crate::BACKEND;
 
 /// Polls answered by yielding before the poller starts sleeping.
@@ -36,6 +40,10 @@ impl Backoff {
         }
     }
 
+    fn reset(&mut self) {
+        *self = Backoff::new();
+    }
+
     async fn pause(&mut self) {
         if self.polls < SPIN_POLLS {
             self.polls += 1;
@@ -52,84 +60,70 @@ pub(crate) struct NixlInFlight {
     p: Arc<Prepared>,
     /// Segment whose requests are posted.
     seg: usize,
-    /// Groups of `seg` still in flight.
+    /// Groups of `seg` posted and not yet seen to end.
     pending: Vec<usize>,
-    deadline: Instant,
-    /// Wait or abort ran to its end (the batch is no longer busy).
+    /// When a pending request last ended (or the segment was posted): the no-progress timer.
+    last_progress: Instant,
+    /// The batch was handed back (idle) or to the quarantine.
     finished: bool,
-}
-
-enum Poll {
-    Done,
-    Failed(Error),
-    TimedOut,
+    /// A post failed inside the UCX plugin: reads of that request it had already started may
+    /// still run, and NIXL released their handles, so their end can never be observed.
+    unobservable: bool,
 }
 
 impl NixlInFlight {
     /// Posts the first segment (every owner's request of it) and returns the handle; on a
-    /// post failure drains what was posted and returns the error.
+    /// post failure waits for what was posted and returns the error.
     pub(crate) async fn start(p: Arc<Prepared>) -> Result<NixlInFlight> {
-        let timeout = p.shared.timeout;
         let mut f = NixlInFlight {
             p,
             seg: 0,
             pending: Vec::new(),
-            deadline: Instant::now() + timeout,
+            last_progress: Instant::now(),
             finished: false,
+            unobservable: false,
         };
-        if f.p.dirty.load(Ordering::Acquire) {
-            // A previous handle was dropped unwaited: its requests must be idle before they
-            // are re-posted, so wait for them (bounded) here.
-            let mut backoff = Backoff::new();
-            while f
-                .p
-                .requests
-                .lock()
-                .as_ref()
-                .is_some_and(|r| any_active(&f.p, r))
-            {
-                if Instant::now() >= f.deadline {
-                    f.finish();
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        "an earlier post of this batch, dropped without wait, is still in flight",
-                    )
-                    .with_backend(BACKEND)
-                    .set_retryable(true));
-                }
-                backoff.pause().await;
+        let made = {
+            let mut nixl = f.p.nixl.lock();
+            match nixl.as_mut() {
+                Some(n) if n.requests.is_none() => match f.p.make_requests(n) {
+                    Ok(r) => {
+                        n.requests = Some(r);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                },
+                Some(_) => Ok(()),
+                None => Err(Error::new(
+                    ErrorKind::Transport,
+                    "this prepared batch was released (a peer was reloaded); prepare again",
+                )
+                .with_backend(BACKEND)),
             }
-            f.p.dirty.store(false, Ordering::Release);
-        }
-        let missing = f.p.requests.lock().is_none();
-        if missing {
-            match f.p.make_requests() {
-                Ok(r) => *f.p.requests.lock() = Some(r),
-                Err(e) => {
-                    f.finish();
-                    return Err(e);
-                }
-            }
+        };
+        if let Err(e) = made {
+            // Nothing was posted.
+            f.idle();
+            return Err(e);
         }
         f.p.posts.fetch_add(1, Ordering::Relaxed);
         if f.p.segments.is_empty() {
             return Ok(f);
         }
         if let Err(e) = f.post_segment(0) {
-            f.drain().await;
-            f.release();
-            f.finish();
-            return Err(e);
+            return Err(f.after_failure(e).await);
         }
         Ok(f)
     }
 
-    /// Posts every request of segment `seg` before polling any.
+    /// Posts every request of segment `seg` before polling any; stops at the first failure
+    /// (the requests posted before it stay pending).
     fn post_segment(&mut self, seg: usize) -> Result<()> {
         self.seg = seg;
         self.pending.clear();
-        let reqs = self.p.requests.lock();
-        let Some(reqs) = reqs.as_ref() else {
+        self.last_progress = Instant::now();
+        let nixl = self.p.nixl.lock();
+        let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
             return Err(
                 Error::new(ErrorKind::Internal, "nixl requests missing at post")
                     .with_backend(BACKEND),
@@ -141,6 +135,12 @@ impl NixlInFlight {
                 Ok(true) => self.pending.push(g),
                 Ok(false) => {}
                 Err(e) => {
+                    // NIXL records the failed post as the request's status (it reports that
+                    // error from now on). Errors of NIXL's own checks (invalid parameter,
+                    // unknown agent) come before anything is handed to the plugin. A plugin
+                    // error (NIXL_ERR_BACKEND) may come part-way: the UCX plugin then releases
+                    // the gets of this request it already started, which do not stop.
+                    self.unobservable = plugin_failed(&e);
                     return Err(Error::new(
                         ErrorKind::Transport,
                         format!("NIXL postXferReq (READ) failed: {}", status_name(&e)),
@@ -157,15 +157,20 @@ impl NixlInFlight {
     }
 
     /// Polls the pending requests of the current segment once; returns the first failure.
-    fn poll_once(&mut self) -> Result<()> {
-        let reqs = self.p.requests.lock();
-        let Some(reqs) = reqs.as_ref() else {
-            self.pending.clear();
-            return Ok(());
+    /// Any request seen to end (completed or failed) restarts the no-progress timer.
+    fn poll_once(&mut self) -> Option<Error> {
+        let nixl = self.p.nixl.lock();
+        let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
+            // Cannot happen while the batch is busy (nothing else releases its requests).
+            return Some(
+                Error::new(ErrorKind::Internal, "nixl requests missing while in flight")
+                    .with_backend(BACKEND),
+            );
         };
         let mut first = None;
         let seg = self.seg;
         let p = &self.p;
+        let before = self.pending.len();
         self.pending
             .retain(|&g| match p.shared.agent.done(&reqs[seg][g]) {
                 Ok(done) => !done,
@@ -187,36 +192,34 @@ impl NixlInFlight {
                     false
                 }
             });
-        first.map_or(Ok(()), Err)
+        if self.pending.len() < before {
+            self.last_progress = Instant::now();
+        }
+        first
     }
 
-    /// Polls until the current segment completes, fails or the deadline passes.
-    async fn poll_segment(&mut self) -> Poll {
-        let mut backoff = Backoff::new();
-        loop {
-            if let Err(e) = self.poll_once() {
-                return Poll::Failed(e);
-            }
-            if self.pending.is_empty() {
-                return Poll::Done;
-            }
-            if Instant::now() >= self.deadline {
-                return Poll::TimedOut;
-            }
-            backoff.pause().await;
-        }
+    fn stalled(&self) -> bool {
+        self.last_progress.elapsed() >= self.p.shared.timeout
+    }
+
+    fn closed(&self) -> bool {
+        self.p.shared.closed.load(Ordering::Acquire)
     }
 
     /// Polls until nothing of the current segment is in flight (errors only end a request's
-    /// wait), bounded by the deadline; false when the deadline passed first.
+    /// wait); false when no pending request ended for the no-progress bound.
     async fn drain(&mut self) -> bool {
         let mut backoff = Backoff::new();
         while !self.pending.is_empty() {
+            let before = self.pending.len();
             let _ = self.poll_once();
             if self.pending.is_empty() {
                 break;
             }
-            if Instant::now() >= self.deadline {
+            if self.pending.len() < before {
+                backoff.reset();
+            }
+            if self.stalled() {
                 return false;
             }
             backoff.pause().await;
@@ -224,18 +227,171 @@ impl NixlInFlight {
         true
     }
 
-    /// Releases every request (NIXL cancels what is still active); the next post re-makes
-    /// them from the prepared lists.
-    fn release(&mut self) {
-        let old = self.p.requests.lock().take();
-        self.pending.clear();
-        drop(old);
+    /// Blocking drain for `Drop` (nothing can be awaited there), bounded by the no-progress
+    /// bound: a drop must not return while bytes may still land (docs/in-flight-safety.md,
+    /// rule 1), and NIXL cannot stop them, so the dropping thread waits them out while they
+    /// progress. Only a batch that stops progressing is handed to the quarantine.
+    fn drain_blocking(&mut self) -> bool {
+        let bound = self.p.shared.timeout;
+        let mut sleep = FIRST_SLEEP;
+        let mut spins = 0u32;
+        while !self.pending.is_empty() {
+            let before = self.pending.len();
+            let _ = self.poll_once();
+            if self.pending.is_empty() {
+                break;
+            }
+            if self.pending.len() < before {
+                sleep = FIRST_SLEEP;
+            }
+            if self.last_progress.elapsed() >= bound {
+                return false;
+            }
+            if spins < SPIN_POLLS {
+                spins += 1;
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(sleep);
+                sleep = (sleep * 2).min(MAX_SLEEP);
+            }
+        }
+        true
     }
 
-    fn finish(&mut self) {
+    /// Every posted request has been seen to end: the batch is postable again.
+    fn idle(&mut self) {
         if !self.finished {
             self.finished = true;
-            self.p.busy.store(false, Ordering::Release);
+            self.pending.clear();
+            self.p.phase.store(IDLE, Ordering::Release);
+        }
+    }
+
+    /// Pending requests may still move bytes and nobody will wait for them: the quarantine
+    /// keeps the batch (requests, lists, registrations, memory) until they end. Returns a
+    /// description of what was quarantined, for errors and logs.
+    fn quarantine(&mut self) -> String {
+        let what = self.pending_description();
+        if !self.finished {
+            self.finished = true;
+            self.p.phase.store(QUARANTINED, Ordering::Release);
+            let pending = self.pending.drain(..).map(|g| (self.seg, g)).collect();
+            quarantine::admit(Arc::clone(&self.p), pending);
+        }
+        what
+    }
+
+    /// After a post that failed part-way inside the plugin: nothing can tell when the reads it
+    /// started end, so the batch (requests, lists, registrations, memory) is kept for the life
+    /// of the process.
+    fn keep_forever(&mut self) -> String {
+        if !self.finished {
+            self.finished = true;
+            self.pending.clear();
+            self.p.phase.store(QUARANTINED, Ordering::Release);
+            quarantine::keep_forever(Arc::clone(&self.p));
+        }
+        format!(
+            "reads this post had already started cannot be observed any more (NIXL released \
+             them); local regions {:?} (their NIXL registrations and memory) are quarantined for \
+             the life of the process, and the batch is never posted again",
+            self.p.local_regions()
+        )
+    }
+
+    fn pending_description(&self) -> String {
+        let mut owners: Vec<String> = self
+            .pending
+            .iter()
+            .map(|&g| {
+                let gr = &self.p.segments[self.seg][g];
+                format!(
+                    "owner {} (remote bytes {}..{} and on)",
+                    gr.owner, gr.range.start, gr.range.end
+                )
+            })
+            .collect();
+        owners.dedup();
+        format!(
+            "reads of {} still in flight; local regions {:?} (their NIXL registrations and \
+             memory) and the batch's requests are quarantined until NIXL reports them \
+             finished, and the batch is never posted again",
+            owners.join(", "),
+            self.p.local_regions()
+        )
+    }
+
+    /// `e` after a failure: waits (no-progress bound) for the other pending requests; if they
+    /// all end, nothing can land any more: their requests are released (the next post re-makes
+    /// them) and `e` is returned as it is. Otherwise the batch is quarantined and so is `e`.
+    async fn after_failure(&mut self, e: Error) -> Error {
+        if self.unobservable {
+            let what = self.keep_forever();
+            return requalify(e, &what);
+        }
+        if self.drain().await {
+            self.p.release_requests();
+            self.idle();
+            e
+        } else {
+            let what = self.quarantine();
+            requalify(e, &what)
+        }
+    }
+
+    async fn run(&mut self) -> Result<WireReport> {
+        loop {
+            let mut backoff = Backoff::new();
+            loop {
+                let before = self.pending.len();
+                if let Some(e) = self.poll_once() {
+                    return Err(self.after_failure(e).await);
+                }
+                if self.pending.is_empty() {
+                    break;
+                }
+                if self.pending.len() < before {
+                    backoff.reset();
+                }
+                if self.closed() {
+                    return Err(self.dropped_transport().await);
+                }
+                if self.stalled() {
+                    let e = self.timeout_error();
+                    let what = self.quarantine();
+                    return Err(requalify(e, &what));
+                }
+                backoff.pause().await;
+            }
+            let next = self.seg + 1;
+            if next >= self.p.segments.len() {
+                self.idle();
+                return Ok(self.p.report);
+            }
+            if self.closed() {
+                return Err(self.dropped_transport().await);
+            }
+            // Overlapping destinations: the next segment starts only after this one landed.
+            if let Err(e) = self.post_segment(next) {
+                return Err(self.after_failure(e).await);
+            }
+        }
+    }
+
+    /// The transport was dropped while this batch ran: no further segment is posted, what is
+    /// in flight is drained (no-progress bound), and the waiter gets an error.
+    async fn dropped_transport(&mut self) -> Error {
+        let e = Error::new(
+            ErrorKind::Aborted,
+            "the nixl transport was dropped while this batch was in flight",
+        )
+        .with_backend(BACKEND);
+        if self.drain().await {
+            self.idle();
+            e
+        } else {
+            let what = self.quarantine();
+            requalify(e, &what)
         }
     }
 
@@ -244,106 +400,72 @@ impl NixlInFlight {
         let mut e = Error::new(
             ErrorKind::Timeout,
             format!(
-                "NIXL READ did not complete within {} ms (status NIXL_IN_PROG); requests \
-                 released",
+                "no NIXL READ of this batch completed for {} ms (status NIXL_IN_PROG)",
                 self.p.shared.timeout.as_millis()
             ),
         )
-        .with_backend(BACKEND)
-        .set_retryable(true);
+        .with_backend(BACKEND);
         if let Some(g) = g {
             e = e.with_owner(g.owner).with_range(g.range.clone());
         }
         e
     }
+}
 
-    async fn run(&mut self) -> Result<WireReport> {
-        loop {
-            match self.poll_segment().await {
-                Poll::Done => {}
-                Poll::Failed(e) => {
-                    // Let the other owners' reads finish before the requests go.
-                    self.drain().await;
-                    self.release();
-                    return Err(e);
-                }
-                Poll::TimedOut => {
-                    let e = self.timeout_error();
-                    self.release();
-                    return Err(e);
-                }
-            }
-            let next = self.seg + 1;
-            if next >= self.p.segments.len() {
-                return Ok(self.p.report);
-            }
-            // Overlapping destinations: the next segment starts only after this one landed.
-            if let Err(e) = self.post_segment(next) {
-                self.drain().await;
-                self.release();
-                return Err(e);
-            }
-        }
+impl Prepared {
+    /// Releases the requests (not the lists): only when none is in progress. The next post
+    /// makes them again from the prepared lists.
+    fn release_requests(&self) {
+        let old = self.nixl.lock().as_mut().and_then(|n| n.requests.take());
+        drop(old);
     }
 }
 
-/// True when any request of `reqs` is still moving bytes.
-fn any_active(p: &Prepared, reqs: &[Vec<crate::agent::Request>]) -> bool {
-    reqs.iter()
-        .flatten()
-        // A request never posted reports an error here: it is idle.
-        .any(|r| matches!(p.shared.agent.done(r), Ok(false)))
-}
-
-/// Waits (blocking, bounded by the timeout) until no request of `p` is active; for `Drop`,
-/// where nothing can be awaited.
-pub(crate) fn drain_blocking(p: &Prepared) {
-    let deadline = Instant::now() + p.shared.timeout;
-    let mut sleep = FIRST_SLEEP;
-    loop {
-        let active = p.requests.lock().as_ref().is_some_and(|r| any_active(p, r));
-        if !active {
-            return;
-        }
-        if Instant::now() >= deadline {
-            tracing::warn!("nixl requests still active when their batch was dropped");
-            return;
-        }
-        std::thread::sleep(sleep);
-        sleep = (sleep * 2).min(MAX_SLEEP);
+/// `e` with the quarantine note `what` appended, marked quarantined (never retryable).
+fn requalify(e: Error, what: &str) -> Error {
+    let mut q = Error::new(e.kind(), format!("{}; {what}", e.message())).with_backend(BACKEND);
+    if let Some(o) = e.context().owner {
+        q = q.with_owner(o);
     }
+    if let Some(r) = e.context().range.clone() {
+        q = q.with_range(r);
+    }
+    q.with_source(e).set_quarantined()
 }
 
 #[async_trait]
 impl InFlight for NixlInFlight {
     async fn wait(mut self: Box<Self>) -> Result<WireReport> {
-        let r = self.run().await;
-        self.finish();
-        r
+        self.run().await
     }
 
     async fn abort(mut self: Box<Self>) {
-        // NIXL cannot take back a one-sided read already handed to the fabric, so releasing
-        // first would return while bytes still land: drain (no further segment is posted),
-        // then release.
-        let drained = self.drain().await;
-        if !drained {
-            tracing::warn!("nixl abort: reads still in flight at the timeout; releasing them");
+        // NIXL cannot take back a one-sided read already handed to the fabric: no further
+        // segment is posted, and what is in flight is drained while it makes progress.
+        if self.drain().await {
+            self.idle();
+        } else {
+            let what = self.quarantine();
+            tracing::warn!(agent = %self.p.shared.name, "nixl abort: {what}");
         }
-        self.release();
-        self.finish();
     }
 }
 
 impl Drop for NixlInFlight {
     fn drop(&mut self) {
-        if !self.finished {
-            // Dropped without wait/abort: the next post (or the batch's drop) checks the
-            // requests are idle before reusing or releasing them.
-            if !self.pending.is_empty() {
-                self.p.dirty.store(true, Ordering::Release);
-            }
-            self.finish();
+        if self.finished {
+            return;
+        }
+        // Dropped part-way (the handle, or a `wait`/`abort` future): no further segment is
+        // posted, and the reads already posted, which NIXL cannot stop, are waited out here
+        // while they progress (rule 1), blocking this thread as long as the transfer of what
+        // was posted takes. A batch that stops progressing for the no-progress bound goes to
+        // the quarantine; a drop has no error to return, so that is logged as an error.
+        if self.drain_blocking() {
+            self.idle();
+        } else {
+            let what = self.quarantine();
+            tracing::error!(agent = %self.p.shared.name, "nixl batch dropped in flight: {what}");
         }
     }
 }

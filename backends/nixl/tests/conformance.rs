@@ -28,3 +28,14 @@ mod cross_process {
 }
 
 reshard_conformance::fault_tests!(harness(), requires = reshard_backend_nixl::probe());
+
+reshard_conformance::quiescence_tests!(harness(), requires = reshard_backend_nixl::probe());
+
+// In one process NIXL's UCX moves a whole batch inside `post` (shared memory), leaving nothing
+// in flight to end; over TCP the reads stay in flight, so the same tests run there too.
+reshard_conformance::quiescence_tests_in_child!(
+    quiescence_over_tcp,
+    "nixl",
+    env = [("UCX_TLS", "tcp")],
+    requires = reshard_backend_nixl::probe()
+);

@@ -1,5 +1,6 @@
 //! Focused tests of the NIXL backend: metadata decoding, prepare-time validation, peer reloads,
-//! the descriptor cache across many posts, the timeout path, a missing runtime, and options.
+//! the descriptor cache across many posts, overlap and deregistration rules, a missing runtime,
+//! and options. The in-flight scenarios (timeouts, quarantine) are in `in_flight.rs`.
 
 use bytes::Bytes;
 use reshard_backend_nixl::{probe, NixlFactory, NixlOptions, NixlTransport, BACKEND};
@@ -295,101 +296,6 @@ async fn overlapping_destinations_apply_in_batch_order() {
     }
 }
 
-/// Environment variable telling a re-executed test binary to run the timeout scenario.
-const TIMEOUT_CHILD_ENV: &str = "RESHARD_NIXL_TEST_TIMEOUT_CHILD";
-
-/// The timeout scenario needs a read that stays in flight. In one process UCX would finish it
-/// inside the post (shared memory), so a child process runs it with UCX restricted to TCP
-/// (`UCX_TLS` is read once per process) against a publisher without a progress thread: over
-/// TCP a one-sided read needs the target to make progress, which it never does.
-#[test]
-fn a_wait_past_the_timeout_is_a_timeout_and_releases_its_requests() {
-    if std::env::var_os(TIMEOUT_CHILD_ENV).is_some() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(timeout_child());
-        println!("child-saw-timeout");
-        return;
-    }
-    if !available() {
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_wait_past_the_timeout_is_a_timeout_and_releases_its_requests",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(TIMEOUT_CHILD_ENV, "1")
-        .env("UCX_TLS", "tcp")
-        .output()
-        .expect("run the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("child-saw-timeout"),
-        "child failed ({:?}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-async fn timeout_child() {
-    let quiet = NixlOptions {
-        progress_thread: false,
-        ..NixlOptions::default()
-    };
-    let a = NixlTransport::new("timeout-src", &quiet).unwrap();
-    let opts = NixlOptions {
-        timeout_ms: 300,
-        ..NixlOptions::default()
-    };
-    let b = NixlTransport::new("timeout-dst", &opts).unwrap();
-    let len = 1 << 20;
-    let src = Arc::new(HostBuffer::from_bytes(&pattern(len, 9)));
-    let dst = Arc::new(HostBuffer::zeroed(len));
-    let rs = register(&a, &src).await;
-    let rd = register(&b, &dst).await;
-    b.load_peer(0, a.export_metadata().await.unwrap())
-        .await
-        .unwrap();
-    let chunk = 64 * 1024u64;
-    let reads = (0..len as u64 / chunk)
-        .map(|i| read(0, &rs, &rd, i * chunk, chunk))
-        .collect();
-    let prepared = b.prepare(ReadBatch { reads }).await.unwrap();
-    let started = std::time::Instant::now();
-    let e = b
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .expect_err("the publisher never progresses");
-    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
-    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
-    assert_eq!(e.context().owner, Some(0));
-    assert!(e.context().range.is_some());
-    // The requests were released: the next post makes them again from the prepared lists.
-    assert_eq!(
-        NixlTransport::prepared_stats(&prepared)
-            .unwrap()
-            .request_builds,
-        1
-    );
-    let flight = b.post(&prepared).await.expect("post after a timeout");
-    assert_eq!(
-        NixlTransport::prepared_stats(&prepared)
-            .unwrap()
-            .request_builds,
-        2
-    );
-    flight.abort().await;
-}
-
 #[test]
 fn options_with_an_unknown_key_are_a_config_error() {
     let cfg = TransportConfig {
@@ -545,5 +451,134 @@ async fn a_post_dropped_without_wait_leaves_the_batch_usable() {
     assert_eq!(
         b.post(&other).await.err().expect("foreign batch").kind(),
         ErrorKind::Unsupported
+    );
+}
+
+/// Overlap is a matter of addresses, not region ids: the same memory registered twice is two
+/// regions, and reads into both must still be applied one after another, in batch order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_memory_registered_twice_is_one_destination() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("alias-src");
+    let b = endpoint("alias-dst");
+    let len = 8192usize;
+    let src = Arc::new(HostBuffer::from_bytes(&pattern(len, 6)));
+    let rs = register(&a, &src).await;
+    let dst = Arc::new(HostBuffer::zeroed(len));
+    let first = register(&b, &dst).await;
+    let second = register(&b, &dst).await;
+    assert_ne!(first.id(), second.id());
+    b.load_peer(0, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let r = |dst: &Registration, src_off: u64| ReadDesc {
+        owner: 0,
+        remote_region: rs.id(),
+        remote_offset: src_off,
+        local_region: dst.id(),
+        local_offset: 0,
+        len: 4096,
+    };
+    // Disjoint regions ids, same bytes: the later read (from src[4096..]) must win.
+    let prepared = b
+        .prepare(ReadBatch {
+            reads: vec![r(&first, 0), r(&second, 4096)],
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        NixlTransport::prepared_stats(&prepared).unwrap().segments,
+        2,
+        "the two reads write the same bytes"
+    );
+    for _ in 0..3 {
+        b.post(&prepared).await.unwrap().wait().await.unwrap();
+        assert_eq!(dst.read()[..4096], pattern(len, 6)[4096..]);
+    }
+}
+
+/// Dropping a `Registration` while a prepared batch still reads into its region defers the
+/// NIXL deregistration until the batch is gone; the batch can no longer be posted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_registration_stays_registered_while_a_batch_uses_it() {
+    if !available() {
+        return;
+    }
+    let a = endpoint("defer-src");
+    let b = endpoint("defer-dst");
+    let src = Arc::new(HostBuffer::from_bytes(&pattern(4096, 3)));
+    let rs = register(&a, &src).await;
+    let dst = Arc::new(HostBuffer::zeroed(4096));
+    let rd = register(&b, &dst).await;
+    let spare = register(&b, &Arc::new(HostBuffer::zeroed(4096))).await;
+    assert_eq!(b.registrations(), 2);
+    b.load_peer(0, a.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let prepared = b
+        .prepare(ReadBatch {
+            reads: vec![read(0, &rs, &rd, 0, 4096)],
+        })
+        .await
+        .unwrap();
+    drop(rd);
+    assert_eq!(b.registrations(), 2, "the batch still holds the region");
+    let e = b.post(&prepared).await.err().expect("region gone");
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    drop(prepared);
+    assert_eq!(b.registrations(), 1, "deregistered with the last user");
+    drop(spare);
+    assert_eq!(b.registrations(), 0);
+}
+
+/// A block that records, when it is dropped, how many NIXL registrations its endpoint still
+/// holds.
+#[derive(Debug)]
+struct Watched {
+    buf: HostBuffer,
+    endpoint: Arc<NixlTransport>,
+    seen: Arc<std::sync::Mutex<Option<usize>>>,
+}
+
+unsafe impl MemoryBlock for Watched {
+    fn addr(&self) -> usize {
+        self.buf.addr()
+    }
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+    fn kind(&self) -> reshard_core::MemoryKind {
+        self.buf.kind()
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        *self.seen.lock().unwrap() = Some(self.endpoint.registrations());
+    }
+}
+
+/// The memory of a region is let go only after its NIXL registration is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_outlives_its_registration() {
+    if !available() {
+        return;
+    }
+    let t = Arc::new(endpoint("order"));
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let block = Arc::new(Watched {
+        buf: HostBuffer::zeroed(4096),
+        endpoint: Arc::clone(&t),
+        seen: Arc::clone(&seen),
+    });
+    let reg = t.register(block as Arc<dyn MemoryBlock>).await.unwrap();
+    assert_eq!(t.registrations(), 1);
+    drop(reg);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some(0),
+        "the block was dropped after its deregistration"
     );
 }
