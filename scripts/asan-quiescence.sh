@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the in-flight safety tests (every `quiescent_after_*` test of every backend) under
+# Runs the in-flight safety tests (every `quiescent_after_*` / `quiescence_*` test of every
+# backend: the conformance suite's and the backend's own) under
 # AddressSanitizer, so a backend that frees, unmaps or reuses memory a read still touches fails
 # loudly instead of corrupting silently (docs/in-flight-safety.md).
 #
@@ -25,7 +26,7 @@ export RUSTFLAGS="-Zsanitizer=address -Cunsafe-allow-abi-mismatch=sanitizer"
 # Leak checking is off: UCX and NIXL keep process-lifetime allocations by design.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
 for b in "${backends[@]}"; do
-    echo "== AddressSanitizer: quiescent_after_* on $b"
+    echo "== AddressSanitizer: in-flight safety tests of $b"
     cargo test --release --target "$target" --target-dir target/asan \
-        -p "reshard-backend-$b" --test conformance quiescent_after_
+        -p "reshard-backend-$b" --tests -- quiesc
 done
