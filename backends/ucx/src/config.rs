@@ -20,12 +20,20 @@ pub struct UcxOptions {
     pub net_devices: Option<String>,
     /// Most reads of one posted batch outstanding at once; more are issued as they complete.
     pub reads_in_flight: usize,
-    /// A posted batch that makes no progress for this long fails with `Timeout`
-    /// (milliseconds). Connection set-up happens during the first reads, so this bounds it too.
+    /// No-progress bound (milliseconds): a posted batch that makes no progress for this long
+    /// (no read issued, copied or completed, no bytes arriving) fails with `Timeout` and its
+    /// outstanding reads are ended by force-closing their endpoints; reads that still do not
+    /// complete within another such period are quarantined. Connection set-up is bounded by
+    /// it too, but never by less than one second.
     pub timeout_ms: u64,
     /// Threads that copy reads served straight from a peer's shared memory (`ucp_rkey_ptr`);
     /// the machine's available parallelism when unset. 1 copies on the progress thread.
     pub copy_threads: Option<usize>,
+    /// Serve reads of a peer's UCX-allocated shared memory with local copies out of the
+    /// segment UCX mapped here (`ucp_rkey_ptr`), after checking every read against the size
+    /// the peer's metadata gives and the mapping the kernel reports; `false` sends every read
+    /// through `ucp_get_nbx`.
+    pub shm_fast_path: bool,
 }
 
 impl Default for UcxOptions {
@@ -36,6 +44,7 @@ impl Default for UcxOptions {
             reads_in_flight: DEFAULT_READS_IN_FLIGHT,
             timeout_ms: DEFAULT_TIMEOUT_MS,
             copy_threads: None,
+            shm_fast_path: true,
         }
     }
 }
@@ -97,6 +106,22 @@ mod tests {
         assert_eq!(o.tls.as_deref(), Some("tcp"));
         assert_eq!(o.reads_in_flight, 8);
         assert_eq!(o.timeout_ms, DEFAULT_TIMEOUT_MS);
+        assert!(
+            o.shm_fast_path,
+            "the shared-memory fast path is on by default"
+        );
+        let c = Config::from_toml(
+            "[transport]\nkind = \"ucx\"\n[backends.ucx]\nshm_fast_path = false\n",
+        )
+        .unwrap();
+        let o = UcxOptions::from_transport_config(&c.transport).unwrap();
+        assert!(!o.shm_fast_path);
+        let c = Config::from_toml(
+            "[transport]\nkind = \"ucx\"\n[backends.ucx]\nshm_fast_path = \"yes\"\n",
+        )
+        .unwrap();
+        let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
         let c = Config::from_toml("[transport]\nkind = \"ucx\"\n[backends.ucx]\ntlz = \"x\"\n")
             .unwrap();
         let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();

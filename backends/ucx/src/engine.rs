@@ -9,17 +9,24 @@
 //! nothing happens; then it arms the worker's event fd and sleeps in `poll` on that fd and
 //! the mailbox's eventfd, so an idle endpoint (a publisher waiting for reads, a receiver
 //! between updates) costs no CPU.
+//!
+//! A batch is answered only once it is quiet (no get outstanding). Ending one early (abort, a
+//! dropped handle, the no-progress timeout, shutdown) stops its copies and force-closes the
+//! endpoints its gets are outstanding on, since UCX cannot cancel a get; gets that still do not
+//! complete are quarantined with everything they use (README, "In-flight safety").
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Range;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use parking_lot::{Condvar, Mutex};
 use reshard_core::{
     Error, ErrorKind, MemoryBlock, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result, WireReport,
 };
@@ -27,6 +34,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use tokio::sync::oneshot;
 
 use crate::alloc::Allocation;
+use crate::maps::Maps;
 use crate::meta::{EndpointMeta, RegionMeta};
 use crate::plan::{issue_plan, IssuePlan};
 use crate::raw::{self, Context, Endpoint, GetOp, MemHandle, RKey, Started};
@@ -48,10 +56,24 @@ const HOT: Duration = Duration::from_millis(100);
 const BUSY_NAP: Duration = Duration::from_millis(5);
 /// Sleep at most this long when idle (a safety net; events and commands wake the thread).
 const IDLE_NAP: Duration = Duration::from_secs(1);
-/// How long shutdown waits for cancelled reads before leaking their buffers instead.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// Most `ucp_worker_progress` rounds in a row before the thread looks at its mailbox again
+/// (a worker with a steady stream of events must not starve aborts and other commands).
+const PROGRESS_ROUNDS: usize = 64;
+/// Connection set-up (wire-up) is bounded by the timeout, but never by less than this: it
+/// takes round trips between two processes' progress threads.
+const CONNECT_MIN: Duration = Duration::from_secs(1);
+/// After endpoints were force-closed, shutdown keeps progressing the worker until it has
+/// been silent this long (the peers stopped sending replies for the ended reads) ...
+const DRAIN_SILENCE: Duration = Duration::from_millis(100);
+/// ... but for no longer than this.
+const DRAIN_MAX: Duration = Duration::from_secs(10);
 
 type Reply<T> = oneshot::Sender<Result<T>>;
+
+/// Unit tests only: force-closing an endpoint does nothing, so its gets run on as a get
+/// that cannot be stopped would (to exercise quarantine).
+#[cfg(test)]
+pub(crate) static TEST_IGNORE_FORCE_CLOSE: AtomicBool = AtomicBool::new(false);
 
 /// A request to the progress thread.
 pub(crate) enum Cmd {
@@ -83,11 +105,61 @@ pub(crate) enum Cmd {
     Post {
         prepared: u64,
         batch: u64,
+        signal: Arc<BatchSignal>,
         ack: Reply<()>,
         done: Reply<WireReport>,
     },
-    /// Stop issuing reads of `batch` and cancel its outstanding ones.
+    /// End `batch` as abort does: stop issuing and copying, force-close the endpoints its
+    /// gets are outstanding on and answer `done` (and signal quiet) once none is left, or
+    /// once they are quarantined.
     Cancel { batch: u64 },
+}
+
+/// What a posted batch's handle ([`crate::transport`]'s in-flight batch) and the progress
+/// thread share: the stop flag the shared-memory copies check between pieces, and the
+/// *quiet* signal, set once no byte of the batch can land any more (every get completed), or
+/// once its remaining gets were quarantined.
+pub(crate) struct BatchSignal {
+    stop: AtomicBool,
+    quiet: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl BatchSignal {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(BatchSignal {
+            stop: AtomicBool::new(false),
+            quiet: Mutex::new(false),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Stops the batch's copies before their next piece (the progress thread ends the rest).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    fn set_quiet(&self) {
+        *self.quiet.lock() = true;
+        self.cv.notify_all();
+    }
+
+    /// Blocks until the batch is quiet; false if the progress thread died first (it answers
+    /// every batch before it stops, so this only happens after a panic there).
+    pub(crate) fn wait_quiet(&self, alive: &AtomicBool) -> bool {
+        let mut quiet = self.quiet.lock();
+        while !*quiet {
+            if !alive.load(Ordering::Acquire) {
+                return false;
+            }
+            self.cv.wait_for(&mut quiet, Duration::from_millis(50));
+        }
+        true
+    }
 }
 
 /// The sending side of the progress thread's queue; cheap to clone, `Send + Sync`.
@@ -95,15 +167,21 @@ pub(crate) enum Cmd {
 pub(crate) struct Mailbox {
     tx: mpsc::Sender<Option<Cmd>>,
     wake: Arc<OwnedFd>,
+    alive: Arc<AtomicBool>,
 }
 
 impl Mailbox {
+    /// Cleared when the progress thread exits (also by a panic).
+    pub(crate) fn alive(&self) -> &AtomicBool {
+        &self.alive
+    }
+
     /// Queues `cmd` and wakes the thread; false when the thread has stopped.
     pub(crate) fn send(&self, cmd: Cmd) -> bool {
         self.push(Some(cmd))
     }
 
-    /// Asks the thread to stop (after cancelling and draining outstanding reads).
+    /// Asks the thread to stop (after ending every running batch as abort does).
     pub(crate) fn shutdown(&self) {
         self.push(None);
     }
@@ -136,6 +214,17 @@ pub(crate) struct EngineOptions {
     pub(crate) timeout: Duration,
     /// Threads copying direct reads (1: on the progress thread itself).
     pub(crate) copy_threads: usize,
+    /// Whether reads of a peer's shared memory mapped here are copied directly.
+    pub(crate) shm_fast_path: bool,
+}
+
+/// Clears the alive flag when the progress thread ends, however it ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// Starts the progress thread of endpoint `agent`, creating its context and worker there.
@@ -154,16 +243,21 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
     let (tx, rx) = mpsc::channel();
     let (init_tx, init_rx) = mpsc::sync_channel::<Result<bool>>(1);
     let thread_wake = Arc::clone(&wake);
+    let alive = Arc::new(AtomicBool::new(true));
+    let guard = AliveGuard(Arc::clone(&alive));
     let name = agent.to_owned();
     let thread = std::thread::Builder::new()
         .name(format!("ucx-{agent}"))
-        .spawn(move || match Engine::new(ucx, name, opts, epoch) {
-            Ok(engine) => {
-                let _ = init_tx.send(Ok(engine.ctx.supports(MemoryKind::Vram { device: 0 })));
-                engine.run(rx, thread_wake);
-            }
-            Err(e) => {
-                let _ = init_tx.send(Err(e));
+        .spawn(move || {
+            let _guard = guard;
+            match Engine::new(ucx, name, opts, epoch) {
+                Ok(engine) => {
+                    let _ = init_tx.send(Ok(engine.ctx.supports(MemoryKind::Vram { device: 0 })));
+                    engine.run(rx, thread_wake);
+                }
+                Err(e) => {
+                    let _ = init_tx.send(Err(e));
+                }
             }
         })
         .map_err(|e| {
@@ -173,7 +267,7 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
         })?;
     match init_rx.recv() {
         Ok(Ok(vram)) => Ok(Spawned {
-            mailbox: Mailbox { tx, wake },
+            mailbox: Mailbox { tx, wake, alive },
             thread,
             vram,
         }),
@@ -192,16 +286,19 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
     }
 }
 
-/// A local registration: the block (kept alive while UCX may touch it) and its mapping.
+/// A local registration: its mapping and the block (kept alive while UCX may touch it).
+///
+/// Field order is drop order: the memory handle is unmapped before the block is released.
 struct LocalRegion {
-    /// Kept alive while UCX may read or write it (the mapping and running reads use it).
-    _block: Arc<dyn MemoryBlock>,
     addr: usize,
     len: u64,
     kind: MemoryKind,
     /// `None` for zero-length blocks, which UCX cannot map and no read can touch.
     mem: Option<LocalMem>,
     rkey: Vec<u8>,
+    /// Kept alive while UCX may read or write it (the mapping and running reads use it);
+    /// declared last so it is released after `mem` is unmapped.
+    _block: Arc<dyn MemoryBlock>,
 }
 
 /// How a local region is registered with UCX.
@@ -228,6 +325,10 @@ struct Peer {
     regions: HashMap<u64, RemoteRegion>,
     agent: String,
     ep: Rc<Endpoint>,
+    /// What it was loaded from: a force-closed endpoint is re-created from it.
+    meta: EndpointMeta,
+    /// Load sequence number: of two loads of one owner, the later one wins.
+    seq: u64,
 }
 
 struct RemoteRegion {
@@ -247,7 +348,8 @@ struct Resolved {
     /// Issue order of the pieces.
     plan: IssuePlan,
     report: WireReport,
-    _peers: Vec<Rc<Peer>>,
+    /// The peers (endpoints, keys) the pieces use, by owner.
+    peers: HashMap<OwnerId, Rc<Peer>>,
     _regions: Vec<Rc<LocalRegion>>,
 }
 
@@ -255,6 +357,7 @@ struct Resolved {
 /// the next post.
 struct PreparedEntry {
     batch: Arc<ReadBatch>,
+    owners: Vec<OwnerId>,
     resolved: Option<Rc<Resolved>>,
 }
 
@@ -269,11 +372,48 @@ struct Running {
     gen: usize,
     outstanding: usize,
     error: Option<Error>,
+    /// Ended by abort, a dropped handle or shutdown: issues and copies nothing more.
     cancelled: bool,
+    /// Last progress: a read issued, copied or completed, or bytes arriving (the worker
+    /// progressing while gets are outstanding, until its endpoints were force-closed).
     last_event: Instant,
-    /// Set when a timed-out batch's reads ignored cancellation for another full timeout.
-    abandoned: bool,
+    /// The endpoints its gets were outstanding on were force-closed: from now on only a
+    /// completion counts as progress, and no progress for the timeout quarantines it.
+    closed: bool,
     done: Option<Reply<WireReport>>,
+    signal: Arc<BatchSignal>,
+}
+
+impl Running {
+    fn owner_of(&self, piece: u32) -> Option<OwnerId> {
+        let read = *self.res.op_read.get(piece as usize)?;
+        Some(self.batch.reads.get(read as usize)?.owner)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // A batch is only dropped once none of its gets is outstanding (quarantined ones are
+        // kept); waiters blocked on it must wake however it ends.
+        self.signal.set_quiet();
+    }
+}
+
+/// A deregistered region kept until a worker flush completed.
+struct Releasing {
+    flush: Request,
+    _region: Rc<LocalRegion>,
+    since: Instant,
+    warned: bool,
+}
+
+/// A post waiting for one of its owners' endpoints to be (re-)created.
+struct DeferredPost {
+    prepared: u64,
+    batch: u64,
+    signal: Arc<BatchSignal>,
+    ack: Reply<()>,
+    done: Reply<WireReport>,
 }
 
 /// A peer whose endpoint is still being wired up (its flush has not completed).
@@ -282,12 +422,14 @@ struct Connecting {
     peer: Peer,
     flush: Request,
     started: Instant,
-    reply: Reply<()>,
+    /// `None` when re-creating an endpoint that was force-closed.
+    reply: Option<Reply<()>>,
 }
 
 /// An outstanding read piece: its batch, its piece index and the request to free once complete.
 struct PendingRead {
     batch: u64,
+    owner: OwnerId,
     /// Index into the batch's `Resolved::ops`.
     piece: u32,
     req: Request,
@@ -304,9 +446,26 @@ struct Engine {
     prepared: HashMap<u64, PreparedEntry>,
     peers: HashMap<OwnerId, Rc<Peer>>,
     regions: BTreeMap<u64, Rc<LocalRegion>>,
-    /// Batches given up on after a timeout whose reads never completed: their buffers stay
-    /// alive (leaked) until the worker is destroyed, since UCX might still write them.
-    zombies: Vec<Running>,
+    /// Batches whose gets did not complete within the no-progress bound after their
+    /// endpoints were force-closed: kept with every request, key, endpoint, registration and
+    /// block they use until a later progress sees the gets complete (then released).
+    quarantine: Vec<Running>,
+    /// Posts waiting for an owner's endpoint to be (re-)created.
+    deferred: Vec<DeferredPost>,
+    /// Latest load sequence number per owner (the load that must win).
+    peer_seq: HashMap<OwnerId, u64>,
+    next_seq: u64,
+    /// Owners whose force-closed endpoint could not be re-created (yet): the metadata to
+    /// try again with at their next post, and why the last attempt failed.
+    lost: HashMap<OwnerId, (EndpointMeta, String)>,
+    /// Set by shutdown: force-closed endpoints are not re-created.
+    shutting_down: bool,
+    /// Deregistered regions waiting for a worker flush (peers' reads of them served).
+    releasing: Vec<Releasing>,
+    /// Deregistered regions kept for good (their flush could not even start).
+    kept: Vec<Rc<LocalRegion>>,
+    /// Whether any endpoint was force-closed (shutdown then drains the worker).
+    forced_any: bool,
     next_region: u64,
     next_token: u64,
     /// Copy pool for direct reads, started at the first one when `copy_threads > 1`.
@@ -351,7 +510,15 @@ impl Engine {
             prepared: HashMap::new(),
             peers: HashMap::new(),
             regions: BTreeMap::new(),
-            zombies: Vec::new(),
+            quarantine: Vec::new(),
+            deferred: Vec::new(),
+            peer_seq: HashMap::new(),
+            next_seq: 1,
+            lost: HashMap::new(),
+            shutting_down: false,
+            releasing: Vec::new(),
+            kept: Vec::new(),
+            forced_any: false,
             next_region: 1,
             next_token: 1,
             copy_pool: None,
@@ -389,13 +556,27 @@ impl Engine {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            while self.worker.progress() {
+            // Bounded, so a worker with a steady stream of events cannot starve the mailbox.
+            let mut rounds = 0;
+            while rounds < PROGRESS_ROUNDS && self.worker.progress() {
+                rounds += 1;
+            }
+            if rounds > 0 {
                 worked = true;
                 last_ucx = Instant::now();
+                // Bytes are arriving: progress for every batch still waiting on its gets
+                // (until its endpoints were force-closed: then only completions count).
+                for r in &mut self.running {
+                    if r.outstanding > 0 && !r.closed {
+                        r.last_event = last_ucx;
+                    }
+                }
             }
             worked |= self.apply_completions();
             worked |= self.pump();
             worked |= self.poll_connecting();
+            worked |= self.retry_deferred();
+            worked |= self.poll_releasing();
             if worked {
                 last_work = Instant::now();
                 continue;
@@ -410,7 +591,10 @@ impl Engine {
             // fragments queued until the FIFO drains, with no event when it does. So a worker
             // whose UCX was just active only naps briefly, and the nap grows with the quiet
             // time.
-            let busy = !self.running.is_empty() || !self.connecting.is_empty();
+            let busy = !self.running.is_empty()
+                || !self.connecting.is_empty()
+                || !self.quarantine.is_empty()
+                || !self.releasing.is_empty();
             let cap = if busy { BUSY_NAP } else { IDLE_NAP };
             let nap = if last_ucx.elapsed() < HOT {
                 MIN_NAP
@@ -469,21 +653,25 @@ impl Engine {
                 let _ = reply.send(self.register(block));
             }
             Cmd::Deregister { id } => {
-                if self.regions.remove(&id).is_some() {
+                // Running (and quarantined) batches hold the region: it is unmapped once the
+                // last of them is released, and not before peers' reads of it are served.
+                if let Some(region) = self.regions.remove(&id) {
                     self.bump_epoch();
                     tracing::debug!(agent = %self.agent, region = id, "ucx deregister");
+                    self.release_after_flush(region);
                 }
             }
             Cmd::Export { reply } => {
                 let _ = reply.send(Ok(self.export()));
             }
-            Cmd::LoadPeer { owner, meta, reply } => self.load_peer(owner, meta, reply),
+            Cmd::LoadPeer { owner, meta, reply } => self.start_connect(owner, meta, Some(reply)),
             Cmd::Prepare { id, batch, reply } => {
                 let r = self.translate(&batch).map(|res| {
                     let gens = res.plan.generations();
                     self.prepared.insert(
                         id,
                         PreparedEntry {
+                            owners: batch.owners(),
                             batch,
                             resolved: Some(Rc::new(res)),
                         },
@@ -498,16 +686,220 @@ impl Engine {
             Cmd::Post {
                 prepared,
                 batch,
+                signal,
                 ack,
                 done,
             } => {
-                let _ = ack.send(self.post(prepared, batch, done));
-            }
-            Cmd::Cancel { batch } => {
-                if let Some(r) = self.running.iter_mut().find(|r| r.id == batch) {
-                    r.cancelled = true;
-                    cancel_batch(&self.pending, &self.worker, batch);
+                self.reconnect_lost(prepared);
+                let d = DeferredPost {
+                    prepared,
+                    batch,
+                    signal,
+                    ack,
+                    done,
+                };
+                if self.blocked_by_connect(d.prepared) {
+                    self.deferred.push(d);
+                } else {
+                    self.start_post(d);
                 }
+            }
+            Cmd::Cancel { batch } => self.cancel(batch),
+        }
+    }
+
+    /// Whether prepared batch `prepared` names an owner whose newest endpoint is still being
+    /// created (after a forced close, or a load racing this post): its post waits for it.
+    fn blocked_by_connect(&self, prepared: u64) -> bool {
+        let Some(entry) = self.prepared.get(&prepared) else {
+            return false;
+        };
+        self.connecting.iter().any(|c| {
+            self.peer_seq.get(&c.owner) == Some(&c.peer.seq) && entry.owners.contains(&c.owner)
+        })
+    }
+
+    /// Starts re-creating the endpoints of `prepared`'s owners whose earlier re-creation
+    /// failed; the post then waits for them.
+    fn reconnect_lost(&mut self, prepared: u64) {
+        let Some(entry) = self.prepared.get(&prepared) else {
+            return;
+        };
+        let retry: Vec<(OwnerId, EndpointMeta)> = entry
+            .owners
+            .iter()
+            .filter(|o| !self.peers.contains_key(o))
+            .filter(|o| !self.connecting.iter().any(|c| c.owner == **o))
+            .filter_map(|o| self.lost.get(o).map(|(m, _)| (*o, m.clone())))
+            .collect();
+        for (owner, meta) in retry {
+            tracing::debug!(agent = %self.agent, owner, "ucx re-creating a lost endpoint");
+            self.start_connect(owner, meta, None);
+        }
+    }
+
+    fn start_post(&mut self, d: DeferredPost) {
+        let DeferredPost {
+            prepared,
+            batch,
+            signal,
+            ack,
+            done,
+        } = d;
+        if ack.is_closed() {
+            // The post was given up before it started: start nothing.
+            return;
+        }
+        let _ = ack.send(self.post(prepared, batch, signal, done));
+    }
+
+    /// Starts the deferred posts whose endpoints are ready; true on work.
+    fn retry_deferred(&mut self) -> bool {
+        if self.deferred.is_empty() {
+            return false;
+        }
+        let mut worked = false;
+        for d in std::mem::take(&mut self.deferred) {
+            if self.blocked_by_connect(d.prepared) {
+                self.deferred.push(d);
+            } else {
+                self.start_post(d);
+                worked = true;
+            }
+        }
+        worked
+    }
+
+    /// Releases `region` once a worker flush completed. Peers' emulated reads of it are
+    /// answered by this worker's UCX, which copies out of the region for every reply it sends,
+    /// and a peer that ended its reads (a forced close) does not tell us: replies may still be
+    /// queued. The flush completes once everything queued before it was sent.
+    fn release_after_flush(&mut self, region: Rc<LocalRegion>) {
+        match self.worker.flush() {
+            Ok(None) => drop(region),
+            Ok(Some(flush)) => self.releasing.push(Releasing {
+                flush,
+                _region: region,
+                since: Instant::now(),
+                warned: false,
+            }),
+            Err(e) => {
+                tracing::warn!(agent = %self.agent, error = %e, "ucx worker flush failed; keeping a deregistered region");
+                self.kept.push(region);
+            }
+        }
+    }
+
+    /// Releases the regions whose flush completed; true on work.
+    fn poll_releasing(&mut self) -> bool {
+        let before = self.releasing.len();
+        let timeout = self.opts.timeout;
+        let agent = &self.agent;
+        self.releasing.retain_mut(|r| {
+            if r.flush.status() != raw::sys::UCS_INPROGRESS {
+                return false;
+            }
+            if !r.warned && r.since.elapsed() > timeout {
+                r.warned = true;
+                tracing::warn!(
+                    agent = %agent,
+                    "ucx worker flush not done after the timeout; a deregistered region stays \
+                     mapped until peers' reads of it are served"
+                );
+            }
+            true
+        });
+        self.releasing.len() != before
+    }
+
+    /// Ends `batch` as abort does (see [`Cmd::Cancel`]).
+    fn cancel(&mut self, batch: u64) {
+        let Some(run) = self.running.iter_mut().find(|r| r.id == batch) else {
+            // Finished (and answered) already, or quarantined.
+            return;
+        };
+        run.cancelled = true;
+        run.signal.stop();
+        self.close_endpoints_of(batch);
+    }
+
+    /// Force-closes every endpoint a get of `batch` is outstanding on: UCX then completes
+    /// those gets (with an error) as the worker is progressed. Other batches using a closed
+    /// endpoint stop issuing on it and fail; the owner's endpoint is re-created from its
+    /// metadata before the next post to it.
+    fn close_endpoints_of(&mut self, batch: u64) {
+        let Some(run) = self.running.iter().find(|r| r.id == batch) else {
+            return;
+        };
+        let owners: BTreeSet<OwnerId> = self
+            .pending
+            .values()
+            .filter(|p| p.batch == batch)
+            .map(|p| p.owner)
+            .collect();
+        let peers: Vec<(OwnerId, Rc<Peer>)> = owners
+            .into_iter()
+            .filter_map(|o| run.res.peers.get(&o).map(|p| (o, Rc::clone(p))))
+            .filter(|(_, p)| !p.ep.is_closed())
+            .collect();
+        for (owner, peer) in peers {
+            self.force_close(owner, &peer);
+        }
+        let now = Instant::now();
+        if let Some(run) = self.running.iter_mut().find(|r| r.id == batch) {
+            run.closed = true;
+            run.last_event = now;
+        }
+    }
+
+    fn force_close(&mut self, owner: OwnerId, peer: &Rc<Peer>) {
+        tracing::debug!(agent = %self.agent, owner, peer = %peer.agent, "ucx force-closing endpoint");
+        self.forced_any = true;
+        #[cfg(test)]
+        let ignore = TEST_IGNORE_FORCE_CLOSE.load(Ordering::Relaxed);
+        #[cfg(not(test))]
+        let ignore = false;
+        if ignore {
+            tracing::debug!(agent = %self.agent, owner, "test: forced close ignored");
+        } else if let Err(e) = peer.ep.force_close() {
+            // Its gets are then waited out, or quarantined, by the no-progress bound.
+            tracing::warn!(agent = %self.agent, owner, error = %e, "ucx forced close failed");
+        }
+        let now = Instant::now();
+        for r in &mut self.running {
+            if !r.res.peers.get(&owner).is_some_and(|p| Rc::ptr_eq(p, peer)) {
+                continue;
+            }
+            r.closed = true;
+            r.last_event = now;
+            if r.error.is_none() && !r.cancelled {
+                // Its gets on this endpoint complete with an error; nothing lands once they
+                // have, so trying again (on the re-created endpoint) may help.
+                r.error = Some(
+                    Error::new(
+                        ErrorKind::Transport,
+                        format!(
+                            "the ucx endpoint to owner {owner} was force-closed to end another \
+                             batch's reads"
+                        ),
+                    )
+                    .with_owner(owner)
+                    .with_backend(BACKEND)
+                    .set_retryable(true),
+                );
+            }
+        }
+        if ignore {
+            // The endpoint stays usable as it was.
+            return;
+        }
+        if self.peers.get(&owner).is_some_and(|p| Rc::ptr_eq(p, peer)) {
+            // Nothing may use the closed endpoint again: the owner is re-created from the
+            // metadata it was loaded from, and posts to it wait for that.
+            self.peers.remove(&owner);
+            self.bump_epoch();
+            if !self.shutting_down {
+                self.start_connect(owner, peer.meta.clone(), None);
             }
         }
     }
@@ -550,12 +942,12 @@ impl Engine {
         self.regions.insert(
             id,
             Rc::new(LocalRegion {
-                _block: block,
                 addr,
                 len: len as u64,
                 kind,
                 mem,
                 rkey,
+                _block: block,
             }),
         );
         self.bump_epoch();
@@ -574,12 +966,22 @@ impl Engine {
             regions: self
                 .regions
                 .iter()
-                .map(|(&id, r)| RegionMeta {
-                    id,
-                    base: r.addr as u64,
-                    len: r.len,
-                    kind: r.kind,
-                    rkey: r.rkey.clone(),
+                .map(|(&id, r)| {
+                    // The memory the packed key maps: the allocation for a region inside
+                    // one (peers map its whole segment), else the region itself.
+                    let (key_base, key_len) = match &r.mem {
+                        Some(LocalMem::Shared(a)) => (a.addr as u64, a.len as u64),
+                        _ => (r.addr as u64, r.len),
+                    };
+                    RegionMeta {
+                        id,
+                        base: r.addr as u64,
+                        len: r.len,
+                        key_base,
+                        key_len,
+                        kind: r.kind,
+                        rkey: r.rkey.clone(),
+                    }
                 })
                 .collect(),
         }
@@ -590,37 +992,65 @@ impl Engine {
     /// comes once the connection is wired up (bounded by the timeout). Waiting for wire-up
     /// also keeps UCX 1.13's TCP transport from failing an assertion when an endpoint is
     /// closed while its peer's wire-up reply is still queued.
-    fn load_peer(&mut self, owner: OwnerId, meta: EndpointMeta, reply: Reply<()>) {
-        let peer = match self.connect(owner, meta) {
+    ///
+    /// Loads of one owner are numbered: only the latest one is installed, whichever flush
+    /// completes first (an earlier load finishing later is dropped, and answers `Ok`).
+    /// `reply` is `None` when re-creating a force-closed endpoint.
+    fn start_connect(&mut self, owner: OwnerId, meta: EndpointMeta, reply: Option<Reply<()>>) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let peer = match self.connect(owner, meta.clone(), seq) {
             Ok(p) => p,
-            Err(e) => {
-                let _ = reply.send(Err(e));
-                return;
-            }
+            Err(e) => return self.connect_failed(owner, meta, e, reply),
         };
         match peer.ep.flush() {
             Ok(None) => {
+                self.peer_seq.insert(owner, seq);
                 self.install_peer(owner, peer);
-                let _ = reply.send(Ok(()));
+                if let Some(r) = reply {
+                    let _ = r.send(Ok(()));
+                }
             }
-            Ok(Some(flush)) => self.connecting.push(Connecting {
-                owner,
-                peer,
-                flush,
-                started: Instant::now(),
-                reply,
-            }),
-            Err(e) => {
-                let _ = reply.send(Err(ucx_err(e).with_owner(owner)));
+            Ok(Some(flush)) => {
+                self.peer_seq.insert(owner, seq);
+                self.connecting.push(Connecting {
+                    owner,
+                    peer,
+                    flush,
+                    started: Instant::now(),
+                    reply,
+                })
+            }
+            Err(e) => self.connect_failed(owner, meta, ucx_err(e).with_owner(owner), reply),
+        }
+    }
+
+    /// Answers a failed load, or records a failed re-creation (retried at the next post).
+    fn connect_failed(
+        &mut self,
+        owner: OwnerId,
+        meta: EndpointMeta,
+        e: Error,
+        reply: Option<Reply<()>>,
+    ) {
+        match reply {
+            Some(r) => {
+                let _ = r.send(Err(e));
+            }
+            // A later load installed the owner meanwhile: nothing is lost.
+            None if self.peers.contains_key(&owner) => {}
+            None => {
+                tracing::warn!(agent = %self.agent, owner, error = %e, "ucx endpoint not re-created");
+                self.lost.insert(owner, (meta, e.to_string()));
             }
         }
     }
 
-    fn connect(&mut self, owner: OwnerId, meta: EndpointMeta) -> Result<Peer> {
+    fn connect(&mut self, owner: OwnerId, meta: EndpointMeta, seq: u64) -> Result<Peer> {
         let ep = Endpoint::connect(&self.worker, &meta.worker_address)
             .map_err(|e| ucx_err(e).with_owner(owner))?;
         let mut regions = HashMap::with_capacity(meta.regions.len());
-        for r in meta.regions {
+        for r in &meta.regions {
             let rkey = if r.len == 0 {
                 None
             } else {
@@ -640,15 +1070,23 @@ impl Engine {
         }
         Ok(Peer {
             regions,
-            agent: meta.agent,
+            agent: meta.agent.clone(),
             ep,
+            meta,
+            seq,
         })
     }
 
+    /// Installs `peer` if it is the latest load of `owner` (else drops it).
     fn install_peer(&mut self, owner: OwnerId, peer: Peer) {
+        if self.peer_seq.get(&owner) != Some(&peer.seq) {
+            tracing::debug!(agent = %self.agent, owner, "ucx peer load superseded by a later one");
+            return;
+        }
         tracing::debug!(agent = %self.agent, owner, peer = %peer.agent, "ucx peer loaded");
         // The old peer (if any) closes once no running batch uses it.
         self.peers.insert(owner, Rc::new(peer));
+        self.lost.remove(&owner);
         self.bump_epoch();
     }
 
@@ -660,37 +1098,100 @@ impl Engine {
         let mut worked = false;
         for c in std::mem::take(&mut self.connecting) {
             let st = c.flush.status();
-            if st == raw::sys::UCS_INPROGRESS {
-                if c.started.elapsed() <= self.opts.timeout {
+            let bound = self.opts.timeout.max(CONNECT_MIN);
+            let error = if st == raw::sys::UCS_INPROGRESS {
+                if c.started.elapsed() <= bound {
                     self.connecting.push(c);
                     continue;
                 }
-                let e = Error::new(
+                Error::new(
                     ErrorKind::Timeout,
                     format!(
                         "connecting to owner {} (agent {:?}) took over {} ms",
                         c.owner,
                         c.peer.agent,
-                        self.opts.timeout.as_millis()
+                        bound.as_millis()
                     ),
                 )
                 .with_owner(c.owner)
                 .with_backend(BACKEND)
-                .set_retryable(true);
-                let _ = c.reply.send(Err(e));
+                .set_retryable(true)
             } else if st == raw::sys::UCS_OK {
                 let Connecting {
                     owner, peer, reply, ..
                 } = c;
                 self.install_peer(owner, peer);
-                let _ = reply.send(Ok(()));
+                if let Some(r) = reply {
+                    let _ = r.send(Ok(()));
+                }
+                worked = true;
+                continue;
             } else {
-                let e = ucx_err(UcxStatusError::new("ucp_ep_flush_nbx", st)).with_owner(c.owner);
-                let _ = c.reply.send(Err(e));
-            }
+                ucx_err(UcxStatusError::new("ucp_ep_flush_nbx", st)).with_owner(c.owner)
+            };
             worked = true;
+            let Connecting {
+                owner, peer, reply, ..
+            } = c;
+            let meta = peer.meta.clone();
+            drop(peer);
+            self.connect_failed(owner, meta, error, reply);
         }
         worked
+    }
+
+    /// Where the shared-memory segment holding `region` of `owner` is mapped in this process
+    /// (`ucp_rkey_ptr`), checked: `Ok(None)` when the key names no memory mapped here (the
+    /// reads go through `ucp_get_nbx`), `OutOfBounds` when it does but the region's first and
+    /// last byte do not lie, contiguously, inside one readable shared mapping the kernel
+    /// reports that is not this endpoint's own registered memory. UCX itself checks none of
+    /// this: the pointer is the remote address plus a fixed offset.
+    fn direct_base(
+        &self,
+        maps: &mut Option<Maps>,
+        owner: OwnerId,
+        id: u64,
+        region: &RemoteRegion,
+        rkey: &RKey,
+        read: Range<u64>,
+    ) -> Result<Option<usize>> {
+        let Some(first) = rkey.local_ptr(region.base) else {
+            return Ok(None);
+        };
+        let first = first as usize;
+        let last_addr = region.base + (region.len - 1);
+        let last = rkey.local_ptr(last_addr).map(|p| p as usize);
+        let expected = usize::try_from(region.len - 1)
+            .ok()
+            .and_then(|n| first.checked_add(n));
+        let maps = maps.get_or_insert_with(Maps::read);
+        let mapping = match (last, expected) {
+            (Some(l), Some(e)) if l == e => maps.containing(first, l),
+            _ => None,
+        };
+        let own = |m: &Range<usize>| {
+            self.regions
+                .values()
+                .any(|r| r.len > 0 && r.addr < m.end && m.start < r.addr + r.len as usize)
+        };
+        match mapping {
+            Some(m) if m.shared && m.readable && !own(&m.range) => Ok(Some(first)),
+            _ => Err(oob(
+                owner,
+                read,
+                format!(
+                    "region {id} of owner {owner} ({} bytes at {:#x}) is not inside one shared \
+                     mapping of this process: ucp_rkey_ptr maps it to {first:#x}..={} \
+                     (stale or corrupt peer metadata)",
+                    region.len,
+                    region.base,
+                    match last {
+                        Some(l) => format!("{l:#x}"),
+                        None => "?".to_owned(),
+                    }
+                ),
+            )),
+        }
     }
 
     /// Checks every read against loaded peers and local registrations and resolves it to the
@@ -707,6 +1208,8 @@ impl Engine {
         let mut pieces = Vec::with_capacity(batch.reads.len());
         let mut peers: HashMap<OwnerId, Rc<Peer>> = HashMap::new();
         let mut regions: HashMap<u64, Rc<LocalRegion>> = HashMap::new();
+        let mut direct: HashMap<(OwnerId, u64), Option<usize>> = HashMap::new();
+        let mut maps = None;
         for (i, r) in batch.reads.iter().enumerate() {
             let remote = span(r.remote_offset, r.len);
             if r.len == 0 {
@@ -715,18 +1218,32 @@ impl Engine {
             let peer = match peers.get(&r.owner) {
                 Some(p) => p,
                 None => {
-                    let p = self.peers.get(&r.owner).ok_or_else(|| {
-                        Error::new(
-                            ErrorKind::PeerUnknown,
-                            format!(
-                                "read {i} names owner {} whose metadata was never loaded",
+                    let p =
+                        self.peers
+                            .get(&r.owner)
+                            .ok_or_else(|| match self.lost.get(&r.owner) {
+                                Some((_, why)) => Error::new(
+                                    ErrorKind::Transport,
+                                    format!(
+                                "read {i}: the endpoint to owner {} was force-closed and could \
+                                 not be re-created ({why}); load the peer again",
                                 r.owner
                             ),
-                        )
-                        .with_owner(r.owner)
-                        .with_range(remote.clone())
-                        .with_backend(BACKEND)
-                    })?;
+                                )
+                                .with_owner(r.owner)
+                                .with_range(remote.clone())
+                                .with_backend(BACKEND),
+                                None => Error::new(
+                                    ErrorKind::PeerUnknown,
+                                    format!(
+                                        "read {i} names owner {} whose metadata was never loaded",
+                                        r.owner
+                                    ),
+                                )
+                                .with_owner(r.owner)
+                                .with_range(remote.clone())
+                                .with_backend(BACKEND),
+                            })?;
                     peers.entry(r.owner).or_insert_with(|| Rc::clone(p))
                 }
             };
@@ -793,30 +1310,58 @@ impl Engine {
                     ))
                 }
             };
+            // Shared memory the peer's UCX mapped here: copy it directly (see raw::copy),
+            // once the mapping is checked against what the kernel has.
+            let base = match (local.kind, self.opts.shm_fast_path) {
+                (MemoryKind::Dram, true) => match direct.get(&(r.owner, r.remote_region)) {
+                    Some(&b) => b,
+                    None => {
+                        let b = self.direct_base(
+                            &mut maps,
+                            r.owner,
+                            r.remote_region,
+                            region,
+                            rkey,
+                            remote.clone(),
+                        )?;
+                        direct.insert((r.owner, r.remote_region), b);
+                        b
+                    }
+                },
+                _ => None,
+            };
+            // The local destination as an address, so overlap is found between regions
+            // registered over the same memory too (DRAM addresses are the process's; VRAM
+            // ones are per device).
+            let dest_space = match local.kind {
+                MemoryKind::Dram => u64::MAX,
+                MemoryKind::Vram { device } => u64::from(device),
+            };
             // Both ranges are inside registered regions whose addresses did not overflow, so
             // these sums and casts are exact.
             let mut done = 0;
             while done < r.len {
                 let n = (r.len - done).min(MAX_PIECE);
                 let remote_addr = region.base + r.remote_offset + done;
-                // Shared memory the peer's UCX mapped here: copy it directly (see raw::copy).
-                let direct = match local.kind {
-                    MemoryKind::Dram => rkey.local_ptr(remote_addr).unwrap_or(std::ptr::null()),
-                    MemoryKind::Vram { .. } => std::ptr::null(),
+                let direct = match base {
+                    Some(b) => (b + (r.remote_offset + done) as usize) as *const u8,
+                    None => std::ptr::null(),
                 };
+                let local_addr = local.addr + (r.local_offset + done) as usize;
                 ops.push(GetOp {
                     direct,
                     ep: peer.ep.handle(),
                     rkey: rkey.handle(),
                     remote_addr,
-                    local: (local.addr + (r.local_offset + done) as usize) as *mut u8,
+                    local: local_addr as *mut u8,
                     len: n as usize,
                     memh: memh.handle().handle(),
                     memory_type: raw::memory_type(local.kind),
                 });
                 pieces.push(ReadDesc {
                     remote_offset: r.remote_offset + done,
-                    local_offset: r.local_offset + done,
+                    local_region: dest_space,
+                    local_offset: local_addr as u64,
                     len: n,
                     ..*r
                 });
@@ -840,12 +1385,32 @@ impl Engine {
                 reads: batch.reads.len() as u64,
                 bytes: batch.bytes(),
             },
-            _peers: peers.into_values().collect(),
+            peers,
             _regions: regions.into_values().collect(),
         })
     }
 
-    fn post(&mut self, prepared: u64, batch: u64, done: Reply<WireReport>) -> Result<()> {
+    /// Local byte ranges quarantined batches' outstanding gets may still write.
+    fn quarantined_ranges(&self) -> Vec<Range<usize>> {
+        let mut v = Vec::new();
+        for q in &self.quarantine {
+            for p in self.pending.values().filter(|p| p.batch == q.id) {
+                if let Some(op) = q.res.ops.get(p.piece as usize) {
+                    let s = op.local as usize;
+                    v.push(s..s + op.len);
+                }
+            }
+        }
+        v
+    }
+
+    fn post(
+        &mut self,
+        prepared: u64,
+        batch: u64,
+        signal: Arc<BatchSignal>,
+        done: Reply<WireReport>,
+    ) -> Result<()> {
         let (batch_arc, cached) = {
             let entry = self.prepared.get(&prepared).ok_or_else(|| {
                 Error::new(
@@ -867,6 +1432,34 @@ impl Engine {
                 r
             }
         };
+        let quarantined = self.quarantined_ranges();
+        if !quarantined.is_empty() {
+            for (piece, op) in res.ops.iter().enumerate() {
+                let s = op.local as usize;
+                if quarantined
+                    .iter()
+                    .any(|q| q.start < s + op.len && s < q.end)
+                {
+                    let read = res.op_read[piece] as usize;
+                    let r = &batch_arc.reads[read];
+                    return Err(Error::new(
+                        ErrorKind::Transport,
+                        format!(
+                            "read {read} writes local bytes {}..{} of region {}, which reads of \
+                             an earlier batch that could not be stopped may still write \
+                             (quarantined)",
+                            r.local_offset,
+                            r.local_offset + r.len,
+                            r.local_region
+                        ),
+                    )
+                    .with_owner(r.owner)
+                    .with_range(span(r.remote_offset, r.len))
+                    .with_backend(BACKEND)
+                    .set_quarantined());
+                }
+            }
+        }
         let mut run = Running {
             id: batch,
             res,
@@ -877,8 +1470,9 @@ impl Engine {
             error: None,
             cancelled: false,
             last_event: Instant::now(),
-            abandoned: false,
+            closed: false,
             done: Some(done),
+            signal,
         };
         // Issue the first window now, so every owner's reads are started before post returns.
         self.issue(&mut run);
@@ -887,10 +1481,15 @@ impl Engine {
     }
 
     /// Issues reads of `run` until its in-flight cap, its generation's end, or a budget of
-    /// one cap's worth of reads (so reads completing in place cannot starve the mailbox).
+    /// one cap's worth of reads or [`DIRECT_BYTES`] of direct copies (so reads completing in
+    /// place cannot starve the mailbox).
     fn issue(&mut self, run: &mut Running) -> bool {
+        if run.signal.stopping() {
+            run.cancelled = true;
+        }
         let cap = self.opts.reads_in_flight;
         let mut issued = 0;
+        let mut copied = 0;
         while run.error.is_none() && !run.cancelled {
             let Some(&gen_end) = run.res.plan.gen_ends.get(run.gen) else {
                 break;
@@ -903,12 +1502,14 @@ impl Engine {
                 }
                 break;
             }
-            if run.outstanding >= cap || issued >= cap {
+            if run.outstanding >= cap || issued >= cap || copied >= DIRECT_BYTES {
                 break;
             }
             let piece = run.res.plan.order[run.pos];
             if !run.res.ops[piece as usize].direct.is_null() {
-                issued += self.copy_direct(run, gen_end, cap - issued);
+                let (n, bytes) = self.copy_direct(run, gen_end, cap - issued);
+                issued += n;
+                copied += bytes;
                 continue;
             }
             run.pos += 1;
@@ -918,16 +1519,21 @@ impl Engine {
             let op = &run.res.ops[piece as usize];
             // SAFETY: `op` was resolved from objects `run.res` keeps alive (endpoint, remote
             // key, local registration and its block) until the read completes: the running
-            // batch is only dropped once none of its reads is outstanding. The local range
-            // was checked inside a registered block, and reads writing the same bytes are in
-            // different generations, so no two outstanding reads write the same memory.
+            // batch is only dropped once none of its reads is outstanding (else it is kept in
+            // quarantine). Its endpoint is not closed: a forced close bumps the epoch (so no
+            // later post uses a resolved form holding it) and stops every running batch using
+            // it (`error` set, checked above). The local range was checked inside a registered
+            // block, and reads writing the same bytes are in different generations, so no
+            // two outstanding reads write the same memory.
             match unsafe { raw::get(self.ucx, op, token) } {
                 Started::Done => {}
                 Started::Pending(req) => {
+                    let owner = run.owner_of(piece).unwrap_or_default();
                     self.pending.insert(
                         token,
                         PendingRead {
                             batch: run.id,
+                            owner,
                             piece,
                             req,
                         },
@@ -936,7 +1542,6 @@ impl Engine {
                 }
                 Started::Failed(e) => {
                     run.error = Some(read_error(run, piece, e));
-                    cancel_batch(&self.pending, &self.worker, run.id);
                 }
             }
         }
@@ -947,11 +1552,14 @@ impl Engine {
     }
 
     /// Copies the direct reads of `run` from its position on (at most `max` of them, within
-    /// its generation, up to [`DIRECT_BYTES`]) over the copy pool; returns how many.
+    /// its generation, up to [`DIRECT_BYTES`]) over the copy pool; returns how many, and their
+    /// bytes.
     ///
     /// They complete before this returns, so they are never outstanding. The byte cap keeps
-    /// the thread answering its mailbox (aborts, other batches) between chunks.
-    fn copy_direct(&mut self, run: &mut Running, gen_end: usize, max: usize) -> usize {
+    /// the thread answering its mailbox (aborts, other batches) between chunks, and the
+    /// batch's stop flag (set by abort or a dropped handle, from any thread) is checked before
+    /// every piece of the copy.
+    fn copy_direct(&mut self, run: &mut Running, gen_end: usize, max: usize) -> (usize, usize) {
         let mut tasks = Vec::new();
         let mut bytes = 0;
         while run.pos < gen_end && tasks.len() < max.max(1) && bytes < DIRECT_BYTES {
@@ -980,12 +1588,17 @@ impl Engine {
             }
         }
         // SAFETY: every task is a resolved direct read of `run`: its source lies inside a
-        // shared-memory segment mapped for a remote key `run.res` keeps alive, its destination
-        // inside a live local registration, checked in `translate`. Reads of one generation
-        // have pairwise disjoint destinations (see `issue_plan`), and no other read of this
-        // batch is outstanding on those bytes, so the copies are independent.
-        unsafe { raw::copy_all(self.copy_pool.as_ref(), &tasks) };
-        tasks.len()
+        // shared-memory segment mapped for a remote key `run.res` keeps alive (checked against
+        // this process's mappings in `translate`), its destination inside a live local
+        // registration. Reads of one generation have pairwise disjoint destinations (by
+        // address, see `issue_plan`), and no other read of this batch is outstanding on those
+        // bytes, so the copies are independent.
+        let all = unsafe { raw::copy_all(self.copy_pool.as_ref(), &tasks, &run.signal.stop) };
+        if !all {
+            // Stopped part-way: the batch was ended by its handle.
+            run.cancelled = true;
+        }
+        (tasks.len(), bytes)
     }
 
     /// Applies the statuses callbacks queued; true when there were any.
@@ -996,58 +1609,81 @@ impl Engine {
         }
         let now = Instant::now();
         for (token, status) in std::mem::take(&mut self.completions) {
-            // Unknown tokens belong to abandoned requests, already freed.
             let Some(p) = self.pending.remove(&token) else {
                 continue;
             };
-            let PendingRead { batch, piece, req } = p;
-            // The read is complete: return the request to UCX.
+            let PendingRead {
+                batch, piece, req, ..
+            } = p;
+            // The read is complete: it writes nothing more, and the request goes back to UCX.
             drop(req);
-            let Some(run) = self.running.iter_mut().find(|r| r.id == batch) else {
-                continue;
-            };
-            run.outstanding -= 1;
-            run.last_event = now;
-            let cancelled = run.cancelled && status == raw::sys::UCS_ERR_CANCELED;
-            if status != raw::sys::UCS_OK && !cancelled && run.error.is_none() {
-                let e = UcxStatusError::new("ucp_get_nbx", status);
-                run.error = Some(read_error(run, piece, e));
-                cancel_batch(&self.pending, &self.worker, batch);
+            if let Some(run) = self.running.iter_mut().find(|r| r.id == batch) {
+                run.outstanding -= 1;
+                run.last_event = now;
+                // After abort or a forced close, failures are the expected way gets end.
+                if status != raw::sys::UCS_OK && !run.cancelled && run.error.is_none() {
+                    let e = UcxStatusError::new("ucp_get_nbx", status);
+                    run.error = Some(read_error(run, piece, e));
+                }
+            } else if let Some(i) = self.quarantine.iter().position(|r| r.id == batch) {
+                let q = &mut self.quarantine[i];
+                q.outstanding -= 1;
+                if q.outstanding == 0 {
+                    tracing::info!(
+                        agent = %self.agent,
+                        batch,
+                        "quarantined ucx reads completed; releasing their memory"
+                    );
+                    self.quarantine.swap_remove(i);
+                }
             }
         }
         true
     }
 
-    /// Issues more reads, finishes completed batches and enforces timeouts; true on work.
+    /// Issues more reads, finishes completed batches and enforces the no-progress bound;
+    /// true on work.
+    ///
+    /// A batch with gets outstanding and no progress for the timeout first fails with
+    /// `Timeout` and has its endpoints force-closed; if its gets still do not complete
+    /// within another no-progress timeout, it is quarantined.
     fn pump(&mut self) -> bool {
         let mut worked = false;
         let mut runs = std::mem::take(&mut self.running);
         let now = Instant::now();
+        let mut to_close = Vec::new();
+        let mut to_quarantine = Vec::new();
         for run in &mut runs {
+            // Nobody can wait for or abort a batch whose post was given up: end it.
+            if !run.cancelled && run.done.as_ref().is_some_and(|d| d.is_closed()) {
+                run.cancelled = true;
+                run.signal.stop();
+                to_close.push(run.id);
+            }
             worked |= self.issue(run);
             if run.outstanding > 0 && now.duration_since(run.last_event) > self.opts.timeout {
-                if run.error.is_none() {
-                    run.error = Some(self.timeout_error(run));
-                    run.last_event = now;
-                    cancel_batch(&self.pending, &self.worker, run.id);
+                if !run.closed {
+                    if run.error.is_none() && !run.cancelled {
+                        run.error = Some(self.timeout_error(run));
+                    }
+                    to_close.push(run.id);
                 } else {
-                    // Cancelled reads did not complete within another timeout: stop waiting
-                    // and keep their buffers alive until the worker is gone.
-                    tracing::warn!(
-                        agent = %self.agent,
-                        outstanding = run.outstanding,
-                        "ucx reads ignored cancellation; abandoning them"
-                    );
-                    // Dropping a request frees it without completion; UCX then calls no
-                    // callback for it.
-                    self.pending.retain(|_, p| p.batch != run.id);
-                    run.outstanding = 0;
-                    run.abandoned = true;
+                    to_quarantine.push(run.id);
                 }
             }
         }
-        let mut keep = Vec::with_capacity(runs.len());
-        for mut run in runs {
+        runs.append(&mut self.running);
+        self.running = runs;
+        for id in to_close {
+            self.close_endpoints_of(id);
+            worked = true;
+        }
+        for id in to_quarantine {
+            self.quarantine_batch(id);
+            worked = true;
+        }
+        let mut keep = Vec::with_capacity(self.running.len());
+        for mut run in std::mem::take(&mut self.running) {
             let total = run.res.plan.order.len();
             let finished =
                 run.outstanding == 0 && (run.error.is_some() || run.cancelled || run.pos == total);
@@ -1063,16 +1699,64 @@ impl Engine {
                 }
                 (None, false) => Ok(run.res.report),
             };
+            // Quiet first (no get is outstanding), so a waiter's drop returns at once.
+            run.signal.set_quiet();
             if let Some(done) = run.done.take() {
                 let _ = done.send(result);
             }
-            if run.abandoned {
-                self.zombies.push(run);
-            }
         }
-        keep.append(&mut self.running);
         self.running = keep;
         worked
+    }
+
+    /// Moves `batch`, whose gets did not complete within the no-progress bound after its
+    /// endpoints were force-closed, to quarantine, and answers its waiters.
+    fn quarantine_batch(&mut self, batch: u64) {
+        let Some(i) = self.running.iter().position(|r| r.id == batch) else {
+            return;
+        };
+        let mut run = self.running.swap_remove(i);
+        let stuck: Vec<&PendingRead> = self.pending.values().filter(|p| p.batch == batch).collect();
+        let owners: BTreeSet<OwnerId> = stuck.iter().map(|p| p.owner).collect();
+        let first = stuck
+            .iter()
+            .filter_map(|p| run.res.op_read.get(p.piece as usize))
+            .filter_map(|&r| run.batch.reads.get(r as usize))
+            .next();
+        tracing::warn!(
+            agent = %self.agent,
+            batch,
+            outstanding = run.outstanding,
+            ?owners,
+            "ucx reads did not complete after their endpoints were force-closed; quarantining \
+             their memory"
+        );
+        let mut e = Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "{} ucx read(s) from owner(s) {owners:?} did not complete within {} ms of \
+                 their endpoints being force-closed; the destination memory, keys and \
+                 registrations are quarantined (kept alive, never reused) until they do{}",
+                run.outstanding,
+                self.opts.timeout.as_millis(),
+                match &run.error {
+                    Some(cause) => format!(" (the batch had failed: {cause})"),
+                    None => String::new(),
+                }
+            ),
+        )
+        .with_backend(BACKEND);
+        if let Some(r) = first {
+            e = e
+                .with_owner(r.owner)
+                .with_range(span(r.remote_offset, r.len));
+        }
+        let e = e.set_quarantined();
+        run.signal.set_quiet();
+        if let Some(done) = run.done.take() {
+            let _ = done.send(Err(e));
+        }
+        self.quarantine.push(run);
     }
 
     fn timeout_error(&self, run: &Running) -> Error {
@@ -1100,38 +1784,118 @@ impl Engine {
         e
     }
 
-    /// Cancels every running batch, waits (bounded) for their reads, then releases UCX.
+    /// Ends every running batch as abort does, waits (bounded by the no-progress timer) for
+    /// their gets, answers every waiter with an error, then releases UCX, unless gets remain
+    /// outstanding: then everything is leaked (quarantined for the life of the process).
     fn shutdown(mut self) {
-        for r in &mut self.running {
-            r.cancelled = true;
+        let stopped = |agent: &str| {
+            Error::new(
+                ErrorKind::Aborted,
+                format!("the ucx transport of agent {agent:?} was dropped"),
+            )
+            .with_backend(BACKEND)
+        };
+        for d in std::mem::take(&mut self.deferred) {
+            let _ = d.ack.send(Err(stopped(&self.agent)));
         }
-        for p in self.pending.values() {
-            p.req.cancel(&self.worker);
-        }
-        let start = Instant::now();
-        while !self.pending.is_empty() && start.elapsed() < SHUTDOWN_GRACE {
-            if !self.worker.progress() {
-                std::thread::yield_now();
+        self.shutting_down = true;
+        for c in std::mem::take(&mut self.connecting) {
+            if let Some(r) = c.reply {
+                let _ = r.send(Err(stopped(&self.agent)));
             }
-            self.apply_completions();
         }
-        self.pump();
-        if !self.pending.is_empty() || !self.zombies.is_empty() {
-            // UCX may still write into some buffers: never free them under it.
+        let ids: Vec<u64> = self.running.iter().map(|r| r.id).collect();
+        for id in ids {
+            if let Some(run) = self.running.iter_mut().find(|r| r.id == id) {
+                run.cancelled = true;
+                run.signal.stop();
+                if run.error.is_none() {
+                    run.error = Some(stopped(&self.agent));
+                }
+            }
+            self.close_endpoints_of(id);
+        }
+        while !self.running.is_empty() {
+            let mut progressed = false;
+            let mut rounds = 0;
+            while rounds < PROGRESS_ROUNDS && self.worker.progress() {
+                rounds += 1;
+                progressed = true;
+            }
+            progressed |= self.apply_completions();
+            // Finishes batches whose gets completed and quarantines those past the bound.
+            self.pump();
+            if !progressed {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        if self.forced_any {
+            // A force-closed endpoint's peer does not learn that its reads were ended: an
+            // emulated get's publisher keeps sending the replies it has queued. Destroying the
+            // worker now would fail the peer's connection with replies still queued, which
+            // crashes UCX 1.13's peer-failure handling there (`ucp_request_send_state_ff` of
+            // a get reply, in `uct_tcp_ep_pending_purge`). So receive (and drop) them until
+            // the worker is silent, bounded.
+            let start = Instant::now();
+            let mut last = Instant::now();
+            while last.elapsed() < DRAIN_SILENCE && start.elapsed() < DRAIN_MAX {
+                if self.worker.progress() {
+                    last = Instant::now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                self.apply_completions();
+            }
+            tracing::debug!(agent = %self.agent, took = ?start.elapsed(), "ucx drained before shutdown");
+        }
+        // Peers' emulated reads are answered out of our regions until their replies are sent:
+        // flush before anything is released (bounded; past it nothing is released).
+        let mut flushed = true;
+        let bound = self.opts.timeout.max(CONNECT_MIN);
+        match self.worker.flush() {
+            Ok(None) => {}
+            Ok(Some(req)) => {
+                let start = Instant::now();
+                while req.status() == raw::sys::UCS_INPROGRESS {
+                    if start.elapsed() > bound {
+                        flushed = false;
+                        break;
+                    }
+                    if !self.worker.progress() {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    self.apply_completions();
+                }
+            }
+            Err(e) => {
+                tracing::warn!(agent = %self.agent, error = %e, "ucx worker flush failed at shutdown");
+                flushed = false;
+            }
+        }
+        self.poll_releasing();
+        if !flushed || !self.releasing.is_empty() {
+            tracing::warn!(
+                agent = %self.agent,
+                "ucx replies to peers' reads not sent at shutdown; leaking the endpoint's resources"
+            );
+            drop(self.copy_pool.take());
+            std::mem::forget(self);
+            return;
+        }
+        if !self.pending.is_empty() || !self.quarantine.is_empty() {
+            // UCX may still write into some buffers: never free them under it. Every waiter
+            // has been answered (running batches finished or quarantined above).
             tracing::warn!(
                 agent = %self.agent,
                 outstanding = self.pending.len(),
                 "ucx reads still outstanding at shutdown; leaking the endpoint's resources"
             );
+            for q in &self.quarantine {
+                q.signal.set_quiet();
+            }
+            drop(self.copy_pool.take());
             std::mem::forget(self);
         }
-    }
-}
-
-/// Asks UCX to cancel every outstanding read of `batch`.
-fn cancel_batch(pending: &HashMap<u64, PendingRead>, worker: &Worker, batch: u64) {
-    for p in pending.values().filter(|p| p.batch == batch) {
-        p.req.cancel(worker);
     }
 }
 

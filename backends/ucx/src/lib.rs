@@ -3,6 +3,7 @@
 mod alloc;
 mod config;
 mod engine;
+mod maps;
 mod meta;
 mod plan;
 mod raw;

@@ -1,11 +1,13 @@
 //! Metadata an endpoint exports and its peers load: a versioned binary blob holding the UCP
-//! worker address and, per registered region, its id, base address, length, memory kind and
-//! packed remote key.
+//! worker address and, per registered region, its id, base address, length, the range its key
+//! maps, memory kind and packed remote key.
 //!
 //! Layout (little endian): magic `RSUX`, version `u8`, name length `u16` + UTF-8 agent name,
 //! address length `u32` + worker address, region count `u32`, then per region `id u64`,
-//! `base u64`, `len u64`, kind `u8` (0 DRAM, 1 VRAM) + device `u32`, key length `u32` + packed
-//! key. Decoding treats the bytes as untrusted (they come from other processes): every length
+//! `base u64`, `len u64`, `key_base u64`, `key_len u64`, kind `u8` (0 DRAM, 1 VRAM) + device
+//! `u32`, key length `u32` + packed key. `key_base..key_base+key_len` is the whole memory the
+//! packed key maps (the region itself, or the UCX allocation the region lies in, whose shared
+//! segment a peer maps on unpack); it must contain the region. Decoding treats the bytes as untrusted (they come from other processes): every length
 //! is checked against the input before it is used, and nothing is allocated beyond what the
 //! input holds. The worker address and keys themselves are opaque to us and parsed by UCX.
 
@@ -14,9 +16,9 @@ use reshard_core::encoding::{ByteReader, Truncated};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 
 const MAGIC: &[u8; 4] = b"RSUX";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Fixed bytes of one region entry (everything but the key bytes).
-const REGION_FIXED: usize = 8 + 8 + 8 + 1 + 4 + 4;
+const REGION_FIXED: usize = 8 + 8 + 8 + 8 + 8 + 1 + 4 + 4;
 
 /// One region as a peer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +27,10 @@ pub(crate) struct RegionMeta {
     /// Address of the region's first byte in its owner's address space.
     pub(crate) base: u64,
     pub(crate) len: u64,
+    /// First byte of the memory the packed key maps, in the owner's address space.
+    pub(crate) key_base: u64,
+    /// Bytes the packed key maps: the real size behind the key, which contains the region.
+    pub(crate) key_len: u64,
     pub(crate) kind: MemoryKind,
     /// `ucp_rkey_pack` output (empty for zero-length regions, which are never mapped).
     pub(crate) rkey: Vec<u8>,
@@ -56,6 +62,8 @@ pub(crate) enum MetaError {
     Kind(u64, u8),
     #[error("region {0}: base + length overflows")]
     Overflow(u64),
+    #[error("region {0}: not inside the memory its key maps")]
+    OutsideKey(u64),
     #[error("region {0}: non-empty region without a remote key")]
     MissingKey(u64),
     #[error("{0} trailing bytes after the last region")]
@@ -90,6 +98,8 @@ impl EndpointMeta {
             b.put_u64_le(r.id);
             b.put_u64_le(r.base);
             b.put_u64_le(r.len);
+            b.put_u64_le(r.key_base);
+            b.put_u64_le(r.key_len);
             let (kind, device) = match r.kind {
                 MemoryKind::Dram => (0u8, 0u32),
                 MemoryKind::Vram { device } => (1, device),
@@ -136,6 +146,8 @@ impl EndpointMeta {
             let id = r.u64()?;
             let base = r.u64()?;
             let len = r.u64()?;
+            let key_base = r.u64()?;
+            let key_size = r.u64()?;
             let kind = match (r.take(1)?[0], r.u32()?) {
                 (0, _) => MemoryKind::Dram,
                 (1, device) => MemoryKind::Vram { device },
@@ -143,8 +155,13 @@ impl EndpointMeta {
             };
             let key_len = r.u32()? as usize;
             let rkey = r.take(key_len)?.to_vec();
-            if base.checked_add(len).is_none() {
+            let (Some(end), Some(key_end)) =
+                (base.checked_add(len), key_base.checked_add(key_size))
+            else {
                 return Err(MetaError::Overflow(id));
+            };
+            if len > 0 && (base < key_base || end > key_end) {
+                return Err(MetaError::OutsideKey(id));
             }
             if len > 0 && rkey.is_empty() {
                 return Err(MetaError::MissingKey(id));
@@ -153,6 +170,8 @@ impl EndpointMeta {
                 id,
                 base,
                 len,
+                key_base,
+                key_len: key_size,
                 kind,
                 rkey,
             });
@@ -185,6 +204,8 @@ mod tests {
                     id: 1,
                     base: 0x7f00_0000_1000,
                     len: 4096,
+                    key_base: 0x7f00_0000_0000,
+                    key_len: 0x10_0000,
                     kind: MemoryKind::Dram,
                     rkey: vec![1, 2, 3, 4, 5],
                 },
@@ -192,6 +213,8 @@ mod tests {
                     id: 2,
                     base: 0,
                     len: 0,
+                    key_base: 0,
+                    key_len: 0,
                     kind: MemoryKind::Dram,
                     rkey: vec![],
                 },
@@ -199,6 +222,8 @@ mod tests {
                     id: 5,
                     base: 0x1000,
                     len: 64,
+                    key_base: 0x1000,
+                    key_len: 64,
                     kind: MemoryKind::Vram { device: 3 },
                     rkey: vec![7; 40],
                 },
@@ -243,7 +268,7 @@ mod tests {
             Err(MetaError::Truncated(_))
         ));
         // A huge key length too.
-        let key_len_at = count_at + 4 + 8 + 8 + 8 + 1 + 4;
+        let key_len_at = count_at + 4 + 8 * 5 + 1 + 4;
         let mut v = full.clone();
         v[key_len_at..key_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
@@ -251,10 +276,28 @@ mod tests {
             Err(MetaError::Truncated(_))
         ));
         let mut v = full.clone();
-        v[count_at + 4 + 24] = 7;
+        v[count_at + 4 + 40] = 7;
         assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Kind(1, 7)));
         let mut m = sample();
         m.regions[0].base = u64::MAX;
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::Overflow(1))
+        );
+        let mut m = sample();
+        m.regions[0].len = 0x10_0000;
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::OutsideKey(1))
+        );
+        let mut m = sample();
+        m.regions[2].key_base = 0x1001;
+        assert_eq!(
+            EndpointMeta::try_decode(&m.encode()),
+            Err(MetaError::OutsideKey(5))
+        );
+        let mut m = sample();
+        m.regions[0].key_len = u64::MAX;
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
             Err(MetaError::Overflow(1))

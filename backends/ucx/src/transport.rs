@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::alloc::{Allocation, UcxHostMemory};
 use crate::config::UcxOptions;
-use crate::engine::{self, Cmd, EngineOptions, Mailbox};
+use crate::engine::{self, BatchSignal, Cmd, EngineOptions, Mailbox};
 use crate::meta::EndpointMeta;
 use crate::raw::{self, Context, ContextOptions};
 use crate::BACKEND;
@@ -90,6 +90,7 @@ impl UcxTransport {
                 reads_in_flight: options.reads_in_flight,
                 timeout: Duration::from_millis(options.timeout_ms),
                 copy_threads: options.effective_copy_threads(),
+                shm_fast_path: options.shm_fast_path,
             },
             Arc::clone(&epoch),
         )?;
@@ -121,14 +122,52 @@ impl UcxTransport {
     }
 }
 
+/// Runs `f`, which blocks, letting a multi-thread tokio runtime move its other tasks off this
+/// worker thread meanwhile (`block_in_place`); elsewhere (no runtime, a current-thread
+/// runtime) `f` simply runs.
+pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 impl Drop for UcxTransport {
+    /// Stops the progress thread: it ends every running batch as abort does (answering its
+    /// waiters with an error), waits for their gets within the no-progress bound (quarantining
+    /// and leaking what does not finish) and releases UCX.
+    ///
+    /// Blocks (through [`blocking`] on a multi-thread runtime) until the thread has exited,
+    /// for at most twice the timeout plus a grace second; past that the thread finishes
+    /// releasing in the background (it keeps every buffer a read may still touch alive).
     fn drop(&mut self) {
         self.mailbox.shutdown();
-        if let Some(t) = self.thread.lock().take() {
-            // The thread cancels outstanding reads and releases UCX in bounded time.
-            if t.join().is_err() {
-                tracing::warn!(agent = %self.agent, "ucx progress thread panicked");
+        let Some(t) = self.thread.lock().take() else {
+            return;
+        };
+        let bound = Duration::from_millis(self.options.timeout_ms.saturating_mul(2))
+            + Duration::from_secs(1);
+        let alive = self.mailbox.alive();
+        let exited = blocking(|| {
+            let start = std::time::Instant::now();
+            while alive.load(Ordering::Acquire) {
+                if start.elapsed() > bound {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
             }
+            true
+        });
+        if !exited {
+            tracing::warn!(
+                agent = %self.agent,
+                "ucx progress thread still ending batches; finishing in the background"
+            );
+            return;
+        }
+        if t.join().is_err() {
+            tracing::warn!(agent = %self.agent, "ucx progress thread panicked");
         }
     }
 }
@@ -244,9 +283,14 @@ impl Transport for UcxTransport {
         let batch = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done_tx, done_rx) = oneshot::channel();
         let prepared_id = token.id;
+        let signal = BatchSignal::new();
+        let s = Arc::clone(&signal);
+        // If this future is dropped after the post started, the thread sees the batch's
+        // `done` receiver gone and ends it as abort does.
         self.ask(|ack| Cmd::Post {
             prepared: prepared_id,
             batch,
+            signal: s,
             ack,
             done: done_tx,
         })
@@ -255,46 +299,182 @@ impl Transport for UcxTransport {
             agent: self.agent.clone(),
             mailbox: self.mailbox.clone(),
             batch,
+            signal,
             done: Some(done_rx),
         }))
     }
 }
 
 /// A posted batch: its reads run on the progress thread; this waits for or aborts them.
+///
+/// The progress thread answers `done` only once the batch is quiet (no get outstanding, no
+/// copy running) or quarantined, so a returned `wait` or `abort` ends the batch. Both futures
+/// keep `done` in `self` while they await it: dropping either part-way drops `self`, whose
+/// `Drop` ends the batch as abort does and blocks until the thread reports it quiet.
 struct UcxInFlight {
     agent: String,
     mailbox: Mailbox,
     batch: u64,
+    signal: Arc<BatchSignal>,
+    /// `None` once the batch has ended (answered).
     done: Option<oneshot::Receiver<Result<WireReport>>>,
 }
 
 #[async_trait]
 impl InFlight for UcxInFlight {
     async fn wait(mut self: Box<Self>) -> Result<WireReport> {
-        match self.done.take() {
-            Some(rx) => rx.await.map_err(|_| stopped(&self.agent))?,
-            None => {
-                Err(Error::new(ErrorKind::Internal, "batch already waited for")
-                    .with_backend(BACKEND))
-            }
-        }
+        let Some(rx) = self.done.as_mut() else {
+            return Err(
+                Error::new(ErrorKind::Internal, "batch already waited for").with_backend(BACKEND)
+            );
+        };
+        // Cancel-safe: `rx` stays in `self` until it answered.
+        let r = rx.await;
+        self.done = None;
+        r.map_err(|_| stopped(&self.agent))?
     }
 
     async fn abort(mut self: Box<Self>) {
-        if let Some(rx) = self.done.take() {
+        self.signal.stop();
+        if let Some(rx) = self.done.as_mut() {
             self.mailbox.send(Cmd::Cancel { batch: self.batch });
-            // Answered only once no read of the batch is outstanding.
+            // Answered only once no read of the batch can land any more (or they were
+            // quarantined). Dropped part-way, `Drop` waits instead.
             let _ = rx.await;
+            self.done = None;
         }
     }
 }
 
 impl Drop for UcxInFlight {
+    /// Dropped before the batch ended (without `wait`/`abort`, or with their futures dropped
+    /// part-way): ends it as abort does and blocks until the progress thread reports it quiet.
+    /// That takes as long as ending its gets (microseconds to milliseconds after the forced
+    /// close) and is bounded by the no-progress timer, past which the batch is
+    /// quarantined and the wait ends; on a multi-thread runtime the wait runs in
+    /// `block_in_place`.
     fn drop(&mut self) {
-        // Dropped without wait or abort: stop the batch; the progress thread keeps its
-        // buffers alive until its outstanding reads complete.
-        if self.done.is_some() {
-            self.mailbox.send(Cmd::Cancel { batch: self.batch });
+        if self.done.take().is_none() {
+            return;
         }
+        self.signal.stop();
+        if !self.mailbox.send(Cmd::Cancel { batch: self.batch }) {
+            // The thread has stopped: it answered and ended every batch before it did.
+            return;
+        }
+        let (signal, alive) = (&self.signal, self.mailbox.alive());
+        if !blocking(|| signal.wait_quiet(alive)) {
+            tracing::error!(
+                agent = %self.agent,
+                batch = self.batch,
+                "ucx progress thread died before the dropped batch was quiet"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard_core::{HostBuffer, ReadDesc};
+    use std::time::Instant;
+
+    /// Gets that do not complete within the no-progress bound after their endpoint was
+    /// "force-closed" (the close is skipped here, so they run on) are quarantined: the error
+    /// says so and is not retryable, posts into their memory are refused until they complete,
+    /// then the memory is released and a clean post works.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unstoppable_gets_are_quarantined_then_released() {
+        if !reshard_conformance::backend_available("ucx", crate::probe()) {
+            return;
+        }
+        engine::TEST_IGNORE_FORCE_CLOSE.store(true, Ordering::Relaxed);
+        let options = UcxOptions {
+            tls: Some("tcp".into()),
+            reads_in_flight: 512,
+            // Far below the ~25 ms one 16 MiB read over TCP takes here.
+            timeout_ms: 1,
+            ..UcxOptions::default()
+        };
+        let len: usize = 512 << 20;
+        let publisher = UcxTransport::new("publisher", options.clone()).unwrap();
+        let receiver = UcxTransport::new("receiver", options).unwrap();
+        let src = Arc::new(HostBuffer::from_bytes(
+            &(0..len).map(|i| (i % 251) as u8).collect::<Vec<_>>(),
+        ));
+        let dst = Arc::new(HostBuffer::zeroed(len));
+        let rs = publisher
+            .register(src.clone() as Arc<dyn MemoryBlock>)
+            .await
+            .unwrap();
+        let rd = receiver
+            .register(dst.clone() as Arc<dyn MemoryBlock>)
+            .await
+            .unwrap();
+        receiver
+            .load_peer(7, publisher.export_metadata().await.unwrap())
+            .await
+            .unwrap();
+        let batch = |n: u64, chunk: u64| ReadBatch {
+            reads: (0..n / chunk)
+                .map(|i| ReadDesc {
+                    owner: 7,
+                    remote_region: rs.id(),
+                    remote_offset: i * chunk,
+                    local_region: rd.id(),
+                    local_offset: i * chunk,
+                    len: chunk,
+                })
+                .collect(),
+        };
+        let prepared = receiver.prepare(batch(len as u64, 16 << 20)).await.unwrap();
+        let mut quarantined = None;
+        for _ in 0..10 {
+            match receiver.post(&prepared).await {
+                Ok(f) => match f.wait().await {
+                    Err(e) if e.is_quarantined() => {
+                        quarantined = Some(e);
+                        break;
+                    }
+                    // Completed, or ended (quiet) before the bound: try again.
+                    _ => continue,
+                },
+                // Refused while an earlier attempt's gets are quarantined.
+                Err(e) => assert!(e.is_quarantined(), "{e}"),
+            }
+        }
+        engine::TEST_IGNORE_FORCE_CLOSE.store(false, Ordering::Relaxed);
+        let e = quarantined.expect("a batch was quarantined");
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(!e.is_retryable(), "{e}");
+        assert_eq!(e.context().owner, Some(7), "{e}");
+        assert!(e.to_string().contains("owner(s) {7}"), "{e}");
+        // While its gets run, their memory is not reused.
+        let e = match receiver.post(&prepared).await {
+            Ok(f) => f
+                .wait()
+                .await
+                .expect_err("quarantined memory is not posted into"),
+            Err(e) => e,
+        };
+        assert!(e.is_quarantined() && !e.is_retryable(), "{e}");
+        // Once they completed, the quarantine is released and a clean (short) post works.
+        let head = receiver.prepare(batch(32 << 20, 1 << 20)).await.unwrap();
+        let start = Instant::now();
+        loop {
+            let r = match receiver.post(&head).await {
+                Ok(f) => f.wait().await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(_) => break,
+                Err(e) if e.is_quarantined() || e.is_retryable() => {
+                    assert!(start.elapsed() < Duration::from_secs(20), "{e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(dst.read()[..32 << 20] == src.read()[..32 << 20]);
     }
 }

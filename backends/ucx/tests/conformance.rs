@@ -25,6 +25,8 @@ reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_uc
 
 reshard_conformance::fault_tests!(harness(), requires = reshard_backend_ucx::probe());
 
+reshard_conformance::quiescence_tests!(harness(), requires = reshard_backend_ucx::probe());
+
 /// The same suite with `tls = "tcp"`: RMA reads emulated over TCP, which needs the
 /// publisher's progress thread to answer them.
 mod tcp {
@@ -43,6 +45,8 @@ mod tcp {
     }
 
     reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_ucx::probe());
+
+    reshard_conformance::quiescence_tests!(harness(), requires = reshard_backend_ucx::probe());
 }
 
 /// The suite with every cluster's publishers in a child process (this test binary re-executed),

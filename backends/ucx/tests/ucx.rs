@@ -465,8 +465,8 @@ async fn a_vanished_publisher_fails_the_read_naming_owner_and_range() {
     if !available() {
         return;
     }
-    // Peer failure handling is off (it would disable shared memory in UCX 1.13), so a peer
-    // lost over TCP is detected by the completion timeout.
+    // A peer lost over TCP is reported by UCX's peer failure handling, or else by the
+    // no-progress timeout.
     let options = UcxOptions {
         timeout_ms: 500,
         ..tcp(16)

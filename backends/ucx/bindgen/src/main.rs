@@ -32,6 +32,7 @@ const FUNCTIONS: &[&str] = &[
     "ucp_worker_progress",
     "ucp_worker_get_efd",
     "ucp_worker_arm",
+    "ucp_worker_flush_nbx",
     "ucp_ep_create",
     "ucp_ep_close_nbx",
     "ucp_ep_flush_nbx",

@@ -576,6 +576,10 @@ pub struct UcpLib {
     pub ucp_request_cancel:
         unsafe extern "C" fn(worker: ucp_worker_h, request: *mut ::std::os::raw::c_void),
     pub ucp_request_free: unsafe extern "C" fn(request: *mut ::std::os::raw::c_void),
+    pub ucp_worker_flush_nbx: unsafe extern "C" fn(
+        worker: ucp_worker_h,
+        param: *const ucp_request_param_t,
+    ) -> ucs_status_ptr_t,
 }
 impl UcpLib {
     pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
@@ -625,6 +629,7 @@ impl UcpLib {
             .map(|sym| *sym)?;
         let ucp_request_cancel = __library.get(b"ucp_request_cancel\0").map(|sym| *sym)?;
         let ucp_request_free = __library.get(b"ucp_request_free\0").map(|sym| *sym)?;
+        let ucp_worker_flush_nbx = __library.get(b"ucp_worker_flush_nbx\0").map(|sym| *sym)?;
         Ok(UcpLib {
             __library,
             ucp_config_read,
@@ -656,6 +661,7 @@ impl UcpLib {
             ucp_request_check_status,
             ucp_request_cancel,
             ucp_request_free,
+            ucp_worker_flush_nbx,
         })
     }
     pub unsafe fn ucp_config_read(
@@ -842,5 +848,12 @@ impl UcpLib {
     }
     pub unsafe fn ucp_request_free(&self, request: *mut ::std::os::raw::c_void) {
         (self.ucp_request_free)(request)
+    }
+    pub unsafe fn ucp_worker_flush_nbx(
+        &self,
+        worker: ucp_worker_h,
+        param: *const ucp_request_param_t,
+    ) -> ucs_status_ptr_t {
+        (self.ucp_worker_flush_nbx)(worker, param)
     }
 }
