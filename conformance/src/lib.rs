@@ -146,6 +146,52 @@ macro_rules! quiescence_tests {
     };
 }
 
+/// Makes the in-flight safety tests that need publishers in a child process reached over a
+/// transport whose reads need the publisher's help (UCX over TCP): `quiescent_after_publisher_killed`
+/// and `quiescent_after_publisher_stalled`, plus `publisher_process` (the child's entry point
+/// and a self-test). `$endpoint` should give endpoints a short no-progress timeout. Use it
+/// inside its own module of the backend's `tests/conformance.rs`, as
+/// [`cross_process_conformance_tests!`].
+#[macro_export]
+macro_rules! cross_process_quiescence_tests {
+    ($name:expr, $endpoint:path, requires = $probe:expr) => {
+        fn cross_process_harness() -> $crate::Harness {
+            $crate::Harness::new($name, $endpoint).with_publisher_process(
+                $crate::remote::self_command(module_path!(), "publisher_process"),
+            )
+        }
+
+        #[test]
+        fn publisher_process() {
+            if $crate::remote::is_publisher_process() {
+                $crate::remote::serve_publishers($endpoint);
+                return;
+            }
+            if !$crate::backend_available($name, $probe) {
+                return;
+            }
+            let command = $crate::remote::self_command(module_path!(), "publisher_process");
+            $crate::remote::publisher_process_self_test(&cross_process_harness(), command());
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn quiescent_after_publisher_killed() {
+            if !$crate::backend_available($name, $probe) {
+                return;
+            }
+            $crate::quiescence::quiescent_after_publisher_killed(&cross_process_harness()).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn quiescent_after_publisher_stalled() {
+            if !$crate::backend_available($name, $probe) {
+                return;
+            }
+            $crate::quiescence::quiescent_after_publisher_stalled(&cross_process_harness()).await;
+        }
+    };
+}
+
 /// Set in the child process of [`quiescence_tests_in_child!`].
 pub const QUIESCENCE_CHILD_ENV: &str = "RESHARD_QUIESCENCE_CHILD";
 

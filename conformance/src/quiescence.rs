@@ -465,3 +465,79 @@ pub async fn quiescent_after_publisher_killed(h: &Harness) {
         log.join("; ")
     );
 }
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid` with the system's `kill` command.
+fn signal(pid: u32, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill -{signal} {pid}");
+}
+
+/// Stops the publishers' process (SIGSTOP) while a refit reads from it, so reads that need the
+/// publisher (one-sided reads emulated over TCP) stop progressing. The refit must return by
+/// itself — the backend's no-progress timer, not a total deadline, ends it (rule 4) — with an
+/// error that leaves the previous weights untouched (or, on a path that needs no help from the
+/// publisher, installed and verified); nothing may change afterwards, not even once the
+/// publisher runs again (SIGCONT) and answers the reads it had pending; and the next refit from
+/// the same publishers is byte-exact. Needs a harness with publishers in a child process whose
+/// endpoints have a short no-progress timeout (a few seconds).
+pub async fn quiescent_after_publisher_stalled(h: &Harness) {
+    assert!(h.is_cross_process(), "needs publishers in a child process");
+    let mut cluster = h.cluster(large_dense(), "tp=2").await;
+    let pid = cluster.pid().expect("publisher process id");
+    let mut rx = h.receiver(&cluster, 2, 0).await;
+    let t = Instant::now();
+    rx.update(&cluster.tables()).await.expect("first refit");
+    let took = t.elapsed();
+    let before = live_fingerprint(&rx);
+    cluster.publish_step(1).expect("publish step 1");
+    let tables = cluster.tables();
+    let started = Instant::now();
+    let (r, ()) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(120), rx.update(&tables)),
+        async {
+            tokio::time::sleep(took / 4).await;
+            signal(pid, "STOP");
+        }
+    );
+    let r = r.expect("a refit whose publisher stopped must end by its no-progress timer");
+    let ran = started.elapsed();
+    let now = live_fingerprint(&rx);
+    match &r {
+        Err(e) => {
+            assert_eq!(now, before, "a failed refit changed the live weights ({e})");
+            assert_eq!(rx.live_step(), Some(0));
+            eprintln!("publisher stalled: refit failed after {ran:?}: {e}");
+        }
+        Ok(_) => {
+            crate::checks::assert_installed(&cluster, &rx);
+            eprintln!("publisher stalled: refit installed after {ran:?} (did not need it)");
+        }
+    }
+    // The publisher runs again and answers whatever it had pending: none of it may land.
+    signal(pid, "CONT");
+    tokio::time::sleep((took * 2).max(MIN_WATCH) + Duration::from_millis(500)).await;
+    assert_eq!(
+        live_fingerprint(&rx),
+        now,
+        "live weights changed after the refit returned"
+    );
+    // The same publishers, running again: the next refit is byte-exact.
+    cluster.publish_step(2).expect("publish step 2");
+    let t = Instant::now();
+    loop {
+        match rx.update(&cluster.tables()).await {
+            Ok(_) => break,
+            // Reads quarantined by the stall are released once the publisher answered them;
+            // until then the backend may refuse with a retryable error.
+            Err(e) if e.is_retryable() && t.elapsed() < Duration::from_secs(60) => {
+                eprintln!("refit after the stall, retrying: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("refit after the publisher resumed: {e}"),
+        }
+    }
+    crate::checks::assert_installed(&cluster, &rx);
+}

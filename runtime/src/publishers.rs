@@ -116,6 +116,14 @@ impl Publishers {
         }
     }
 
+    /// Process id of the publishers' process (`None` in this process, or after a kill).
+    pub fn pid(&self) -> Option<u32> {
+        match self {
+            Publishers::Local(_) => None,
+            Publishers::Remote(c) => c.pid(),
+        }
+    }
+
     /// True when the publishers live in another process.
     pub fn is_remote(&self) -> bool {
         matches!(self, Publishers::Remote(_))

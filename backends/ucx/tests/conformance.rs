@@ -58,3 +58,27 @@ mod cross_process {
         requires = reshard_backend_ucx::probe()
     );
 }
+
+/// The in-flight safety tests that kill or stop the publishers' process, with every read
+/// crossing TCP (so reads need the publisher's progress thread, and stopping it stalls them)
+/// and a 2 s no-progress timeout.
+mod cross_process_tcp {
+    use super::*;
+
+    fn endpoint(agent: &str) -> Result<Arc<dyn Transport>> {
+        endpoint_with(
+            agent,
+            UcxOptions {
+                tls: Some("tcp".into()),
+                timeout_ms: 2_000,
+                ..UcxOptions::default()
+            },
+        )
+    }
+
+    reshard_conformance::cross_process_quiescence_tests!(
+        "ucx",
+        endpoint,
+        requires = reshard_backend_ucx::probe()
+    );
+}
