@@ -39,3 +39,25 @@ reshard_conformance::quiescence_tests_in_child!(
     env = [("UCX_TLS", "tcp")],
     requires = reshard_backend_nixl::probe()
 );
+
+/// The in-flight safety tests that kill or stop the publishers' process, with a 2 s
+/// no-progress bound. In this process they run over NIXL's default transports (shared memory,
+/// which a stopped publisher does not stall); `quiescence_over_tcp` runs them again with every
+/// read crossing TCP, where stopping the publisher stalls its reads.
+mod stall {
+    use super::*;
+
+    fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
+        let options = NixlOptions {
+            timeout_ms: 2_000,
+            ..NixlOptions::default()
+        };
+        Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
+    }
+
+    reshard_conformance::cross_process_quiescence_tests!(
+        "nixl",
+        endpoint,
+        requires = reshard_backend_nixl::probe()
+    );
+}
