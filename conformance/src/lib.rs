@@ -315,3 +315,25 @@ macro_rules! cross_process_conformance_tests {
         );
     };
 }
+
+#[cfg(test)]
+mod tests {
+    /// The suite's own `RESHARD_*` variables are not configuration keys: with one of them set
+    /// (replaying a fault seed, say), loading the configuration must still work.
+    #[test]
+    fn suite_variables_are_not_config_keys() {
+        use reshard_core::config::{ENV_PREFIX, NOT_CONFIG_ENV};
+        for var in [
+            super::REQUIRE_BACKENDS_ENV,
+            super::FAULT_CASES_ENV,
+            super::FAULT_SEED_ENV,
+            super::QUIESCENCE_CHILD_ENV,
+        ] {
+            let key = var.strip_prefix(ENV_PREFIX).expect("RESHARD_ prefix");
+            assert!(
+                NOT_CONFIG_ENV.contains(&key),
+                "{var} would be read as a config key"
+            );
+        }
+    }
+}

@@ -125,14 +125,18 @@ pub const CONFIG_PATH_ENV: &str = "RESHARD_CONFIG";
 pub const ENV_PREFIX: &str = "RESHARD_";
 
 /// `RESHARD_*` variables that are not configuration keys (after the prefix): the config file
-/// path, the log filter, the publisher-process socket, the CI list of required backends and
-/// the NIXL runtime folder. Any other `RESHARD_*` variable must name a config key.
-pub const NOT_CONFIG_ENV: [&str; 5] = [
+/// path, the log filter, the publisher-process socket, the NIXL runtime folder, and the test
+/// suite's own (required backends, fault-schedule count and seed, the quiescence child). Any
+/// other `RESHARD_*` variable must name a config key.
+pub const NOT_CONFIG_ENV: [&str; 8] = [
     "CONFIG",
     "LOG",
     "PUBLISHER_SOCKET",
     "REQUIRE_BACKENDS",
     "NIXL_HOME",
+    "FAULT_CASES",
+    "FAULT_SEED",
+    "QUIESCENCE_CHILD",
 ];
 
 impl Config {
