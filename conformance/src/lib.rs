@@ -155,32 +155,7 @@ macro_rules! quiescence_tests {
 #[macro_export]
 macro_rules! cross_process_quiescence_tests {
     ($name:expr, $endpoint:path, requires = $probe:expr) => {
-        fn cross_process_harness() -> $crate::Harness {
-            $crate::Harness::new($name, $endpoint).with_publisher_process(
-                $crate::remote::self_command(module_path!(), "publisher_process"),
-            )
-        }
-
-        #[test]
-        fn publisher_process() {
-            if $crate::remote::is_publisher_process() {
-                $crate::remote::serve_publishers($endpoint);
-                return;
-            }
-            if !$crate::backend_available($name, $probe) {
-                return;
-            }
-            let command = $crate::remote::self_command(module_path!(), "publisher_process");
-            $crate::remote::publisher_process_self_test(&cross_process_harness(), command());
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn quiescent_after_publisher_killed() {
-            if !$crate::backend_available($name, $probe) {
-                return;
-            }
-            $crate::quiescence::quiescent_after_publisher_killed(&cross_process_harness()).await;
-        }
+        $crate::cross_process_conformance_tests!(@process $name, $endpoint, $probe);
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn quiescent_after_publisher_stalled() {
@@ -277,6 +252,13 @@ macro_rules! fault_tests {
 #[macro_export]
 macro_rules! cross_process_conformance_tests {
     ($name:expr, $endpoint:path, requires = $probe:expr) => {
+        $crate::cross_process_conformance_tests!(@process $name, $endpoint, $probe);
+        $crate::conformance_tests!(@checks cross_process_harness(), $probe);
+    };
+    // The child's entry point and the harness that starts it, shared with
+    // `cross_process_quiescence_tests!`, plus the check that kills the child mid-refit
+    // (docs/in-flight-safety.md).
+    (@process $name:expr, $endpoint:path, $probe:expr) => {
         fn cross_process_harness() -> $crate::Harness {
             $crate::Harness::new($name, $endpoint).with_publisher_process(
                 $crate::remote::self_command(module_path!(), "publisher_process"),
@@ -296,11 +278,6 @@ macro_rules! cross_process_conformance_tests {
             $crate::remote::publisher_process_self_test(&cross_process_harness(), command());
         }
 
-        $crate::conformance_tests!(@checks cross_process_harness(), $probe);
-
-        /// In-flight safety when the publishers' process dies mid-refit
-        /// (docs/in-flight-safety.md; see
-        /// [`quiescence::quiescent_after_publisher_killed`]).
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn quiescent_after_publisher_killed() {
             if !$crate::backend_available($name, $probe) {

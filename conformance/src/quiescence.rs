@@ -60,6 +60,16 @@ struct Side {
     prepared: Option<PreparedBatch>,
 }
 
+impl Side {
+    /// Drops the destination's registration, the prepared batch and the endpoint (the only
+    /// reference to it outside the backend), keeping the destination memory to watch.
+    fn drop_handles(&mut self) {
+        drop(self.reg.take());
+        drop(self.prepared.take());
+        drop(self.rx.take());
+    }
+}
+
 /// Publisher endpoint and source, kept for the whole check.
 struct Source {
     tx: Arc<dyn Transport>,
@@ -228,19 +238,14 @@ async fn end(
         Ending::DroppedEverything => {
             tokio::time::sleep(delay).await;
             let at = sampled_canaries(&s.dst);
-            drop(s.reg.take());
-            drop(s.prepared.take());
-            // The only reference to the endpoint outside the backend.
-            drop(s.rx.take());
+            s.drop_handles();
             drop(inflight);
             Some(at)
         }
         Ending::WaitAfterDroppedTransport => {
             tokio::time::sleep(delay).await;
             let at = sampled_canaries(&s.dst);
-            drop(s.reg.take());
-            drop(s.prepared.take());
-            drop(s.rx.take());
+            s.drop_handles();
             // Every waiter wakes (rule 4): with the bytes or with an error, but it returns.
             let r = tokio::time::timeout(Duration::from_secs(60), inflight.wait())
                 .await
