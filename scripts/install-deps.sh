@@ -13,6 +13,7 @@
 # - python3 and pip: only to fetch the NIXL runtime, the PyPI wheel nixl-cu12, unpacked (no CUDA
 #   needed for host memory) into the git-ignored folder .deps/nixl for backends/nixl.
 #   RESHARD_NIXL_HOME overrides the folder.
+# - procps: `kill`, with which the conformance suite stops and kills publisher processes.
 # The Rust toolchain is pinned in rust-toolchain.toml; see the end of this script.
 #
 # Runs as root, or through sudo when it is there; without either it names the packages to
@@ -20,7 +21,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3)
+apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3 procps)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
