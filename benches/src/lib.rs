@@ -10,7 +10,7 @@ use reshard_planner::layouts::receiver_layout;
 use reshard_planner::plan::{plan, PlanOptions};
 use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{geometry_tables, ReceiverTopology};
-use reshard_runtime::{Receiver, ReceiverOptions, SyntheticCluster};
+use reshard_runtime::{Placement, Receiver, ReceiverOptions, SyntheticCluster};
 
 /// The DESIGN §8 setup at full scale, geometry only: deduplicated table and both TP2 layouts.
 pub fn reference_geometry() -> Result<(MergedTable, Vec<WantedLayout>)> {
@@ -61,13 +61,20 @@ impl LoopbackRig {
     ) -> Result<Self> {
         let fabric = LoopbackFabric::new();
         let f = fabric.clone();
-        let cluster = SyntheticCluster::new(model, topo.parse()?, 7, move |r| {
-            Ok(Arc::new(LoopbackTransport::new(
-                &f,
-                &format!("publisher-{r}"),
-                workers,
-            )?) as Arc<dyn Transport>)
-        })
+        // Replicas share memory so large EP x DP rigs fit beside the receivers.
+        let cluster = SyntheticCluster::with_placement(
+            model,
+            topo.parse()?,
+            7,
+            Placement::SharedReplicas,
+            move |r| {
+                Ok(Arc::new(LoopbackTransport::new(
+                    &f,
+                    &format!("publisher-{r}"),
+                    workers,
+                )?) as Arc<dyn Transport>)
+            },
+        )
         .await?;
         let t: Arc<dyn Transport> = Arc::new(LoopbackTransport::new(&fabric, "receiver", workers)?);
         cluster.connect(t.as_ref()).await?;

@@ -15,6 +15,7 @@ use reshard_runtime::{ReceiverOptions, StageTimes};
 
 use crate::refit_cmd::{
     median, progress, run_arm, start_bench, summarize, ArmSummary, Bench, PublisherPlace,
+    PublisherSetup,
 };
 use crate::{ModelArgs, Outcome};
 
@@ -137,8 +138,12 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         &cfg,
         args.config.as_deref(),
         &args.model,
-        args.place,
-        args.seed,
+        PublisherSetup {
+            place: args.place,
+            // Replicas share memory so the default EP8 x DP8 rig fits beside the receivers.
+            placement: reshard_runtime::Placement::SharedReplicas,
+            seed: args.seed,
+        },
     )
     .await?;
     let per_arm = (args.updates as u64 + 1) * recv.world() as u64;

@@ -18,7 +18,7 @@ use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::remote::DEFAULT_TIMEOUT;
 use reshard_runtime::{
-    Publishers, Receiver, ReceiverOptions, RemoteCluster, StageTimes, SyntheticCluster,
+    Placement, Publishers, Receiver, ReceiverOptions, RemoteCluster, StageTimes, SyntheticCluster,
     UpdateReport,
 };
 
@@ -53,6 +53,11 @@ pub struct RefitArgs {
     /// started from this binary, so bytes and metadata cross a process boundary).
     #[arg(long = "publisher-process", value_enum, default_value_t = PublisherPlace::Local)]
     place: PublisherPlace,
+    /// Publisher memory: `shared` (replicas share one buffer, so the default EP8 x DP8 rig fits
+    /// on one machine) or `per-rank` (every rank its own memory and layout, as on real
+    /// trainers; DP times the memory).
+    #[arg(long = "publisher-memory", value_enum, default_value_t = PublisherMemory::Shared)]
+    memory: PublisherMemory,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -65,6 +70,24 @@ pub enum PublisherPlace {
     Local,
     /// In a child process (`reshard serve-publishers`), driven over a Unix socket.
     Process,
+}
+
+/// How `reshard refit` lays out its synthetic publishers' memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PublisherMemory {
+    /// One buffer per distinct box, shared by its replicas.
+    Shared,
+    /// Every rank owns its memory, with its own layout.
+    PerRank,
+}
+
+impl From<PublisherMemory> for Placement {
+    fn from(m: PublisherMemory) -> Self {
+        match m {
+            PublisherMemory::Shared => Placement::SharedReplicas,
+            PublisherMemory::PerRank => Placement::PerRank,
+        }
+    }
 }
 
 /// Flags of the hidden `reshard serve-publishers` (the child side of `--publisher-process`).
@@ -121,19 +144,35 @@ pub fn run(args: RefitArgs) -> Result<Outcome> {
     crate::block_on(refit(args))
 }
 
+/// Where `reshard refit` runs its synthetic publishers, how their memory is laid out, and the
+/// seed of their weights.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PublisherSetup {
+    /// This process or a child.
+    pub place: PublisherPlace,
+    /// Shared replicas or per-rank memory.
+    pub placement: Placement,
+    /// Seed of the synthetic weights.
+    pub seed: u64,
+}
+
 /// Publishers for a refit: in this process, or in a child started from this binary.
 pub(crate) async fn start_publishers(
     registry: &Registry,
-    place: PublisherPlace,
     cfg: &Config,
     config_path: Option<&std::path::Path>,
     model: &ModelConfig,
     pubs: PublisherTopology,
-    seed: u64,
+    setup: PublisherSetup,
 ) -> Result<Publishers> {
+    let PublisherSetup {
+        place,
+        placement,
+        seed,
+    } = setup;
     Ok(match place {
         PublisherPlace::Local => Publishers::Local(
-            SyntheticCluster::new(model.clone(), pubs, seed, |rank| {
+            SyntheticCluster::with_placement(model.clone(), pubs, seed, placement, |rank| {
                 registry.create(&format!("publisher-{rank}"), &cfg.transport)
             })
             .await?,
@@ -150,7 +189,14 @@ pub(crate) async fn start_publishers(
             let model = model.clone();
             Publishers::Remote(
                 tokio::task::spawn_blocking(move || {
-                    RemoteCluster::spawn(cmd, model, pubs, seed, DEFAULT_TIMEOUT)
+                    RemoteCluster::spawn_with_placement(
+                        cmd,
+                        model,
+                        pubs,
+                        seed,
+                        placement,
+                        DEFAULT_TIMEOUT,
+                    )
                 })
                 .await
                 .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
@@ -174,17 +220,16 @@ pub(crate) struct Bench {
     pub cluster: Publishers,
 }
 
-/// Resolves `model` with the refit defaults and starts its publishers at `place`.
+/// Resolves `model` with the refit defaults and starts its publishers as `setup` says.
 pub(crate) async fn start_bench(
     cfg: &Config,
     config_path: Option<&std::path::Path>,
     model: &ModelArgs,
-    place: PublisherPlace,
-    seed: u64,
+    setup: PublisherSetup,
 ) -> Result<Bench> {
     let (model, pubs, recv) = resolve_scaled(model)?;
     let registry = transports::registry();
-    let cluster = start_publishers(&registry, place, cfg, config_path, &model, pubs, seed).await?;
+    let cluster = start_publishers(&registry, cfg, config_path, &model, pubs, setup).await?;
     Ok(Bench {
         registry,
         model,
@@ -447,8 +492,11 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         &cfg,
         args.config.as_deref(),
         &args.model,
-        args.place,
-        args.seed,
+        PublisherSetup {
+            place: args.place,
+            placement: args.memory.into(),
+            seed: args.seed,
+        },
     )
     .await?;
     let bar = progress(
@@ -510,6 +558,10 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             "checked_bytes": checked,
             "publisher_arena_bytes": cluster.arena_bytes(),
             "publisher_process": cluster.is_remote(),
+            "publisher_memory": match args.memory {
+                PublisherMemory::Shared => "shared",
+                PublisherMemory::PerRank => "per-rank",
+            },
             "ranks": ranks,
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());

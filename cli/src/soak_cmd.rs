@@ -18,7 +18,9 @@ use reshard_core::{
 use reshard_planner::layouts::ReceiverLayouts;
 use reshard_runtime::{Receiver, ReceiverOptions};
 
-use crate::refit_cmd::{median, print_verdict, progress, start_bench, Bench, PublisherPlace};
+use crate::refit_cmd::{
+    median, print_verdict, progress, start_bench, Bench, PublisherPlace, PublisherSetup,
+};
 use crate::{ModelArgs, Outcome};
 
 /// Flags of `reshard soak` (model defaults as `refit`: --layers 4, --experts 32 on MoE).
@@ -132,8 +134,12 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
         &cfg,
         args.config.as_deref(),
         &args.model,
-        args.place,
-        args.seed,
+        PublisherSetup {
+            place: args.place,
+            // Replicas share memory so the default EP8 x DP8 rig fits beside the receivers.
+            placement: reshard_runtime::Placement::SharedReplicas,
+            seed: args.seed,
+        },
     )
     .await?;
     let live_regs = Arc::new(AtomicU64::new(0));

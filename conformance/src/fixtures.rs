@@ -9,7 +9,7 @@ use reshard_planner::presets::{ModelConfig, MoeConfig};
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::remote::DEFAULT_TIMEOUT;
 use reshard_runtime::{
-    Publishers as Cluster, Receiver, ReceiverOptions, RemoteCluster, SyntheticCluster,
+    Placement, Publishers as Cluster, Receiver, ReceiverOptions, RemoteCluster, SyntheticCluster,
 };
 
 /// Creates transport endpoints of the backend under test, by agent name.
@@ -65,15 +65,33 @@ impl Harness {
         (self.make)(agent)
     }
 
-    /// Publishers for `model` under `topo`, each on its own endpoint, in this process or in a
-    /// child process (see [`Harness::with_publisher_process`]).
+    /// Publishers for `model` under `topo`, each on its own endpoint with its own memory and
+    /// layout ([`Placement::PerRank`]), in this process or in a child process (see
+    /// [`Harness::with_publisher_process`]).
     pub async fn cluster(&self, model: ModelConfig, topo: &str) -> Cluster {
+        self.cluster_placed(model, topo, Placement::PerRank).await
+    }
+
+    /// [`Self::cluster`] with the publishers' memory placed as `placement` says.
+    pub async fn cluster_placed(
+        &self,
+        model: ModelConfig,
+        topo: &str,
+        placement: Placement,
+    ) -> Cluster {
         let topo: PublisherTopology = topo.parse().expect("valid publisher topology");
         if let Some(command) = &self.publisher_process {
             let command = command();
             // Spawning and the first reply block; keep them off the runtime's workers.
             let c = tokio::task::spawn_blocking(move || {
-                RemoteCluster::spawn(command, model, topo, 42, DEFAULT_TIMEOUT)
+                RemoteCluster::spawn_with_placement(
+                    command,
+                    model,
+                    topo,
+                    42,
+                    placement,
+                    DEFAULT_TIMEOUT,
+                )
             })
             .await
             .expect("spawn task")
@@ -82,7 +100,7 @@ impl Harness {
         }
         let make = self.make.clone();
         Cluster::Local(
-            SyntheticCluster::new(model, topo, 42, move |rank| {
+            SyntheticCluster::with_placement(model, topo, 42, placement, move |rank| {
                 make(&format!("publisher-{rank}"))
             })
             .await

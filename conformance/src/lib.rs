@@ -4,6 +4,7 @@
 pub mod checks;
 pub mod faults;
 pub mod fixtures;
+pub mod proofs;
 pub mod quiescence;
 pub mod remote;
 pub mod wrappers;
@@ -94,6 +95,19 @@ macro_rules! conformance_tests {
             throughput_ceiling_guard_refuses_install,
             abort_stops_a_posted_batch,
         );
+        $crate::conformance_tests!(@proof $make, $probe; wrong_owner_or_offset_is_caught);
+    };
+    (@proof $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                let harness = $make;
+                if !$crate::backend_available(harness.name(), $probe) {
+                    return;
+                }
+                $crate::proofs::$check(&harness).await;
+            }
+        )*
     };
     (@each $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
         $(

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reshard_core::{
-    HostBuffer, HostMemory, InFlight, MemoryBlock, PreparedBatch, ReadBatch, ReadDesc,
+    ErrorKind, HostBuffer, HostMemory, InFlight, MemoryBlock, PreparedBatch, ReadBatch, ReadDesc,
     Registration, Transport,
 };
 
@@ -409,6 +409,7 @@ pub async fn quiescent_after_publisher_killed(h: &Harness) {
             .expected_params(rx.layout())
             .expect("reference parameters");
         let tables = cluster.tables();
+        let ranks: Vec<_> = tables.iter().map(|t| t.publisher.rank).collect();
         let started = Instant::now();
         let (r, ()) = tokio::join!(
             tokio::time::timeout(Duration::from_secs(120), rx.update(&tables)),
@@ -425,6 +426,23 @@ pub async fn quiescent_after_publisher_killed(h: &Harness) {
             Err(e) => {
                 assert_eq!(now, before, "a failed refit changed the live weights ({e})");
                 assert_eq!(rx.live_step(), Some(0));
+                // A typed wire failure that names a publisher of the dead process.
+                assert!(
+                    matches!(
+                        e.kind(),
+                        ErrorKind::Transport | ErrorKind::Timeout | ErrorKind::PeerUnknown
+                    ),
+                    "a dead publisher is a transport failure: {e}"
+                );
+                let owner = e
+                    .context()
+                    .owner
+                    .unwrap_or_else(|| panic!("the error names no owner: {e}"));
+                assert!(
+                    ranks.contains(&owner),
+                    "the error names owner {owner}, not a publisher of the killed process \
+                     ({ranks:?}): {e}"
+                );
                 log.push(format!("{d:?}: failed after {ran:?}: {e}"));
                 caught += 1;
             }

@@ -7,8 +7,8 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 
 use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch,
-    Registration, Result, Transport, WireReport,
+    Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock, OwnerId,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
 };
 
 /// Implements `Transport` for a wrapper with an `inner` transport: everything but the methods
@@ -37,6 +37,12 @@ macro_rules! wrapper_transport {
             }
             async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
                 self.inner.load_peer(owner, metadata).await
+            }
+            async fn allocate_host(&self, len: usize) -> Result<Option<Arc<dyn HostMemory>>> {
+                self.inner.allocate_host(len).await
+            }
+            fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+                self.inner.set_execution_log(log)
             }
             $($own)*
         }
@@ -136,5 +142,90 @@ wrapper_transport!(FailingTransport, {
             .with_backend(self.inner.name())
             .set_retryable(true);
         Ok(Box::new(FailAfter { inner, error }))
+    }
+});
+
+/// Which read a [`MisdirectingTransport`] sends elsewhere, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Misdirect {
+    /// The read of `owner` at `offset` goes to owner `to`, same region and offset: a backend
+    /// that confused its peers.
+    Owner {
+        /// Owner of the misdirected read.
+        owner: OwnerId,
+        /// Its remote offset.
+        offset: u64,
+        /// Owner that is read instead.
+        to: OwnerId,
+    },
+    /// The read of `owner` at `offset` reads `by` bytes further on: a backend that miscomputed
+    /// an address.
+    Offset {
+        /// Owner of the misdirected read.
+        owner: OwnerId,
+        /// Its remote offset.
+        offset: u64,
+        /// Bytes added to the remote offset.
+        by: u64,
+    },
+}
+
+/// A deliberately wrong backend: hands the inner backend a batch in which one read goes
+/// elsewhere ([`Misdirect`]), while the receiver still sees the batch it asked for. The suite
+/// must notice (a failed refit, or bytes that differ from the reference).
+#[derive(Debug)]
+pub struct MisdirectingTransport {
+    inner: Arc<dyn Transport>,
+    rule: Misdirect,
+    misdirected: Mutex<Option<ReadDesc>>,
+}
+
+impl MisdirectingTransport {
+    /// Wraps `inner`, misdirecting as `rule` says.
+    pub fn new(inner: Arc<dyn Transport>, rule: Misdirect) -> Self {
+        MisdirectingTransport {
+            inner,
+            rule,
+            misdirected: Mutex::new(None),
+        }
+    }
+
+    /// The read as it was asked for, once it was misdirected.
+    pub fn misdirected(&self) -> Option<ReadDesc> {
+        *self.misdirected.lock()
+    }
+}
+
+wrapper_transport!(MisdirectingTransport, {
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        let asked = Arc::new(batch);
+        let mut sent = (*asked).clone();
+        let (owner, offset) = match self.rule {
+            Misdirect::Owner { owner, offset, .. } | Misdirect::Offset { owner, offset, .. } => {
+                (owner, offset)
+            }
+        };
+        if let Some(r) = sent
+            .reads
+            .iter_mut()
+            .find(|r| r.owner == owner && r.remote_offset == offset)
+        {
+            *self.misdirected.lock() = Some(*r);
+            match self.rule {
+                Misdirect::Owner { to, .. } => r.owner = to,
+                Misdirect::Offset { by, .. } => r.remote_offset += by,
+            }
+        }
+        let inner = self.inner.prepare(sent).await?;
+        Ok(PreparedBatch::new(asked, self.inner.name(), inner))
+    }
+    async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        let inner = batch.state::<PreparedBatch>().ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                "batch was not prepared by this misdirecting transport",
+            )
+        })?;
+        self.inner.post(inner).await
     }
 });

@@ -32,5 +32,6 @@ pub use plan::{
     Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer,
 };
 pub use transport::{
-    Capability, InFlight, PreparedBatch, ReadBatch, ReadDesc, Registration, Transport, WireReport,
+    Capability, ExecutionLog, InFlight, PreparedBatch, ReadBatch, ReadDesc, Registration,
+    Transport, WireReport,
 };

@@ -178,13 +178,50 @@ impl fmt::Debug for PreparedBatch {
     }
 }
 
-/// What one completed batch moved.
+/// What one completed batch moved, counted by the backend from its completions (never copied
+/// from the batch), so a receiver can refuse an install when fewer bytes arrived than planned.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WireReport {
-    /// Reads completed.
+    /// Reads whose completion the backend saw.
     pub reads: u64,
-    /// Bytes moved.
+    /// Bytes those completions delivered, summed as they completed.
     pub bytes: u64,
+}
+
+/// Where a backend records every read it hands to its wire library, as it resolved it (owner
+/// from the peer endpoint used, region and offset from the address or handle used), so tests
+/// and audits see what was executed rather than what was asked. Recorded at post time; a
+/// backend that cannot resolve a read back to a region records what it can and never skips it.
+#[derive(Debug, Default)]
+pub struct ExecutionLog {
+    reads: parking_lot::Mutex<Vec<ReadDesc>>,
+}
+
+impl ExecutionLog {
+    /// An empty log.
+    pub fn new() -> Arc<Self> {
+        Arc::new(ExecutionLog::default())
+    }
+
+    /// Appends reads the backend executed.
+    pub fn record(&self, reads: impl IntoIterator<Item = ReadDesc>) {
+        self.reads.lock().extend(reads);
+    }
+
+    /// Takes every read recorded so far, leaving the log empty.
+    pub fn take(&self) -> Vec<ReadDesc> {
+        std::mem::take(&mut *self.reads.lock())
+    }
+
+    /// Number of reads recorded and not yet taken.
+    pub fn len(&self) -> usize {
+        self.reads.lock().len()
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A posted batch: every owner's reads are already in flight.
@@ -213,6 +250,7 @@ pub trait InFlight: Send {
 ///   translates the batch once; the result is reused by every `post` until any registration
 ///   or peer changes, which [`Transport::epoch`] reports.
 /// - `post` starts every owner's reads before it returns; nothing is awaited per owner.
+/// - The [`WireReport`] of `wait` counts reads and bytes from completions as they arrive.
 /// - Destinations of one batch are normally disjoint. Where they overlap (the benchmark-only
 ///   no-dedup arm reads byte-identical replicas into one place), a backend must apply the
 ///   overlapping reads in batch order, never as concurrent host writes to the same bytes.
@@ -270,4 +308,12 @@ pub trait Transport: Send + Sync + fmt::Debug {
 
     /// Posts every read of a prepared batch, all owners before any wait.
     async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>>;
+
+    /// Starts (`Some`) or stops (`None`) recording every read this endpoint posts into `log`,
+    /// resolved from the backend's own translated state (see [`ExecutionLog`]). Returns false
+    /// when the backend cannot record (the default), which the conformance suite fails.
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        let _ = log;
+        false
+    }
 }

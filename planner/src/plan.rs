@@ -383,6 +383,7 @@ impl<'a> Planner<'a> {
                 .with_owner(o.owner));
             }
         }
+        self.check_tiled(t)?;
         let slot = u32::try_from(self.states.len())
             .ok()
             .filter(|&s| s != UNSEEN)
@@ -510,6 +511,39 @@ impl<'a> Planner<'a> {
             active.push(k);
         }
         Ok(())
+    }
+
+    /// Fails with `MissingCoverage` naming an unoffered sub-box when the offers of a tensor the
+    /// receiver reads do not cover the whole tensor. Publishers jointly hold every byte of the
+    /// model, so a hole means a missing publisher or a garbled box. Checking only the wanted
+    /// part is not enough: a box whose extent was garbled can still cover the rows and columns
+    /// a receiver wants while describing its memory with the wrong strides, and a sub-box read
+    /// of it matches no digest, so the wrong bytes would install unverified.
+    fn check_tiled(&mut self, t: &MergedTensor) -> Result<()> {
+        let whole = TensorBox::new(vec![0; t.spec.shape.len()], t.spec.shape.clone());
+        self.ov.reset(whole.rank());
+        for (k, o) in t.offers.iter().enumerate() {
+            self.ov.push_intersection(k, &whole, &o.tensor_box);
+        }
+        // No volume shortcut: offers may overlap outside every wanted box (not an error), so
+        // a volume sum can hide a hole.
+        match find_uncovered(&self.ov, &whole.offset, &t.spec.shape) {
+            None => Ok(()),
+            Some(missing) => Err(Error::new(
+                ErrorKind::MissingCoverage,
+                format!(
+                    "box {missing} of tensor {} (shape {:?}) is offered by no publisher: the \
+                     offers must tile every tensor a receiver reads (a missing publisher or a \
+                     garbled box)",
+                    t.spec.name, t.spec.shape
+                ),
+            )
+            .with_tensor(&t.spec.name)
+            .with_detail(ErrorDetail::MissingCoverage {
+                tensor: t.spec.name.clone(),
+                missing,
+            })),
+        }
     }
 
     /// Fails with `MissingCoverage` naming an unoffered sub-box when the overlaps do not cover

@@ -11,7 +11,7 @@ pub mod synthetic;
 pub use publishers::Publishers;
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
 pub use remote::RemoteCluster;
-pub use synthetic::SyntheticCluster;
+pub use synthetic::{Placement, SyntheticCluster};
 
 /// Fails with a clear error, instead of an allocation abort, when `bytes` exceed the memory the
 /// OS reports available (Linux `MemAvailable`; skipped where that is unknown).

@@ -24,7 +24,7 @@ use reshard_core::{
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::PublisherTopology;
 
-use crate::synthetic::{reference_params, SyntheticCluster};
+use crate::synthetic::{reference_params, Placement, SyntheticCluster};
 
 /// Environment variable through which a publisher process learns the parent's socket path.
 pub const SOCKET_ENV: &str = "RESHARD_PUBLISHER_SOCKET";
@@ -39,6 +39,8 @@ enum Request {
         model: ModelConfig,
         topology: String,
         seed: u64,
+        #[serde(default)]
+        placement: Placement,
     },
     Publish {
         step: u64,
@@ -169,13 +171,15 @@ async fn handle(
             model,
             topology,
             seed,
+            placement,
         } => {
             // Drop the previous cluster first so its registrations go before new ones exist.
             *cluster = None;
             let topo: PublisherTopology = topology.parse()?;
-            let c =
-                SyntheticCluster::new(model, topo, seed, |rank| make(&format!("publisher-{rank}")))
-                    .await?;
+            let c = SyntheticCluster::with_placement(model, topo, seed, placement, |rank| {
+                make(&format!("publisher-{rank}"))
+            })
+            .await?;
             let metadata = c
                 .metadata()
                 .await?
@@ -287,12 +291,25 @@ static SOCKETS: AtomicU64 = AtomicU64::new(0);
 impl RemoteCluster {
     /// Starts `command` as the publisher process (its socket path goes in [`SOCKET_ENV`]; its
     /// stdout is discarded, stderr inherited), then builds the cluster there and loads its
-    /// tables and metadata. Each wait is bounded by `timeout`.
+    /// tables and metadata. Each wait is bounded by `timeout`. Publishers own per-rank memory
+    /// ([`Placement::PerRank`]); see [`Self::spawn_with_placement`].
     pub fn spawn(
+        command: Command,
+        model: ModelConfig,
+        topology: PublisherTopology,
+        seed: u64,
+        timeout: Duration,
+    ) -> Result<Self> {
+        Self::spawn_with_placement(command, model, topology, seed, Placement::PerRank, timeout)
+    }
+
+    /// [`Self::spawn`] with the publishers' memory placed as `placement` says.
+    pub fn spawn_with_placement(
         mut command: Command,
         model: ModelConfig,
         topology: PublisherTopology,
         seed: u64,
+        placement: Placement,
         timeout: Duration,
     ) -> Result<Self> {
         let socket = std::env::temp_dir().join(format!(
@@ -373,6 +390,7 @@ impl RemoteCluster {
             model,
             topology: topology.to_string(),
             seed,
+            placement,
         })?;
         match reply {
             Reply::Cluster {

@@ -242,6 +242,39 @@ async fn gap_in_the_offers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn box_that_leaves_a_hole_outside_the_wanted_part() {
+    // A garbled extent: expert 5's down_proj ([128, 96], row-parallel) claims only columns
+    // 0..58 on its only holder. TP rank 0 wants columns 0..48, still inside the box, but the box
+    // now describes the holder's memory with the wrong row stride and a sub-box read of it
+    // matches no digest: the hole at columns 58..96 must refuse the update.
+    let mut s = installed("ep=2,dp=2").await;
+    let mut tables = next_tables(&mut s);
+    let name = expert_tensor(0, 5, "down_proj");
+    let h = holders(&tables, &name);
+    assert_eq!(
+        h.len(),
+        1,
+        "one holder of an expert under ep=2 in a world of 2"
+    );
+    let o = offers_mut(&mut tables[h[0]], &name).next().unwrap();
+    assert_eq!(o.tensor_box.extent, vec![128, 96]);
+    o.tensor_box.extent[1] = 58;
+    let e = refused(&mut s, &tables).await;
+    assert_eq!(e.kind(), ErrorKind::MissingCoverage, "{e}");
+    assert_eq!(e.context().tensor.as_deref(), Some(name.as_str()));
+    match e.detail() {
+        Some(ErrorDetail::MissingCoverage { tensor, missing }) => {
+            assert_eq!(tensor, &name);
+            assert!(
+                missing.offset[1] >= 58 && missing.end(1) <= 96,
+                "{missing} lies in the hole"
+            );
+        }
+        other => panic!("expected a missing-coverage detail, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_overlap_of_offers() {
     // One publisher also offers the top half of q_proj: it overlaps the whole-tensor offers
     // without being a replica of them.
@@ -250,10 +283,12 @@ async fn partial_overlap_of_offers() {
     let q = q_proj();
     let h = holders(&tables, &q);
     let last = h[h.len() - 1];
+    // The offer of the first rows: receiver rank 0 reads them (offers are in a different
+    // order on every rank).
     let mut half = tables[last]
         .offers
         .iter()
-        .find(|o| o.tensor == q)
+        .find(|o| o.tensor == q && o.tensor_box.offset[0] == 0)
         .unwrap()
         .clone();
     half.tensor_box.extent[0] /= 2;
