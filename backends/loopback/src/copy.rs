@@ -37,6 +37,9 @@ pub(crate) struct PostCtx {
     pub(crate) abort: Arc<AtomicBool>,
     /// Which jobs are touching memory; see [`Gate`].
     pub(crate) gate: Arc<Gate>,
+    /// Test-only: the read whose pieces are silently skipped.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) skip_read: Option<u32>,
     #[cfg(test)]
     pub(crate) faults: crate::transport::Faults,
 }
@@ -86,10 +89,11 @@ impl Gate {
     }
 }
 
-type JobResult = Result<()>;
+/// What a job copied: the reads it finished (their last piece) and the bytes of its pieces.
+type JobResult = Result<WireReport>;
 
 /// Starts one job per work list on `pool` and returns the handle that waits for them.
-pub(crate) fn start(pool: &Arc<ThreadPool>, ctx: PostCtx, report: WireReport) -> LoopbackInFlight {
+pub(crate) fn start(pool: &Arc<ThreadPool>, ctx: PostCtx) -> LoopbackInFlight {
     let ctx = Arc::new(ctx);
     let mut jobs = Vec::with_capacity(ctx.prepared.work.len());
     for w in 0..ctx.prepared.work.len() {
@@ -104,7 +108,7 @@ pub(crate) fn start(pool: &Arc<ThreadPool>, ctx: PostCtx, report: WireReport) ->
         abort: Arc::clone(&ctx.abort),
         gate: Arc::clone(&ctx.gate),
         jobs,
-        report,
+        counted: WireReport::default(),
         finished: false,
         _pool: Arc::clone(pool),
     }
@@ -156,8 +160,13 @@ fn run_job(ctx: &PostCtx, w: usize) -> JobResult {
 }
 
 fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
+    let mut counted = WireReport::default();
     for (k, p) in pieces.iter().enumerate() {
         at.set(k);
+        #[cfg(feature = "fault-injection")]
+        if ctx.skip_read == Some(p.read) {
+            continue;
+        }
         #[cfg(test)]
         ctx.faults.before_piece(k);
         let src = ctx.srcs[p.src as usize].addr + p.src_off as usize;
@@ -188,8 +197,11 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
             }
             done += n as u64;
         }
+        // The piece is complete: count its bytes, and its read once its last piece is done.
+        counted.bytes += done;
+        counted.reads += u64::from(p.last);
     }
-    Ok(())
+    Ok(counted)
 }
 
 /// A posted loopback batch: every job is already queued on the worker pool.
@@ -197,7 +209,8 @@ pub(crate) struct LoopbackInFlight {
     abort: Arc<AtomicBool>,
     gate: Arc<Gate>,
     jobs: Vec<oneshot::Receiver<JobResult>>,
-    report: WireReport,
+    /// Reads and bytes the jobs that finished so far reported, summed as they arrive.
+    counted: WireReport,
     /// Every job reported: nothing of the batch can run any more.
     finished: bool,
     /// The pool outlives its queued jobs even if the transport is dropped meanwhile.
@@ -216,7 +229,12 @@ impl LoopbackInFlight {
             let r = rx.await;
             self.jobs.pop();
             let r = match r {
-                Ok(r) => r,
+                Ok(Ok(c)) => {
+                    self.counted.reads += c.reads;
+                    self.counted.bytes += c.bytes;
+                    Ok(())
+                }
+                Ok(Err(e)) => Err(e),
                 Err(_) => Err(Error::new(
                     ErrorKind::Transport,
                     "loopback copy job ended without reporting",
@@ -244,7 +262,7 @@ impl LoopbackInFlight {
 impl InFlight for LoopbackInFlight {
     async fn wait(mut self: Box<Self>) -> Result<WireReport> {
         self.join().await?;
-        Ok(self.report)
+        Ok(self.counted)
     }
 
     async fn abort(mut self: Box<Self>) {

@@ -5,8 +5,8 @@ use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
 use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, MemoryBlock, MemoryKind, OwnerId, PreparedBatch,
-    ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
+    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
 };
 use std::collections::HashMap;
 use std::fmt;
@@ -28,6 +28,11 @@ pub struct LoopbackTransport {
     workers: usize,
     peers: RwLock<HashMap<OwnerId, Arc<Peer>>>,
     pool: Mutex<Option<Arc<ThreadPool>>>,
+    /// Where posted reads are recorded as resolved, when set ([`Transport::set_execution_log`]).
+    log: RwLock<Option<Arc<ExecutionLog>>>,
+    /// Test-only: index of a read that `post` silently skips (never copied nor counted).
+    #[cfg(feature = "fault-injection")]
+    skip_read: Mutex<Option<usize>>,
     #[cfg(test)]
     pub(crate) faults: Faults,
 }
@@ -63,7 +68,6 @@ pub(crate) struct Prepared {
     dsts: Vec<DstRef>,
     /// One list per worker, balanced by bytes.
     pub(crate) work: Vec<Vec<Piece>>,
-    report: WireReport,
 }
 
 /// Test-only fault injection for the copy jobs.
@@ -130,9 +134,21 @@ impl LoopbackTransport {
             workers,
             peers: RwLock::new(HashMap::new()),
             pool: Mutex::new(None),
+            log: RwLock::new(None),
+            #[cfg(feature = "fault-injection")]
+            skip_read: Mutex::new(None),
             #[cfg(test)]
             faults: Faults::default(),
         })
+    }
+
+    /// Test-only fault injection (feature `fault-injection`, off by default): while set to
+    /// `Some(i)`, every `post` silently skips read `i` of its batch (it is neither copied nor
+    /// counted in the [`reshard_core::WireReport`], nor recorded in the execution log), as a
+    /// backend that loses a read would. Reads are numbered in batch order.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_skip_read(&self, read: Option<usize>) {
+        *self.skip_read.lock() = read;
     }
 
     /// Number of copy threads.
@@ -264,6 +280,7 @@ impl LoopbackTransport {
                 src_off: r.remote_offset,
                 dst_off: r.local_offset,
                 len: r.len,
+                last: true,
             });
         }
         // Overlapping destinations run on one worker, in batch order (the last writer wins).
@@ -278,10 +295,6 @@ impl LoopbackTransport {
             srcs,
             dsts,
             work,
-            report: WireReport {
-                reads: batch.reads.len() as u64,
-                bytes: batch.bytes(),
-            },
         })
     }
 
@@ -427,6 +440,111 @@ impl LoopbackTransport {
     }
 }
 
+/// Finds the region of `regions` whose registered block holds `addr..addr + len`: its id and
+/// the offset of `addr` in it. When several do (one memory registered twice), `prefer` wins if
+/// it is one of them, else the lowest id.
+fn region_at(
+    regions: &HashMap<u64, Region>,
+    addr: u64,
+    len: u64,
+    prefer: u64,
+) -> Option<(u64, u64)> {
+    let holds = |r: &Region| {
+        let base = r.block.addr() as u64;
+        addr >= base && addr.saturating_add(len) <= base.saturating_add(r.len)
+    };
+    if let Some(r) = regions.get(&prefer).filter(|r| holds(r)) {
+        return Some((prefer, addr - r.block.addr() as u64));
+    }
+    regions
+        .iter()
+        .filter(|(_, r)| holds(r))
+        .min_by_key(|(&id, _)| id)
+        .map(|(&id, r)| (id, addr - r.block.addr() as u64))
+}
+
+/// A read as the copy jobs execute it: source and destination indices, first source and
+/// destination addresses, and bytes.
+type Extent = (u32, u32, u64, u64, u64);
+
+impl LoopbackTransport {
+    /// Records every read of a post as the copy jobs will execute it: the owner is the one
+    /// whose loaded peer is the agent the source block was resolved from, and regions and
+    /// offsets are computed back from the source and destination addresses the jobs copy
+    /// between (the block address resolved at post plus the piece's offset), looked up in the
+    /// source agent's and this agent's registrations. Reads split between workers are recorded
+    /// once, as the whole extent their pieces cover. A skipped read (fault injection) is not.
+    fn record(
+        &self,
+        log: &ExecutionLog,
+        st: &Prepared,
+        srcs: &[Live],
+        dsts: &[Live],
+        skip: Option<u32>,
+    ) {
+        // Per read: (src index, dst index, first source address, first destination address, len).
+        let n = st
+            .work
+            .iter()
+            .flatten()
+            .map(|p| p.read as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut ext: Vec<Option<Extent>> = vec![None; n];
+        for p in st.work.iter().flatten() {
+            if Some(p.read) == skip {
+                continue;
+            }
+            let sa = srcs[p.src as usize].addr as u64 + p.src_off;
+            let da = dsts[p.dst as usize].addr as u64 + p.dst_off;
+            let e = ext[p.read as usize].get_or_insert((p.src, p.dst, sa, da, 0));
+            e.2 = e.2.min(sa);
+            e.3 = e.3.min(da);
+            e.4 += p.len;
+        }
+        let peers = self.peers.read();
+        let mut out = Vec::with_capacity(n);
+        for (s, d, sa, da, len) in ext.into_iter().flatten() {
+            let src = &st.srcs[s as usize];
+            let used = src.agent.upgrade();
+            let is_used = |p: &Arc<Peer>| {
+                used.as_ref()
+                    .is_some_and(|a| std::ptr::eq(p.agent.as_ptr(), Arc::as_ptr(a)))
+            };
+            let owner = if peers.get(&src.owner).is_some_and(is_used) {
+                src.owner
+            } else {
+                peers
+                    .iter()
+                    .filter(|(_, p)| is_used(p))
+                    .map(|(&o, _)| o)
+                    .min()
+                    .unwrap_or(src.owner)
+            };
+            let (remote_region, remote_offset) = used
+                .as_ref()
+                .and_then(|a| region_at(&a.regions.read(), sa, len, src.region))
+                .unwrap_or((0, sa));
+            let (local_region, local_offset) = region_at(
+                &self.agent.regions.read(),
+                da,
+                len,
+                st.dsts[d as usize].region,
+            )
+            .unwrap_or((0, da));
+            out.push(ReadDesc {
+                owner,
+                remote_region,
+                remote_offset,
+                local_region,
+                local_offset,
+                len,
+            });
+        }
+        log.record(out);
+    }
+}
+
 impl Drop for LoopbackTransport {
     fn drop(&mut self) {
         // Leave the fabric so the name can be reused; only remove our own entry.
@@ -562,6 +680,26 @@ impl Transport for LoopbackTransport {
                 .with_owner(owner)
                 .with_backend(BACKEND)
             })?;
+        // The metadata's region lengths are the publisher's claim; the fabric has the real
+        // registrations. A region advertised larger than the block registered under its id
+        // is refused before any read can be prepared against it. (A region no longer
+        // registered is not: stale metadata fails the post that would read it.)
+        if let Some(a) = agent.upgrade() {
+            let real = a.regions.read();
+            for &(id, len) in &meta.regions {
+                if let Some(r) = real.get(&id).filter(|r| len > r.len) {
+                    return Err(oob(
+                        owner,
+                        r.len..len,
+                        format!(
+                            "metadata of agent {:?} advertises region {id} as {len} bytes, but \
+                             it registered {} bytes",
+                            meta.agent, r.len
+                        ),
+                    ));
+                }
+            }
+        }
         let peer = Peer {
             agent,
             regions: meta.regions.into_iter().collect(),
@@ -590,8 +728,8 @@ impl Transport for LoopbackTransport {
         let st = self.translate(&batch)?;
         tracing::debug!(
             agent = %self.agent.name,
-            reads = st.report.reads,
-            bytes = st.report.bytes,
+            reads = batch.reads.len(),
+            bytes = batch.bytes(),
             lists = st.work.len(),
             "loopback prepare"
         );
@@ -616,16 +754,30 @@ impl Transport for LoopbackTransport {
             })?;
         let (srcs, dsts) = self.resolve(prepared, st)?;
         let pool = self.pool()?;
+        #[cfg(feature = "fault-injection")]
+        let skip = (*self.skip_read.lock()).and_then(|i| u32::try_from(i).ok());
+        #[cfg(not(feature = "fault-injection"))]
+        let skip: Option<u32> = None;
+        if let Some(log) = self.log.read().as_ref() {
+            self.record(log, st, &srcs, &dsts, skip);
+        }
         let ctx = PostCtx {
             prepared: Arc::clone(st),
             srcs,
             dsts,
             abort: Arc::new(AtomicBool::new(false)),
             gate: Arc::default(),
+            #[cfg(feature = "fault-injection")]
+            skip_read: skip,
             #[cfg(test)]
             faults: self.faults.clone(),
         };
         tracing::trace!(agent = %self.agent.name, jobs = st.work.len(), "loopback post");
-        Ok(Box::new(copy::start(&pool, ctx, st.report)))
+        Ok(Box::new(copy::start(&pool, ctx)))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.write() = log;
+        true
     }
 }

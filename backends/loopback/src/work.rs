@@ -23,6 +23,8 @@ pub(crate) struct Piece {
     pub(crate) dst_off: u64,
     /// Bytes to copy.
     pub(crate) len: u64,
+    /// This piece ends its read: its completion completes the read (counted once).
+    pub(crate) last: bool,
 }
 
 /// True when two pieces write overlapping bytes of memory. Such a batch (the benchmark-only
@@ -85,6 +87,7 @@ pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
                     src_off: r.src_off + off,
                     dst_off: r.dst_off + off,
                     len: take,
+                    last: r.last && off + take == r.len,
                     ..*r
                 });
                 off += take;
@@ -115,6 +118,7 @@ mod tests {
                     src_off: 1000 + at,
                     dst_off: at,
                     len,
+                    last: true,
                 };
                 at += len;
                 p
@@ -135,6 +139,11 @@ mod tests {
                 assert_eq!(p.dst_off, r.dst_off + off);
                 assert!(p.len > 0);
                 off += p.len;
+                assert_eq!(
+                    p.last,
+                    off == r.len,
+                    "exactly the final piece ends its read"
+                );
                 k += 1;
             }
             assert_eq!(off, r.len);
@@ -202,6 +211,7 @@ mod tests {
             src_off: 0,
             dst_off,
             len,
+            last: true,
         };
         let apart = [0x1000, 0x2000];
         assert!(!destinations_overlap(

@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, MemoryBlock, MemoryKind, OwnerId, PreparedBatch,
-    ReadBatch, Registration, Result, Transport, WireReport,
+    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -44,6 +44,11 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     epoch: AtomicU64,
     next_gen: AtomicU64,
+    /// Where posted reads are recorded, when set ([`Transport::set_execution_log`]).
+    pub(crate) log: Mutex<Option<Arc<ExecutionLog>>>,
+    /// Test-only: index of a read `prepare` leaves out of every request (`u64::MAX`: none).
+    #[cfg(feature = "fault-injection")]
+    skip_read: AtomicU64,
     /// Declared last: dropped after every registration in `state`.
     pub(crate) agent: NixlAgent,
 }
@@ -119,7 +124,27 @@ pub(crate) struct Group {
     /// Remote byte range of its first read, for errors.
     pub(crate) range: Range<u64>,
     /// Bytes its reads move (at most [`REQUEST_BYTES`] unless one read is larger).
-    bytes: u64,
+    pub(crate) bytes: u64,
+}
+
+impl Group {
+    /// Reads (descriptors) the request carries.
+    pub(crate) fn reads(&self) -> u64 {
+        self.local_ix.len() as u64
+    }
+}
+
+/// What a remote descriptor list was prepared against, to resolve its descriptors back to
+/// owner and region for the execution log.
+struct RemoteList {
+    /// The owner whose peer entry gave the NIXL agent name, and every owner that named that
+    /// agent at prepare (several owners may name one agent).
+    owner: OwnerId,
+    owners: Vec<OwnerId>,
+    /// The peer metadata (regions with addresses) of that agent.
+    peer: Arc<Peer>,
+    /// `(address, length)` of every descriptor, in list order: exactly what NIXL was given.
+    descs: Vec<(u64, u64)>,
 }
 
 /// Largest number of bytes one NIXL request carries (a larger read still gets one request of
@@ -169,7 +194,15 @@ pub(crate) struct Prepared {
     peers: Vec<(OwnerId, u64)>,
     /// NIXL names of the remote agents the remote lists were made from.
     remote_agents: Vec<String>,
-    pub(crate) report: WireReport,
+    /// Descriptors of each local list as handed to NIXL, and the local regions
+    /// `(id, space, start, end)` they may lie in, for the execution log.
+    local_descs: Vec<Vec<(u64, u64)>>,
+    local_spaces: Vec<u64>,
+    local_table: Vec<(u64, u64, u64, u64)>,
+    /// Per remote list, what it was prepared against (execution log).
+    remote_info: Vec<RemoteList>,
+    /// Reads and bytes of the batch as planned (diagnostics only; `wait` counts its own).
+    pub(crate) planned: (u64, u64),
     /// `IDLE`, `BUSY`, `QUARANTINED` or `RETIRED`; moves out of `IDLE` only under the
     /// endpoint's state lock.
     pub(crate) phase: AtomicU8,
@@ -240,6 +273,9 @@ impl NixlTransport {
                 }),
                 epoch: AtomicU64::new(0),
                 next_gen: AtomicU64::new(1),
+                log: Mutex::new(None),
+                #[cfg(feature = "fault-injection")]
+                skip_read: AtomicU64::new(u64::MAX),
                 agent: nixl,
             }),
         })
@@ -266,6 +302,18 @@ impl NixlTransport {
     /// when they were ended, and their memory stays alive until NIXL reports them finished.
     pub fn quarantined(&self) -> usize {
         quarantine::count(self.shared.uid)
+    }
+
+    /// Test-only fault injection (feature `fault-injection`, off by default): while set to
+    /// `Some(i)`, every `prepare` leaves read `i` of its batch out of the NIXL requests it
+    /// makes (its descriptors are never handed to a request, so it is never posted, counted in
+    /// the [`reshard_core::WireReport`] or recorded in the execution log), as a backend that
+    /// loses a read would. NIXL requests are built once per prepared batch, so the switch acts
+    /// on batches prepared while it is set. Reads are numbered in batch order.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_skip_read(&self, read: Option<usize>) {
+        let v = read.map_or(u64::MAX, |i| i as u64);
+        self.shared.skip_read.store(v, Ordering::Relaxed);
     }
 
     /// What a batch prepared by a NIXL endpoint holds (`None` for other batches).
@@ -392,6 +440,58 @@ impl Prepared {
             .collect()
     }
 
+    /// Records the reads of the given groups of segment `seg` (just posted) in `log`, as the
+    /// descriptors handed to NIXL resolve: the owner whose peer entry named the remote agent
+    /// the remote list was prepared against, the region of that agent's metadata holding the
+    /// remote descriptor's address (offset = address - region base), and the local region
+    /// holding the local descriptor's address.
+    pub(crate) fn record(&self, log: &ExecutionLog, seg: usize, groups: &[usize]) {
+        let mut out = Vec::new();
+        for &g in groups {
+            let Some(group) = self.segments.get(seg).and_then(|s| s.get(g)) else {
+                continue;
+            };
+            let remote = &self.remote_info[group.remote_list];
+            let owner = if remote.owners.contains(&remote.owner) {
+                remote.owner
+            } else {
+                remote.owners.iter().copied().min().unwrap_or(remote.owner)
+            };
+            let local = &self.local_descs[group.local_list];
+            let space_l = self.local_spaces[group.local_list];
+            for k in 0..group.local_ix.len() {
+                let (la, len) = local[group.local_ix[k] as usize];
+                let (ra, _) = remote.descs[group.remote_ix[k] as usize];
+                let (remote_region, remote_offset) = remote
+                    .peer
+                    .regions
+                    .values()
+                    .filter(|r| ra >= r.addr && ra.saturating_add(len) <= r.addr + r.len)
+                    .map(|r| (r.id, ra - r.addr))
+                    .min()
+                    .unwrap_or((0, ra));
+                let (local_region, local_offset) = self
+                    .local_table
+                    .iter()
+                    .filter(|&&(_, sp, s, e)| {
+                        sp == space_l && la >= s && la.saturating_add(len) <= e
+                    })
+                    .map(|&(id, _, s, _)| (id, la - s))
+                    .min()
+                    .unwrap_or((0, la));
+                out.push(ReadDesc {
+                    owner,
+                    remote_region,
+                    remote_offset,
+                    local_region,
+                    local_offset,
+                    len,
+                });
+            }
+        }
+        log.record(out);
+    }
+
     /// `(space, start, end)` of every local region this batch writes into.
     pub(crate) fn local_ranges(&self) -> &[(u64, u64, u64)] {
         &self.local_ranges
@@ -505,6 +605,46 @@ fn retire_users(st: &mut State, nixl_name: &str, owner: OwnerId) -> Result<()> {
             .is_ok();
         if idle || p.phase.load(Ordering::Acquire) == RETIRED {
             p.release_nixl();
+        }
+    }
+    Ok(())
+}
+
+/// Checks every non-empty region of a peer's envelope against the registrations in the NIXL
+/// metadata just loaded for agent `name` (one prepared remote list per memory kind; only when
+/// that fails, one per region to name the culprit): `OutOfBounds` naming the owner and the
+/// advertised byte range of the first region NIXL does not find registered.
+fn check_regions(
+    agent: &NixlAgent,
+    name: &str,
+    owner: OwnerId,
+    regions: &[RegionMeta],
+) -> Result<()> {
+    let mut kinds: Vec<MemoryKind> = regions.iter().map(|r| r.kind).collect();
+    kinds.sort_unstable_by_key(|&k| space(k));
+    kinds.dedup();
+    for kind in kinds {
+        let of_kind: Vec<&RegionMeta> = regions
+            .iter()
+            .filter(|r| r.kind == kind && r.len > 0)
+            .collect();
+        let descs: Vec<(u64, u64)> = of_kind.iter().map(|r| (r.addr, r.len)).collect();
+        if descs.is_empty() || agent.prep_dlist(name, kind, &descs).is_ok() {
+            continue;
+        }
+        for r in of_kind {
+            if let Err(e) = agent.prep_dlist(name, kind, &[(r.addr, r.len)]) {
+                return Err(oob(
+                    owner,
+                    0..r.len,
+                    format!(
+                        "metadata of owner {owner} advertises region {} as {} bytes at {:#x}, \
+                         but its NIXL agent registered no such memory ({e})",
+                        r.id, r.len, r.addr
+                    ),
+                )
+                .with_source(e));
+            }
         }
     }
     Ok(())
@@ -692,6 +832,15 @@ impl Transport for NixlTransport {
                     .with_owner(owner)
                     .with_backend(BACKEND));
                 }
+                // The envelope's regions are the peer's claim; NIXL's own metadata holds the
+                // descriptors it registered. A region advertised beyond them is refused here,
+                // before any read is prepared against it.
+                if let Err(e) = check_regions(&s.agent, &name, owner, &meta.regions) {
+                    if !st.loaded.contains_key(&name) && !has_users(&mut st, &name) {
+                        let _ = s.agent.invalidate_remote(&name);
+                    }
+                    return Err(e);
+                }
                 let p = Arc::new(Peer {
                     nixl_name: name.clone(),
                     agent: meta.agent.clone(),
@@ -726,7 +875,11 @@ impl Transport for NixlTransport {
         }
         let mut resolved = Vec::with_capacity(batch.reads.len());
         let mut locals: BTreeMap<u64, (u64, Arc<LocalMem>, (u64, u64, u64))> = BTreeMap::new();
-        let mut peers: BTreeMap<OwnerId, (u64, String)> = BTreeMap::new();
+        let mut peers: BTreeMap<OwnerId, (u64, String, Arc<Peer>)> = BTreeMap::new();
+        #[cfg(feature = "fault-injection")]
+        let skip = usize::try_from(s.skip_read.load(Ordering::Relaxed)).ok();
+        #[cfg(not(feature = "fault-injection"))]
+        let skip: Option<usize> = None;
         // Held until the batch is registered in `batches`: no peer reload can invalidate the
         // metadata its lists and requests are made from in between.
         let mut st = s.state.lock();
@@ -739,9 +892,13 @@ impl Transport for NixlTransport {
                 let peer = st.peers.get(&r.owner).ok_or_else(|| {
                     Error::new(
                         ErrorKind::PeerUnknown,
-                        format!("no metadata loaded for owner {}", r.owner),
+                        format!(
+                            "read {i} names owner {} whose metadata was never loaded",
+                            r.owner
+                        ),
                     )
                     .with_owner(r.owner)
+                    .with_range(remote.clone())
                     .with_backend(BACKEND)
                 })?;
                 let region = peer.regions.get(&r.remote_region).ok_or_else(|| {
@@ -797,7 +954,7 @@ impl Transport for NixlTransport {
                 });
                 peers
                     .entry(r.owner)
-                    .or_insert_with(|| (peer.generation, peer.nixl_name.clone()));
+                    .or_insert_with(|| (peer.generation, peer.nixl_name.clone(), Arc::clone(peer)));
                 resolved.push(Resolved {
                     owner: r.owner,
                     remote_addr: region.addr + r.remote_offset,
@@ -857,9 +1014,33 @@ impl Transport for NixlTransport {
             .iter()
             .zip(&remote_descs)
             .map(|(&(owner, k), d)| {
-                s.agent
-                    .prep_dlist(&peers[&owner].1, k, d)
-                    .map_err(|e| e.with_owner(owner))
+                let name = &peers[&owner].1;
+                s.agent.prep_dlist(name, k, d).map_err(|e| {
+                    // NIXL checks every remote descriptor against the registrations in the
+                    // peer's NIXL metadata. Name the first read it refuses (trying each alone:
+                    // the error path only) as out of bounds: the peer's envelope advertised
+                    // bytes it did not register.
+                    let bad = resolved.iter().find(|r| {
+                        r.owner == owner
+                            && r.remote_kind == k
+                            && s.agent
+                                .prep_dlist(name, k, &[(r.remote_addr, r.len)])
+                                .is_err()
+                    });
+                    match bad {
+                        Some(r) => oob(
+                            owner,
+                            r.remote_range.clone(),
+                            format!(
+                                "NIXL refuses remote bytes {}..{} of owner {owner}: they are not \
+                                 inside memory its agent registered ({e})",
+                                r.remote_range.start, r.remote_range.end
+                            ),
+                        )
+                        .with_source(e),
+                        None => e.with_owner(owner),
+                    }
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         let dsts: Vec<_> = resolved.iter().map(|r| r.dst).collect();
@@ -868,6 +1049,10 @@ impl Transport for NixlTransport {
         for cut in &cuts {
             let mut groups: Vec<Group> = Vec::new();
             for i in cut.clone() {
+                if skip == Some(i) {
+                    // Fault injection: this read is never handed to a request.
+                    continue;
+                }
                 let (l, li, m, mi) = at[i];
                 let r = &resolved[i];
                 // The newest request of these lists, while it has room: NIXL reports progress
@@ -896,7 +1081,31 @@ impl Transport for NixlTransport {
             }
             segs.push(groups);
         }
-        let mut remote_agents: Vec<String> = peers.values().map(|(_, n)| n.clone()).collect();
+        let remote_info = remote_keys
+            .iter()
+            .zip(remote_descs)
+            .map(|(&(owner, _), descs)| {
+                let (_, name, peer) = &peers[&owner];
+                let mut owners: Vec<OwnerId> = st
+                    .peers
+                    .iter()
+                    .filter(|(_, p)| p.nixl_name == *name)
+                    .map(|(&o, _)| o)
+                    .collect();
+                owners.sort_unstable();
+                RemoteList {
+                    owner,
+                    owners,
+                    peer: Arc::clone(peer),
+                    descs,
+                }
+            })
+            .collect();
+        let local_table = locals
+            .iter()
+            .map(|(&id, (_, _, (sp, a, e)))| (id, *sp, *a, *e))
+            .collect();
+        let mut remote_agents: Vec<String> = peers.values().map(|(_, n, _)| n.clone()).collect();
         remote_agents.sort_unstable();
         remote_agents.dedup();
         let prepared = Prepared {
@@ -907,12 +1116,13 @@ impl Transport for NixlTransport {
                 .into_iter()
                 .map(|(id, (g, m, _))| (id, g, m))
                 .collect(),
-            peers: peers.into_iter().map(|(o, (g, _))| (o, g)).collect(),
+            peers: peers.into_iter().map(|(o, (g, _, _))| (o, g)).collect(),
             remote_agents,
-            report: WireReport {
-                reads: batch.reads.len() as u64,
-                bytes: batch.bytes(),
-            },
+            local_spaces: local_keys.iter().map(|&k| space(k)).collect(),
+            local_descs,
+            local_table,
+            remote_info,
+            planned: (batch.reads.len() as u64, batch.bytes()),
             phase: AtomicU8::new(IDLE),
             builds: AtomicU64::new(0),
             posts: AtomicU64::new(0),
@@ -931,8 +1141,8 @@ impl Transport for NixlTransport {
         drop(st);
         tracing::debug!(
             agent = %s.name,
-            reads = prepared.report.reads,
-            bytes = prepared.report.bytes,
+            reads = prepared.planned.0,
+            bytes = prepared.planned.1,
             segments = prepared.segments.len(),
             requests = prepared.segments.iter().map(Vec::len).sum::<usize>(),
             "nixl prepare"
@@ -1023,6 +1233,11 @@ impl Transport for NixlTransport {
         }
         let flight = NixlInFlight::start(Arc::clone(p)).await?;
         Ok(Box::new(flight))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.shared.log.lock() = log;
+        true
     }
 }
 

@@ -69,6 +69,9 @@ pub(crate) struct NixlInFlight {
     /// A post failed inside the UCX plugin: reads of that request it had already started may
     /// still run, and NIXL released their handles, so their end can never be observed.
     unobservable: bool,
+    /// Reads and bytes of the requests seen to complete successfully, summed as they complete
+    /// (each request's descriptors and bytes): what `wait` reports.
+    counted: WireReport,
 }
 
 impl NixlInFlight {
@@ -82,6 +85,7 @@ impl NixlInFlight {
             last_progress: Instant::now(),
             finished: false,
             unobservable: false,
+            counted: WireReport::default(),
         };
         let made = {
             let mut nixl = f.p.nixl.lock();
@@ -129,11 +133,22 @@ impl NixlInFlight {
                     .with_backend(BACKEND),
             );
         };
+        let log = self.p.shared.log.lock().clone();
+        let mut posted = Vec::new();
+        let mut result = Ok(());
         for (g, req) in reqs[seg].iter().enumerate() {
             let group = &self.p.segments[seg][g];
             match self.p.shared.agent.post(req) {
-                Ok(true) => self.pending.push(g),
-                Ok(false) => {}
+                Ok(true) => {
+                    self.pending.push(g);
+                    posted.push(g);
+                }
+                Ok(false) => {
+                    // Complete at once: counted now.
+                    self.counted.reads += group.reads();
+                    self.counted.bytes += group.bytes;
+                    posted.push(g);
+                }
                 Err(e) => {
                     // NIXL records the failed post as the request's status (it reports that
                     // error from now on). Errors of NIXL's own checks (invalid parameter,
@@ -141,7 +156,7 @@ impl NixlInFlight {
                     // error (NIXL_ERR_BACKEND) may come part-way: the UCX plugin then releases
                     // the gets of this request it already started, which do not stop.
                     self.unobservable = plugin_failed(&e);
-                    return Err(Error::new(
+                    result = Err(Error::new(
                         ErrorKind::Transport,
                         format!("NIXL postXferReq (READ) failed: {}", status_name(&e)),
                     )
@@ -150,10 +165,15 @@ impl NixlInFlight {
                     .with_backend(BACKEND)
                     .with_source(e)
                     .set_retryable(true));
+                    break;
                 }
             }
         }
-        Ok(())
+        drop(nixl);
+        if let Some(log) = log {
+            self.p.record(&log, seg, &posted);
+        }
+        result
     }
 
     /// Polls the pending requests of the current segment once; returns the first failure.
@@ -171,9 +191,18 @@ impl NixlInFlight {
         let seg = self.seg;
         let p = &self.p;
         let before = self.pending.len();
+        let counted = &mut self.counted;
         self.pending
             .retain(|&g| match p.shared.agent.done(&reqs[seg][g]) {
-                Ok(done) => !done,
+                Ok(done) => {
+                    if done {
+                        // A request completes whole: its descriptors and bytes are counted.
+                        let group = &p.segments[seg][g];
+                        counted.reads += group.reads();
+                        counted.bytes += group.bytes;
+                    }
+                    !done
+                }
                 Err(e) => {
                     let group = &p.segments[seg][g];
                     if first.is_none() {
@@ -366,7 +395,7 @@ impl NixlInFlight {
             let next = self.seg + 1;
             if next >= self.p.segments.len() {
                 self.idle();
-                return Ok(self.p.report);
+                return Ok(self.counted);
             }
             if self.closed() {
                 return Err(self.dropped_transport().await);

@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
 use reshard_core::{
-    Error, ErrorKind, MemoryBlock, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result, WireReport,
+    Error, ErrorKind, ExecutionLog, MemoryBlock, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result,
+    WireReport,
 };
 use rustix::event::{PollFd, PollFlags, Timespec};
 use tokio::sync::oneshot;
@@ -216,7 +217,16 @@ pub(crate) struct EngineOptions {
     pub(crate) copy_threads: usize,
     /// Whether reads of a peer's shared memory mapped here are copied directly.
     pub(crate) shm_fast_path: bool,
+    /// Where posted reads are recorded, when set (shared with the transport).
+    pub(crate) log: LogSlot,
+    /// Test-only (feature `fault-injection`): index of a read every post silently skips;
+    /// `u64::MAX` when off.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) skip_read: Arc<AtomicU64>,
 }
+
+/// The execution log slot a transport and its progress thread share.
+pub(crate) type LogSlot = Arc<Mutex<Option<Arc<ExecutionLog>>>>;
 
 /// Clears the alive flag when the progress thread ends, however it ends.
 struct AliveGuard(Arc<AtomicBool>);
@@ -290,6 +300,8 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
 ///
 /// Field order is drop order: the memory handle is unmapped before the block is released.
 struct LocalRegion {
+    /// Region id (1, 2, 3, ... per endpoint).
+    id: u64,
     addr: usize,
     len: u64,
     kind: MemoryKind,
@@ -347,7 +359,9 @@ struct Resolved {
     op_read: Vec<u32>,
     /// Issue order of the pieces.
     plan: IssuePlan,
-    report: WireReport,
+    /// Pieces of each read, when some read was cut into several (else empty: one piece is
+    /// one read), so a read is counted once all its pieces completed.
+    read_pieces: Vec<u32>,
     /// The peers (endpoints, keys) the pieces use, by owner.
     peers: HashMap<OwnerId, Rc<Peer>>,
     _regions: Vec<Rc<LocalRegion>>,
@@ -382,12 +396,49 @@ struct Running {
     closed: bool,
     done: Option<Reply<WireReport>>,
     signal: Arc<BatchSignal>,
+    /// Reads and bytes of completions seen with `UCS_OK` (or copies finished), summed as
+    /// they arrive: what `wait` reports.
+    counted: WireReport,
+    /// Pieces still to complete per read (a copy of `res.read_pieces`; empty when no read
+    /// was cut).
+    left: Vec<u32>,
+    /// The execution log at post time, if any.
+    log: Option<Arc<ExecutionLog>>,
+    /// Test-only: the read this post skips (never issued, copied, counted or recorded).
+    skip: Option<u32>,
 }
 
 impl Running {
     fn owner_of(&self, piece: u32) -> Option<OwnerId> {
         let read = *self.res.op_read.get(piece as usize)?;
         Some(self.batch.reads.get(read as usize)?.owner)
+    }
+
+    /// Counts piece `piece`, which completed successfully: its bytes, and its read once the
+    /// read's last outstanding piece completed.
+    fn complete(&mut self, piece: u32) {
+        let Some(op) = self.res.ops.get(piece as usize) else {
+            return;
+        };
+        self.counted.bytes += op.len as u64;
+        if self.left.is_empty() {
+            self.counted.reads += 1;
+        } else if let Some(l) = self
+            .res
+            .op_read
+            .get(piece as usize)
+            .and_then(|&r| self.left.get_mut(r as usize))
+        {
+            *l -= 1;
+            if *l == 0 {
+                self.counted.reads += 1;
+            }
+        }
+    }
+
+    /// Whether `piece` belongs to the read fault injection skips.
+    fn skipped(&self, piece: u32) -> bool {
+        self.skip.is_some() && self.res.op_read.get(piece as usize).copied() == self.skip
     }
 }
 
@@ -942,6 +993,7 @@ impl Engine {
         self.regions.insert(
             id,
             Rc::new(LocalRegion {
+                id,
                 addr,
                 len: len as u64,
                 kind,
@@ -1377,14 +1429,20 @@ impl Engine {
             .with_backend(BACKEND));
         }
         let plan = issue_plan(&pieces);
+        let read_pieces = if ops.len() > batch.reads.len() {
+            let mut v = vec![0u32; batch.reads.len()];
+            for &r in &op_read {
+                v[r as usize] += 1;
+            }
+            v
+        } else {
+            Vec::new()
+        };
         Ok(Resolved {
             ops,
             op_read,
             plan,
-            report: WireReport {
-                reads: batch.reads.len() as u64,
-                bytes: batch.bytes(),
-            },
+            read_pieces,
             peers,
             _regions: regions.into_values().collect(),
         })
@@ -1460,7 +1518,16 @@ impl Engine {
                 }
             }
         }
+        #[cfg(feature = "fault-injection")]
+        let skip = u32::try_from(self.opts.skip_read.load(Ordering::Relaxed)).ok();
+        #[cfg(not(feature = "fault-injection"))]
+        let skip = None;
+        let left = res.read_pieces.clone();
         let mut run = Running {
+            counted: WireReport::default(),
+            left,
+            log: self.opts.log.lock().clone(),
+            skip,
             id: batch,
             res,
             batch: batch_arc,
@@ -1506,6 +1573,10 @@ impl Engine {
                 break;
             }
             let piece = run.res.plan.order[run.pos];
+            if run.skipped(piece) {
+                run.pos += 1;
+                continue;
+            }
             if !run.res.ops[piece as usize].direct.is_null() {
                 let (n, bytes) = self.copy_direct(run, gen_end, cap - issued);
                 issued += n;
@@ -1516,6 +1587,9 @@ impl Engine {
             issued += 1;
             let token = self.next_token;
             self.next_token += 1;
+            if run.log.is_some() {
+                self.record(run, piece);
+            }
             let op = &run.res.ops[piece as usize];
             // SAFETY: `op` was resolved from objects `run.res` keeps alive (endpoint, remote
             // key, local registration and its block) until the read completes: the running
@@ -1526,7 +1600,7 @@ impl Engine {
             // block, and reads writing the same bytes are in different generations, so no
             // two outstanding reads write the same memory.
             match unsafe { raw::get(self.ucx, op, token) } {
-                Started::Done => {}
+                Started::Done => run.complete(piece),
                 Started::Pending(req) => {
                     let owner = run.owner_of(piece).unwrap_or_default();
                     self.pending.insert(
@@ -1561,12 +1635,23 @@ impl Engine {
     /// every piece of the copy.
     fn copy_direct(&mut self, run: &mut Running, gen_end: usize, max: usize) -> (usize, usize) {
         let mut tasks = Vec::new();
+        let mut copied = Vec::new();
         let mut bytes = 0;
         while run.pos < gen_end && tasks.len() < max.max(1) && bytes < DIRECT_BYTES {
-            let op = &run.res.ops[run.res.plan.order[run.pos] as usize];
+            let piece = run.res.plan.order[run.pos];
+            if run.skipped(piece) {
+                run.pos += 1;
+                continue;
+            }
+            let op = &run.res.ops[piece as usize];
             if op.direct.is_null() {
                 break;
             }
+            if run.log.is_some() {
+                self.record(run, piece);
+            }
+            let op = &run.res.ops[piece as usize];
+            copied.push(piece);
             tasks.push(raw::CopyTask {
                 dst: op.local,
                 src: op.direct,
@@ -1594,7 +1679,11 @@ impl Engine {
         // address, see `issue_plan`), and no other read of this batch is outstanding on those
         // bytes, so the copies are independent.
         let all = unsafe { raw::copy_all(self.copy_pool.as_ref(), &tasks, &run.signal.stop) };
-        if !all {
+        if all {
+            for piece in copied {
+                run.complete(piece);
+            }
+        } else {
             // Stopped part-way: the batch was ended by its handle.
             run.cancelled = true;
         }
@@ -1620,6 +1709,9 @@ impl Engine {
             if let Some(run) = self.running.iter_mut().find(|r| r.id == batch) {
                 run.outstanding -= 1;
                 run.last_event = now;
+                if status == raw::sys::UCS_OK {
+                    run.complete(piece);
+                }
                 // After abort or a forced close, failures are the expected way gets end.
                 if status != raw::sys::UCS_OK && !run.cancelled && run.error.is_none() {
                     let e = UcxStatusError::new("ucp_get_nbx", status);
@@ -1697,7 +1789,7 @@ impl Engine {
                 (None, true) => {
                     Err(Error::new(ErrorKind::Aborted, "ucx batch aborted").with_backend(BACKEND))
                 }
-                (None, false) => Ok(run.res.report),
+                (None, false) => Ok(run.counted),
             };
             // Quiet first (no get is outstanding), so a waiter's drop returns at once.
             run.signal.set_quiet();
@@ -1896,6 +1988,90 @@ impl Engine {
             drop(self.copy_pool.take());
             std::mem::forget(self);
         }
+    }
+}
+
+impl Engine {
+    /// Records read of `piece` in the batch's execution log when `piece` is the read's first
+    /// piece, as the handles handed to UCX resolve: the owner whose currently loaded endpoint
+    /// is the one the get uses, the remote region (of that peer's metadata) whose key is the get's key
+    /// and whose range holds the get's remote address (for a direct copy: whose mapping, by
+    /// `ucp_rkey_ptr`, holds the copy's source pointer), and the local registration holding
+    /// the destination pointer. A read cut into several pieces is recorded once, as the extent
+    /// its pieces cover. What cannot be resolved is recorded as region 0 with the raw address.
+    fn record(&self, run: &Running, piece: u32) {
+        let Some(log) = run.log.as_ref() else {
+            return;
+        };
+        let p = piece as usize;
+        let read = run.res.op_read[p];
+        if p > 0 && run.res.op_read[p - 1] == read {
+            return;
+        }
+        let op = &run.res.ops[p];
+        let len: u64 = run.res.op_read[p..]
+            .iter()
+            .take_while(|&&r| r == read)
+            .zip(&run.res.ops[p..])
+            .map(|(_, o)| o.len as u64)
+            .sum();
+        let asked = &run.batch.reads[read as usize];
+        // The endpoints loaded for each owner (not the batch's own owner -> peer table, which
+        // is what resolution could have got wrong).
+        let mut used: Vec<(OwnerId, &Rc<Peer>)> = self
+            .peers
+            .iter()
+            .filter(|(_, peer)| peer.ep.handle() == op.ep)
+            .map(|(&o, peer)| (o, peer))
+            .collect();
+        used.sort_unstable_by_key(|&(o, _)| (o != asked.owner, o));
+        let (owner, remote) = match used.first() {
+            Some(&(owner, peer)) => {
+                let mut hits: Vec<(u64, u64)> = peer
+                    .regions
+                    .iter()
+                    .filter_map(|(&id, reg)| {
+                        let key = reg.rkey.as_ref()?;
+                        if key.handle() != op.rkey {
+                            return None;
+                        }
+                        if op.direct.is_null() {
+                            let end = op.remote_addr.checked_add(len)?;
+                            (op.remote_addr >= reg.base && end <= reg.base + reg.len)
+                                .then(|| (id, op.remote_addr - reg.base))
+                        } else {
+                            let base = key.local_ptr(reg.base)? as usize;
+                            let src = op.direct as usize;
+                            let end = src.checked_add(len as usize)?;
+                            (src >= base && end <= base + reg.len as usize)
+                                .then(|| (id, (src - base) as u64))
+                        }
+                    })
+                    .collect();
+                hits.sort_unstable_by_key(|&(id, _)| (id != asked.remote_region, id));
+                (owner, hits.first().copied())
+            }
+            None => (asked.owner, None),
+        };
+        let (remote_region, remote_offset) = remote.unwrap_or((0, op.remote_addr));
+        let dst = op.local as usize;
+        let mut locals: Vec<(u64, u64)> = run
+            .res
+            ._regions
+            .iter()
+            .filter(|r| dst >= r.addr && dst + len as usize <= r.addr + r.len as usize)
+            .map(|r| (r.id, (dst - r.addr) as u64))
+            .collect();
+        locals.sort_unstable_by_key(|&(id, _)| (id != asked.local_region, id));
+        let (local_region, local_offset) = locals.first().copied().unwrap_or((0, dst as u64));
+        log.record([ReadDesc {
+            owner,
+            remote_region,
+            remote_offset,
+            local_region,
+            local_offset,
+            len,
+        }]);
     }
 }
 

@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use reshard_core::{
-    Capability, Error, ErrorKind, HostMemory, InFlight, MemoryBlock, OwnerId, PreparedBatch,
-    ReadBatch, Registration, Result, Transport, WireReport,
+    Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock, OwnerId,
+    PreparedBatch, ReadBatch, Registration, Result, Transport, WireReport,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::alloc::{Allocation, UcxHostMemory};
 use crate::config::UcxOptions;
-use crate::engine::{self, BatchSignal, Cmd, EngineOptions, Mailbox};
+use crate::engine::{self, BatchSignal, Cmd, EngineOptions, LogSlot, Mailbox};
 use crate::meta::EndpointMeta;
 use crate::raw::{self, Context, ContextOptions};
 use crate::BACKEND;
@@ -38,6 +38,11 @@ pub struct UcxTransport {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// The process-wide context of this configuration (shared with the progress thread).
     ctx: Arc<Context>,
+    /// The execution log, read by the progress thread at every post.
+    log: LogSlot,
+    /// Test-only: the read every post skips (`u64::MAX`: none).
+    #[cfg(feature = "fault-injection")]
+    skip_read: Arc<AtomicU64>,
 }
 
 /// The UCX state of a [`PreparedBatch`]: which endpoint resolved it and under which id its
@@ -75,6 +80,9 @@ impl UcxTransport {
             .with_backend(BACKEND));
         }
         let epoch = Arc::new(AtomicU64::new(1));
+        let log = LogSlot::default();
+        #[cfg(feature = "fault-injection")]
+        let skip_read = Arc::new(AtomicU64::new(u64::MAX));
         let ctx = Context::shared(
             raw::lib()?,
             &ContextOptions {
@@ -91,6 +99,9 @@ impl UcxTransport {
                 timeout: Duration::from_millis(options.timeout_ms),
                 copy_threads: options.effective_copy_threads(),
                 shm_fast_path: options.shm_fast_path,
+                log: Arc::clone(&log),
+                #[cfg(feature = "fault-injection")]
+                skip_read: Arc::clone(&skip_read),
             },
             Arc::clone(&epoch),
         )?;
@@ -104,7 +115,20 @@ impl UcxTransport {
             next_id: AtomicU64::new(1),
             thread: Mutex::new(Some(spawned.thread)),
             ctx,
+            log,
+            #[cfg(feature = "fault-injection")]
+            skip_read,
         })
+    }
+
+    /// Test-only fault injection (feature `fault-injection`, off by default): while set to
+    /// `Some(i)`, every `post` silently skips read `i` of its batch (none of its pieces is
+    /// issued, copied, counted in the [`WireReport`] or recorded in the execution log), as a
+    /// backend that loses a read would. Reads are numbered in batch order.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_skip_read(&self, read: Option<usize>) {
+        let v = read.map_or(u64::MAX, |i| i as u64);
+        self.skip_read.store(v, Ordering::Relaxed);
     }
 
     /// The options this endpoint runs with.
@@ -302,6 +326,11 @@ impl Transport for UcxTransport {
             signal,
             done: Some(done_rx),
         }))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.lock() = log;
+        true
     }
 }
 
