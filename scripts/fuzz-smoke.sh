@@ -13,7 +13,7 @@ set -euo pipefail
 
 CARGO_FUZZ_VERSION=0.13.2
 SECONDS_PER_TARGET=${FUZZ_SECONDS:-20}
-ALL_TARGETS=(decode_table table_from_json loopback_metadata nixl_metadata merge_dedup_plan)
+ALL_TARGETS=(decode_table table_from_json loopback_metadata nixl_metadata ucx_metadata merge_dedup_plan)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root/fuzz"
@@ -28,8 +28,10 @@ if [[ ${#targets[@]} -eq 0 ]]; then
     targets=("${ALL_TARGETS[@]}")
 fi
 
-# -O: release with debug assertions (overflow checks included), AddressSanitizer on.
-cargo fuzz build -O
+# -O -a: release with debug assertions and overflow checks (-O alone turns them off, so an
+# arithmetic overflow in a decoder would wrap silently), AddressSanitizer on. `run` takes the
+# same flags, or it would rebuild without them.
+cargo fuzz build -O -a
 
 for t in "${targets[@]}"; do
     mkdir -p "work/$t" "corpus/$t"
@@ -37,7 +39,7 @@ for t in "${targets[@]}"; do
     # Allocation limits: decoders must bound allocations by the input size, so a single
     # malloc above 512 MiB or a process above 2 GiB is a failure, not a slow run.
     log="work/$t.log"
-    if ! cargo fuzz run -O "$t" "work/$t" "corpus/$t" -- \
+    if ! cargo fuzz run -O -a "$t" "work/$t" "corpus/$t" -- \
         -max_total_time="$SECONDS_PER_TARGET" \
         -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 \
         -print_final_stats=1 >"$log" 2>&1; then

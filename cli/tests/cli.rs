@@ -483,3 +483,181 @@ fn soak_json_verifies_every_step_without_rebuilds_or_leaks() {
     assert!(v["median_e2e_s"].as_f64().unwrap() > 0.0);
     assert!(v["wire_bytes_per_update"].as_u64().unwrap() > 0);
 }
+
+/// The test suite's own `RESHARD_*` variables, set as CI and the conformance suite set them:
+/// none is a configuration key, so none may break a CLI run (nor its publisher child).
+const SUITE_ENV: [(&str, &str); 4] = [
+    ("RESHARD_FAULT_CASES", "3"),
+    ("RESHARD_FAULT_SEED", "7"),
+    ("RESHARD_REQUIRE_BACKENDS", "ucx,nixl"),
+    ("RESHARD_QUIESCENCE_CHILD", "1"),
+];
+
+/// A small MoE refit (1 layer, 4 experts, EP2 x DP2 publishers, TP2 receivers, 1 update).
+const SMALL_REFIT: [&str; 15] = [
+    "refit",
+    "--preset",
+    "qwen3-30b-a3b",
+    "--publishers",
+    "ep=2,dp=2",
+    "--receivers",
+    "tp=2",
+    "--layers",
+    "1",
+    "--experts",
+    "4",
+    "--vocab",
+    "1024",
+    "--updates",
+    "1",
+];
+
+fn small_refit(extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut args = SMALL_REFIT.to_vec();
+    args.extend_from_slice(extra);
+    reshard(&args, env)
+}
+
+#[test]
+fn environment_overrides_the_config_file_and_the_file_overrides_defaults() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-layers");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("reshard.toml");
+    // transport.kind (string) and planner.dedup (bool) are overridden by the environment;
+    // receiver.verify_digests is set only here (default true), so the file must win over the
+    // default: nothing is digest-checked.
+    std::fs::write(
+        &file,
+        "[transport]\nkind = \"carrier-pigeon\"\n[planner]\ndedup = false\n\
+         [receiver]\nverify_digests = false\n",
+    )
+    .unwrap();
+    let config = ["--config", file.to_str().unwrap(), "--json"];
+    let env = [
+        ("RESHARD_TRANSPORT__KIND", "loopback"),
+        ("RESHARD_PLANNER__DEDUP", "true"),
+    ];
+    let v = json(&small_refit(&config, &env));
+    assert_eq!(v["transport"], "loopback");
+    assert_eq!(v["dedup"], true);
+    assert_eq!(v["verified"], true);
+    assert!(v["wire_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["checked_bytes"], 0,
+        "the file turned digest checks off: {v}"
+    );
+    // Without the dedup override the file's `dedup = false` stands: more reads, same answer.
+    let no_dedup = json(&small_refit(&config, &env[..1]));
+    assert_eq!(no_dedup["dedup"], false);
+    assert!(no_dedup["reads"].as_u64() > v["reads"].as_u64());
+    // Without the kind override the file's (unknown) kind is used and refused.
+    let err = error_text(&small_refit(&config, &env[1..]));
+    assert!(err.contains("carrier-pigeon"), "{err}");
+}
+
+#[test]
+fn the_suites_own_variables_do_not_break_a_refit() {
+    let v = json(&small_refit(
+        &["--transport", "loopback", "--json"],
+        &SUITE_ENV,
+    ));
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["wire_bytes"], v["checked_bytes"]);
+}
+
+#[test]
+fn a_refused_install_exits_2_with_the_reason_on_stderr() {
+    // A fabric ceiling of 1 kbit/s (from the environment): every wire leg is "too fast", the
+    // receiver refuses to install, and the run ends with an error, not a verdict.
+    let out = small_refit(
+        &["--transport", "loopback", "--json"],
+        &[("RESHARD_RECEIVER__MAX_WIRE_GBPS", "0.000001")],
+    );
+    let err = error_text(&out);
+    assert!(err.starts_with("error: guard:"), "{err}");
+    assert!(err.contains("fabric ceiling"), "{err}");
+    assert!(out.stdout.is_empty(), "no report for a failed refit");
+}
+
+#[test]
+fn bad_usage_exits_2_with_the_problem_on_stderr() {
+    for (args, names) in [
+        (
+            vec!["refit", "--updates", "many"],
+            vec!["--updates", "many"],
+        ),
+        (
+            vec!["refit", "--publisher-process", "elsewhere"],
+            vec!["elsewhere", "local", "process"],
+        ),
+        (vec!["refit", "--no-such-flag"], vec!["--no-such-flag"]),
+        (vec!["transmogrify"], vec!["transmogrify"]),
+    ] {
+        let out = reshard(&args, &[]);
+        let err = error_text(&out);
+        for n in names {
+            assert!(err.contains(n), "{args:?}: {err}");
+        }
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+/// Whether `backend` can run here: the conformance suite's rule (skip with a `SKIPPED:` line,
+/// or fail when `RESHARD_REQUIRE_BACKENDS` names it).
+fn available(backend: &str) -> bool {
+    let probe = match backend {
+        "ucx" => reshard_backend_ucx::probe(),
+        "nixl" => reshard_backend_nixl::probe(),
+        other => panic!("no probe for {other}"),
+    };
+    reshard_conformance::backend_available(backend, probe)
+}
+
+/// `reshard refit --transport <backend> --publisher-process process`, as the README runs it
+/// (scaled down), with the suite's variables set: verified byte-exact, every wire byte
+/// digest-checked, the publishers really in another process.
+fn refit_in_another_process(backend: &str) {
+    if !available(backend) {
+        return;
+    }
+    let out = small_refit(
+        &[
+            "--transport",
+            backend,
+            "--publisher-process",
+            "process",
+            "--json",
+        ],
+        &SUITE_ENV,
+    );
+    let v = json(&out);
+    assert_eq!(v["transport"], backend);
+    assert_eq!(v["publisher_process"], true);
+    assert_eq!(v["verified"], true, "{v}");
+    assert!(v["failures"].as_array().unwrap().is_empty(), "{v}");
+    assert_eq!(v["updates"], 1);
+    assert!(v["reads"].as_u64().unwrap() > 0);
+    assert!(v["wire_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["wire_bytes"], v["checked_bytes"],
+        "every wire byte checked"
+    );
+    assert!(v["publisher_arena_bytes"].as_u64().unwrap() > 0);
+    assert!(v["median_e2e_s"].as_f64().unwrap() > 0.0);
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        assert!(r["wire_bytes"].as_u64().unwrap() > 0, "{r}");
+        assert_eq!(r["wire_bytes"], r["checked_bytes"], "{r}");
+    }
+}
+
+#[test]
+fn refit_over_ucx_with_publishers_in_another_process_is_byte_exact() {
+    refit_in_another_process("ucx");
+}
+
+#[test]
+fn refit_over_nixl_with_publishers_in_another_process_is_byte_exact() {
+    refit_in_another_process("nixl");
+}

@@ -337,6 +337,160 @@ mod tests {
         );
     }
 
+    /// Marker telling a re-executed copy of this test binary which child scenario to run (not
+    /// `RESHARD_`-prefixed, so the loader never sees it as a key).
+    const CHILD_ENV: &str = "CONFIG_TEST_CHILD";
+
+    /// Runs the test `name` of this module in a fresh copy of this test binary whose
+    /// environment is exactly `env` (plus the marker) and whose working directory is `cwd`:
+    /// environment variables are process-global, so setting them here would race every other
+    /// test that loads a configuration. Fails if the child fails or did not run the test.
+    fn run_child(name: &str, cwd: &Path, env: &[(&str, &str)]) {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(["--exact", &format!("config::tests::{name}"), "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env_clear()
+            .env(CHILD_ENV, name)
+            .current_dir(cwd);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "child {name} failed:\n{text}");
+        assert!(
+            text.contains("1 passed"),
+            "child {name} did not run:\n{text}"
+        );
+    }
+
+    /// True in the child started by [`run_child`] for `name`; the child tests do nothing (and
+    /// pass) when the test harness runs them directly.
+    fn is_child(name: &str) -> bool {
+        std::env::var(CHILD_ENV).as_deref() == Ok(name)
+    }
+
+    /// A file setting keys of three sections, each to something other than its default.
+    const LAYERED_TOML: &str = "[transport]\nkind = \"ucx\"\nworkers = 3\n\
+        [planner]\nfull_pull_threshold = 8\nspread_owners = true\n\
+        [receiver]\nverify_digests = true\nretries = 2\nmax_wire_gbps = 100.0\n\
+        [backends.nixl]\ntimeout_ms = 1000\n";
+
+    #[test]
+    fn environment_overrides_the_file_and_the_file_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("reshard-cfg-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("layered.toml");
+        std::fs::write(&file, LAYERED_TOML).unwrap();
+        let file = file.to_str().unwrap();
+        // The file found through $RESHARD_CONFIG, overridden by the environment in four keys
+        // of three sections and four types (string, integer, bool, float) and one backend
+        // option, with the suite's own variables set alongside.
+        run_child(
+            "child_env_over_file",
+            &dir,
+            &[
+                (CONFIG_PATH_ENV, file),
+                ("RESHARD_TRANSPORT__KIND", "nixl"),
+                ("RESHARD_PLANNER__FULL_PULL_THRESHOLD", "16"),
+                ("RESHARD_RECEIVER__VERIFY_DIGESTS", "false"),
+                ("RESHARD_RECEIVER__MAX_WIRE_GBPS", "12.5"),
+                ("RESHARD_BACKENDS__NIXL__TIMEOUT_MS", "5000"),
+                ("RESHARD_FAULT_CASES", "3"),
+                ("RESHARD_FAULT_SEED", "7"),
+                ("RESHARD_REQUIRE_BACKENDS", "ucx,nixl"),
+                ("RESHARD_QUIESCENCE_CHILD", "1"),
+                ("RESHARD_LOG", "debug"),
+                ("RESHARD_NIXL_HOME", "/nonexistent"),
+                ("RESHARD_PUBLISHER_SOCKET", "/nonexistent/sock"),
+            ],
+        );
+        // Without any environment the file's values stand (and ./reshard.toml is found).
+        std::fs::write(dir.join("reshard.toml"), LAYERED_TOML).unwrap();
+        run_child("child_file_over_defaults", &dir, &[]);
+        // A RESHARD_ variable that is neither a key nor one of the known others is an error.
+        run_child(
+            "child_unknown_env_key",
+            &dir,
+            &[("RESHARD_PLANNER__FULL_PULL_TRESHOLD", "4")],
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn child_env_over_file() {
+        if !is_child("child_env_over_file") {
+            return;
+        }
+        let c = Config::load(None, None).unwrap();
+        // Environment over file.
+        assert_eq!(c.transport.kind, "nixl");
+        assert_eq!(c.planner.full_pull_threshold, 16);
+        assert!(!c.receiver.verify_digests);
+        assert_eq!(c.receiver.max_wire_gbps, Some(12.5));
+        assert_eq!(
+            c.transport.options,
+            Some(serde_json::json!({"timeout_ms": 5000}))
+        );
+        // File values the environment does not name are kept.
+        assert_eq!(c.transport.workers, Some(3));
+        assert!(c.planner.spread_owners);
+        assert_eq!(c.receiver.retries, 2);
+        // Defaults neither names.
+        let d = Config::default();
+        assert_eq!(c.planner.dedup, d.planner.dedup);
+        assert_eq!(c.receiver.retry_backoff_ms, d.receiver.retry_backoff_ms);
+        assert_eq!(c.receiver.min_coverage, None);
+        // A CLI flag still beats the environment.
+        let cli = serde_json::json!({"transport": {"kind": "loopback"}});
+        let c = Config::load(None, Some(cli)).unwrap();
+        assert_eq!(c.transport.kind, "loopback");
+        assert_eq!(c.planner.full_pull_threshold, 16);
+    }
+
+    #[test]
+    fn child_file_over_defaults() {
+        if !is_child("child_file_over_defaults") {
+            return;
+        }
+        let c = Config::load(None, None).unwrap();
+        let d = Config::default();
+        assert_eq!(c.transport.kind, "ucx");
+        assert_eq!(c.transport.workers, Some(3));
+        assert_eq!(c.planner.full_pull_threshold, 8);
+        assert!(c.planner.spread_owners);
+        assert_eq!(c.receiver.retries, 2);
+        assert_eq!(c.receiver.max_wire_gbps, Some(100.0));
+        // The file selected ucx, so the nixl section is not this transport's options.
+        assert_eq!(c.transport.options, None);
+        assert_eq!(c.backends["nixl"], serde_json::json!({"timeout_ms": 1000}));
+        assert_eq!(
+            (c.planner.dedup, c.receiver.verify_digests),
+            (d.planner.dedup, d.receiver.verify_digests)
+        );
+        assert_eq!(c.receiver.retry_backoff_ms, d.receiver.retry_backoff_ms);
+        assert_eq!(c.receiver.wire_timeout_ms, d.receiver.wire_timeout_ms);
+    }
+
+    #[test]
+    fn child_unknown_env_key() {
+        if !is_child("child_unknown_env_key") {
+            return;
+        }
+        let e = Config::load(None, None).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(
+            e.message().contains("full_pull_treshold")
+                && e.message().contains("full_pull_threshold"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn bad_values_are_rejected() {
         for t in [

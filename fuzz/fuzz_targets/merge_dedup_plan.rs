@@ -182,6 +182,7 @@ fuzz_target!(|input: Input| {
     let layout = layout(&input.params);
     // Exact reads are enumerated one run at a time: keep wanted copies small so one input
     // cannot take seconds (offers stay unbounded, to exercise overflow checks).
+    // Saturating: four u64 extents overflow even u128 (overflow checks are on).
     let wanted: u128 = layout
         .params
         .iter()
@@ -190,10 +191,9 @@ fuzz_target!(|input: Input| {
             c.src_box
                 .extent
                 .iter()
-                .map(|&e| u128::from(e))
-                .product::<u128>()
+                .fold(1u128, |n, &e| n.saturating_mul(u128::from(e)))
         })
-        .sum();
+        .fold(0, u128::saturating_add);
     if wanted > 1 << 16 {
         return;
     }
