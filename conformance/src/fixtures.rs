@@ -25,6 +25,7 @@ pub struct Harness {
     name: String,
     make: Arc<MakeTransport>,
     publisher_process: Option<Arc<MakeCommand>>,
+    known_defects: Vec<(String, String)>,
 }
 
 impl Harness {
@@ -37,7 +38,24 @@ impl Harness {
             name: name.into(),
             make: Arc::new(make),
             publisher_process: None,
+            known_defects: Vec::new(),
         }
+    }
+
+    /// Marks `check` as failing on this backend for `reason` (an open defect): the check must
+    /// then fail, and the test fails the day it passes, so the mark cannot outlive the defect.
+    /// Marks are listed in the README's conformance section.
+    pub fn with_known_defect(mut self, check: &str, reason: &str) -> Self {
+        self.known_defects.push((check.into(), reason.into()));
+        self
+    }
+
+    /// The reason `check` is marked as a known defect here, if it is.
+    pub fn known_defect(&self, check: &str) -> Option<&str> {
+        self.known_defects
+            .iter()
+            .find(|(c, _)| c == check)
+            .map(|(_, r)| r.as_str())
     }
 
     /// Puts every cluster's publishers in a child process started by `command()`, which must
