@@ -189,3 +189,43 @@ impl From<Outcome> for ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard_core::HostBuffer;
+    use reshard_planner::layouts::receiver_layout;
+    use reshard_planner::topology::ReceiverTopology;
+    use std::sync::Arc;
+
+    /// Exit code 1 is reserved for a refit that ran but installed bytes that differ from the
+    /// reference: no input reaches it from outside (every refused refit exits 2), so the verdict
+    /// and its exit code are checked here on live buffers with one flipped byte.
+    #[test]
+    fn installed_bytes_that_differ_from_the_reference_exit_1() {
+        let model = preset("llama-3-8b")
+            .and_then(|m| m.with_overrides(Some(1), None, Some(512)))
+            .expect("model");
+        let layout = receiver_layout(&model, &ReceiverTopology::tp(2), 1).expect("layout");
+        let want: Vec<Vec<u8>> = layout
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| vec![i as u8 + 1; p.bytes() as usize])
+            .collect();
+        let live: Vec<Arc<HostBuffer>> = want
+            .iter()
+            .map(|w| Arc::new(HostBuffer::from_bytes(w)))
+            .collect();
+        let exit =
+            |failures: &[String]| format!("{:?}", ExitCode::from(Outcome(failures.is_empty())));
+        let same = refit_cmd::differing_params(&layout, &live, &want, 3, 1);
+        assert!(same.is_empty(), "{same:?}");
+        assert_eq!(exit(&same), format!("{:?}", ExitCode::SUCCESS));
+        live[2].write()[7] ^= 1;
+        let differ = refit_cmd::differing_params(&layout, &live, &want, 3, 1);
+        assert_eq!(differ.len(), 1, "{differ:?}");
+        assert!(differ[0].contains(&layout.params[2].name), "{differ:?}");
+        assert_eq!(exit(&differ), format!("{:?}", ExitCode::from(1)));
+    }
+}

@@ -272,6 +272,30 @@ pub(crate) fn resolve_scaled(
     margs.resolve()
 }
 
+/// One message per live parameter of `layout` whose bytes differ from `want` (the reference):
+/// what turns a refit's exit code into 1.
+pub(crate) fn differing_params(
+    layout: &reshard_core::WantedLayout,
+    live: &[Arc<reshard_core::HostBuffer>],
+    want: &[Vec<u8>],
+    step: u64,
+    rank: u32,
+) -> Vec<String> {
+    layout
+        .params
+        .iter()
+        .zip(live)
+        .zip(want)
+        .filter(|((_, got), want)| got.read()[..] != want[..])
+        .map(|((p, _), _)| {
+            format!(
+                "step {step} rank {rank}: parameter {} differs from the reference",
+                p.name
+            )
+        })
+        .collect()
+}
+
 /// Every receiver rank's reports of one arm, and whether every update verified.
 pub(crate) struct ArmRun {
     /// Measured updates per receiver rank (the warm-up is not kept).
@@ -326,15 +350,9 @@ pub(crate) async fn run_arm(
             let live = rx
                 .live_params()
                 .ok_or_else(|| Error::new(ErrorKind::Internal, "no live weights after a refit"))?;
-            for ((p, got), want) in rx.layout().params.iter().zip(live).zip(&want) {
-                if got.read()[..] != want[..] {
-                    run.verified = false;
-                    run.failures.push(format!(
-                        "step {step} rank {rank}: parameter {} differs from the reference",
-                        p.name
-                    ));
-                }
-            }
+            let failures = differing_params(rx.layout(), live, &want, step, rank);
+            run.verified &= failures.is_empty();
+            run.failures.extend(failures);
             if update > 0 {
                 run.reports[rank as usize].push(report);
             }
