@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checks;
+pub mod counting;
 pub mod faults;
 pub mod fixtures;
 pub mod proofs;
@@ -171,6 +172,45 @@ macro_rules! conformance_tests {
                     $crate::checks::$check(&harness),
                 )
                 .await;
+            }
+        )*
+    };
+}
+
+/// Makes the counted-completion tests of [`counting`] over `$make`, an expression giving a
+/// fresh [`counting::Counting`] per test (the backend's harness, endpoints with a hook to its
+/// dev-only `inject_skip_read`, when it applies the skip, and its regions and batch):
+/// `wait_counts_completed_reads_and_a_skipped_read_is_missing`,
+/// `a_lost_read_fails_the_update_without_verification_and_keeps_live_weights`,
+/// `the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint` and
+/// `unknown_peer_names_owner_range_and_backend`. With `requires = $probe`, each first asks
+/// [`backend_available`]. Use it in the backend's `tests/counting.rs`:
+///
+/// ```text
+/// reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
+/// ```
+#[macro_export]
+macro_rules! counting_tests {
+    ($make:expr, requires = $probe:expr) => {
+        $crate::counting_tests!(@each $make, $probe;
+            wait_counts_completed_reads_and_a_skipped_read_is_missing,
+            a_lost_read_fails_the_update_without_verification_and_keeps_live_weights,
+            the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint,
+            unknown_peer_names_owner_range_and_backend,
+        );
+    };
+    ($make:expr) => {
+        $crate::counting_tests!($make, requires = ::std::result::Result::Ok(()));
+    };
+    (@each $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                let counting: $crate::counting::Counting = $make;
+                if !$crate::backend_available(counting.harness.name(), $probe) {
+                    return;
+                }
+                $crate::counting::$check(&counting).await;
             }
         )*
     };

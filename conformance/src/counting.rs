@@ -1,0 +1,409 @@
+//! Counted completions, the execution log and typed unknown-peer errors, through the public
+//! `Transport` API, shared by every backend's `tests/counting.rs` (see [`crate::counting_tests!`]).
+//!
+//! A lost read must show up in the [`reshard_core::WireReport`] a batch's `wait` returns: a
+//! backend counts completions, not what it posted. To lose one on purpose each backend has a
+//! dev-only `fault-injection` feature adding `inject_skip_read(Option<usize>)` to its transport
+//! type; since an `Arc<dyn Transport>` cannot be downcast, the backend's test makes endpoints
+//! itself and hands the suite each one with a [`SkipRead`] hook that calls it.
+
+use std::sync::Arc;
+
+use reshard_core::{
+    ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, ReadBatch, ReadDesc, Registration,
+    Result, Transport,
+};
+use reshard_runtime::{Receiver, ReceiverOptions};
+
+use crate::fixtures::tiny_dense;
+use crate::Harness;
+
+/// Makes the endpoint it came with skip read `i` of the batches it handles (`Some(i)`), or
+/// stop skipping (`None`): the backend's `inject_skip_read`.
+pub type SkipRead = Arc<dyn Fn(Option<usize>) + Send + Sync>;
+
+/// Creates an endpoint by agent name, on the same fabric as the harness's endpoints, with its
+/// [`SkipRead`] hook.
+pub type MakeSkippable = dyn Fn(&str) -> Result<(Arc<dyn Transport>, SkipRead)> + Send + Sync;
+
+/// When the backend applies an injected skip.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SkipAt {
+    /// When a batch is posted: a batch prepared earlier loses the read (loopback, UCX).
+    Post,
+    /// When a batch is prepared (NIXL builds its requests there): only a batch prepared while
+    /// the skip is set loses the read, so the receiver must not reuse cached descriptors
+    /// (`ReceiverOptions::cache_descriptors: false`).
+    Prepare,
+}
+
+/// One read of a [`Counting::reads`] batch, by index into the setup's regions: source region
+/// `src` (owner 4's two regions, then owner 9's two), offset `src_offset`, into destination
+/// region `dst` (0 or 1) at `dst_offset`, `len` bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadAt {
+    /// Index of the source region: 0 and 1 are owner 4's, 2 and 3 owner 9's.
+    pub src: usize,
+    /// Offset in the source region.
+    pub src_offset: u64,
+    /// Index of the destination region (0 or 1).
+    pub dst: usize,
+    /// Offset in the destination region.
+    pub dst_offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// `ReadAt { src, src_offset, dst, dst_offset, len }`, shorter.
+pub const fn at(src: usize, src_offset: u64, dst: usize, dst_offset: u64, len: u64) -> ReadAt {
+    ReadAt {
+        src,
+        src_offset,
+        dst,
+        dst_offset,
+        len,
+    }
+}
+
+/// What a backend hands the counting checks: its harness, skippable endpoints, and the region
+/// sizes and batch that exercise its own ways of cutting reads (pieces, request caps).
+#[derive(Clone)]
+pub struct Counting {
+    /// The backend's harness (name, endpoints for clusters).
+    pub harness: Harness,
+    /// Endpoints with a skip hook, on the harness's fabric.
+    pub endpoint: Arc<MakeSkippable>,
+    /// When the backend applies the skip.
+    pub skip_at: SkipAt,
+    /// Lengths of the two source regions of owner 4 and of owner 9.
+    pub src_lens: [[u64; 2]; 2],
+    /// An owner whose source regions the transport allocates (`Transport::allocate_host`)
+    /// instead of plain host buffers, to cover a second read path (UCX shared memory).
+    pub allocated_owner: Option<OwnerId>,
+    /// Lengths of the receiver's two destination regions.
+    pub dst_lens: [u64; 2],
+    /// The batch: non-overlapping destinations, distinct lengths, over every source region.
+    pub reads: Vec<ReadAt>,
+    /// A single read the backend cuts into pieces, whose execution log must still hold it
+    /// once, whole.
+    pub split_read: Option<ReadAt>,
+}
+
+impl Counting {
+    /// Counting checks for `harness`, endpoints from `endpoint`, with skips applied at
+    /// `skip_at`; the regions and batch are set with the other fields.
+    pub fn new(
+        harness: Harness,
+        endpoint: impl Fn(&str) -> Result<(Arc<dyn Transport>, SkipRead)> + Send + Sync + 'static,
+        skip_at: SkipAt,
+    ) -> Self {
+        Counting {
+            harness,
+            endpoint: Arc::new(endpoint),
+            skip_at,
+            src_lens: [[1 << 20; 2]; 2],
+            allocated_owner: None,
+            dst_lens: [1 << 20; 2],
+            reads: Vec::new(),
+            split_read: None,
+        }
+    }
+
+    /// A fresh endpoint and its skip hook.
+    fn skippable(&self, agent: &str) -> (Arc<dyn Transport>, SkipRead) {
+        (self.endpoint)(agent).expect("endpoint")
+    }
+}
+
+/// A read descriptor: `len` bytes from `src` at `src_offset` of `owner` into `dst` at
+/// `dst_offset`.
+pub fn read(
+    owner: OwnerId,
+    src: &Registration,
+    src_offset: u64,
+    dst: &Registration,
+    dst_offset: u64,
+    len: u64,
+) -> ReadDesc {
+    ReadDesc {
+        owner,
+        remote_region: src.id(),
+        remote_offset: src_offset,
+        local_region: dst.id(),
+        local_offset: dst_offset,
+        len,
+    }
+}
+
+/// Owners 4 and 9 with two regions each, one receiver with two regions.
+struct Setup {
+    _pubs: Vec<Arc<dyn Transport>>,
+    receiver: Arc<dyn Transport>,
+    skip: SkipRead,
+    src: Vec<(OwnerId, Registration)>,
+    dst_bufs: Vec<Arc<HostBuffer>>,
+    dst: Vec<Registration>,
+}
+
+impl Setup {
+    fn read(&self, r: &ReadAt) -> ReadDesc {
+        let (owner, reg) = &self.src[r.src];
+        read(
+            *owner,
+            reg,
+            r.src_offset,
+            &self.dst[r.dst],
+            r.dst_offset,
+            r.len,
+        )
+    }
+
+    fn batch(&self, reads: &[ReadAt]) -> ReadBatch {
+        ReadBatch {
+            reads: reads.iter().map(|r| self.read(r)).collect(),
+        }
+    }
+}
+
+async fn setup(c: &Counting) -> Setup {
+    let (receiver, skip) = c.skippable("receiver");
+    let mut pubs = Vec::new();
+    let mut src = Vec::new();
+    for (owner, lens) in [4u32, 9].into_iter().zip(c.src_lens) {
+        let (t, _) = c.skippable(&format!("publisher-{owner}"));
+        for (j, len) in lens.into_iter().enumerate() {
+            let fill: Vec<u8> = (0..len as usize)
+                .map(|i| (i % 251) as u8 ^ (owner as u8 * 16 + j as u8))
+                .collect();
+            let block: Arc<dyn MemoryBlock> = if c.allocated_owner == Some(owner) {
+                let m = t
+                    .allocate_host(len as usize)
+                    .await
+                    .unwrap()
+                    .expect("the transport allocates host memory");
+                m.bytes_mut().copy_from_slice(&fill);
+                m
+            } else {
+                Arc::new(HostBuffer::from_bytes(&fill))
+            };
+            src.push((owner, t.register(block).await.unwrap()));
+        }
+        receiver
+            .load_peer(owner, t.export_metadata().await.unwrap())
+            .await
+            .unwrap();
+        pubs.push(t);
+    }
+    let dst_bufs: Vec<Arc<HostBuffer>> = c
+        .dst_lens
+        .iter()
+        .map(|&len| Arc::new(HostBuffer::zeroed(len as usize)))
+        .collect();
+    let mut dst = Vec::new();
+    for b in &dst_bufs {
+        dst.push(
+            receiver
+                .register(b.clone() as Arc<dyn MemoryBlock>)
+                .await
+                .unwrap(),
+        );
+    }
+    Setup {
+        _pubs: pubs,
+        receiver,
+        skip,
+        src,
+        dst_bufs,
+        dst,
+    }
+}
+
+/// `wait` reports every read of the batch and its bytes; with read `i` skipped (each in turn)
+/// it reports one read fewer and exactly read `i`'s bytes fewer, and read `i`'s destination
+/// stays untouched; without the skip the same prepared batch reports everything again.
+pub async fn wait_counts_completed_reads_and_a_skipped_read_is_missing(c: &Counting) {
+    let s = setup(c).await;
+    let b = s.batch(&c.reads);
+    let n = b.reads.len() as u64;
+    assert!(n >= 2, "the batch needs several reads");
+    let prepared = s.receiver.prepare(b.clone()).await.unwrap();
+    let full = s
+        .receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!((full.reads, full.bytes), (n, b.bytes()));
+    for (skip, r) in b.reads.iter().enumerate() {
+        let range = r.local_offset as usize..(r.local_offset + r.len) as usize;
+        s.dst_bufs[c.reads[skip].dst].write()[range.clone()].fill(0);
+        (s.skip)(Some(skip));
+        let short = match c.skip_at {
+            SkipAt::Post => s.receiver.post(&prepared).await,
+            SkipAt::Prepare => {
+                let p = s.receiver.prepare(b.clone()).await;
+                (s.skip)(None);
+                s.receiver.post(&p.unwrap()).await
+            }
+        };
+        let short = match short {
+            Ok(in_flight) => in_flight.wait().await,
+            Err(e) => Err(e),
+        };
+        (s.skip)(None);
+        let short = short.unwrap();
+        assert_eq!(short.reads, n - 1, "skipped read {skip}");
+        assert_eq!(short.bytes, b.bytes() - r.len, "skipped read {skip}");
+        // The skipped read really did not move: its destination bytes stayed zero.
+        assert!(
+            s.dst_bufs[c.reads[skip].dst].read()[range]
+                .iter()
+                .all(|&x| x == 0),
+            "skipped read {skip} moved"
+        );
+    }
+    let again = s
+        .receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(again, full);
+}
+
+fn snapshot(rx: &Receiver) -> Vec<Vec<u8>> {
+    rx.live_params()
+        .unwrap()
+        .iter()
+        .map(|b| b.read().to_vec())
+        .collect()
+}
+
+/// With digest verification off, a read the backend loses still fails the update (the
+/// receiver compares counted bytes with the plan), the live weights and step stay, and the
+/// next update without the fault installs the new step.
+pub async fn a_lost_read_fails_the_update_without_verification_and_keeps_live_weights(
+    c: &Counting,
+) {
+    let h = &c.harness;
+    let mut cluster = h.cluster(tiny_dense(4), "tp=2").await;
+    let (t, skip) = c.skippable("receiver");
+    let opts = ReceiverOptions {
+        verify_digests: false,
+        // A skip applied at prepare needs descriptors rebuilt at every update.
+        cache_descriptors: c.skip_at == SkipAt::Post,
+        ..ReceiverOptions::default()
+    };
+    let mut rx = h.receiver_on(&cluster, t, 2, 0, opts).await;
+    rx.update(&cluster.tables()).await.expect("first refit");
+    let before = snapshot(&rx);
+    cluster.publish_step(1).expect("publish step");
+    skip(Some(0));
+    let e = rx
+        .update(&cluster.tables())
+        .await
+        .expect_err("a lost read must fail the update");
+    skip(None);
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert!(e.to_string().contains("planned"), "{e}");
+    assert_eq!(snapshot(&rx), before, "live weights must be untouched");
+    assert_eq!(rx.live_step(), Some(0));
+    // Without the fault the next update installs step 1.
+    rx.update(&cluster.tables())
+        .await
+        .expect("refit after the fault");
+    assert_eq!(rx.live_step(), Some(1));
+}
+
+fn sorted(mut v: Vec<ReadDesc>) -> Vec<ReadDesc> {
+    v.sort_unstable_by_key(|r| {
+        (
+            r.owner,
+            r.remote_region,
+            r.remote_offset,
+            r.local_region,
+            r.local_offset,
+            r.len,
+        )
+    });
+    v
+}
+
+/// Region ids are 1, 2, ... per endpoint; the execution log records nothing while unset, the
+/// reads posted (as posted, once each, even when cut into pieces) while set, and nothing once
+/// unset again.
+pub async fn the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint(c: &Counting) {
+    let s = setup(c).await;
+    // Region ids are 1, 2, ... per endpoint.
+    assert_eq!(
+        s.src.iter().map(|x| x.1.id()).collect::<Vec<_>>(),
+        [1, 2, 1, 2]
+    );
+    assert_eq!(s.dst.iter().map(|r| r.id()).collect::<Vec<_>>(), [1, 2]);
+    let b = s.batch(&c.reads);
+    let prepared = s.receiver.prepare(b.clone()).await.unwrap();
+    // Nothing is recorded while no log is set.
+    s.receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let log = ExecutionLog::new();
+    assert!(s.receiver.set_execution_log(Some(log.clone())));
+    s.receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    // Reads cut into pieces are recorded once, whole.
+    assert_eq!(sorted(log.take()), sorted(b.reads.clone()));
+    if let Some(split) = &c.split_read {
+        // A read the backend cuts into pieces, alone: recorded once, whole.
+        let big = s.batch(std::slice::from_ref(split));
+        let p2 = s.receiver.prepare(big.clone()).await.unwrap();
+        s.receiver.post(&p2).await.unwrap().wait().await.unwrap();
+        assert_eq!(log.take(), big.reads);
+    }
+    assert!(s.receiver.set_execution_log(None));
+    s.receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert!(log.is_empty());
+}
+
+/// A batch naming an owner whose metadata was never loaded, next to a read of a known owner,
+/// fails `prepare` with `PeerUnknown` naming that owner, its read's remote range and the
+/// backend; tried next to a read of each known owner.
+pub async fn unknown_peer_names_owner_range_and_backend(c: &Counting) {
+    let s = setup(c).await;
+    // Owner 4's first region into the first destination, owner 9's first into the second.
+    for (src, dst) in [(0, 0), (2, 1)] {
+        let (owner, reg) = &s.src[src];
+        let e = s
+            .receiver
+            .prepare(ReadBatch {
+                reads: vec![
+                    read(*owner, reg, 0, &s.dst[dst], 0, 8),
+                    read(77, reg, 40, &s.dst[dst], 8, 16),
+                ],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerUnknown, "{e}");
+        assert_eq!(e.context().owner, Some(77));
+        assert_eq!(e.context().range, Some(40..56));
+        assert_eq!(e.context().backend.as_deref(), Some(c.harness.name()));
+    }
+}
