@@ -10,8 +10,8 @@
 use std::sync::Arc;
 
 use reshard_core::{
-    ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, ReadBatch, ReadDesc, Registration,
-    Result, Transport,
+    ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, PreparedBatch, ReadBatch, ReadDesc,
+    Registration, Result, Transport, WireReport,
 };
 use reshard_runtime::{Receiver, ReceiverOptions};
 
@@ -146,6 +146,17 @@ struct Setup {
 }
 
 impl Setup {
+    /// Posts `prepared` on the receiver and waits for it; both must succeed.
+    async fn post_and_wait(&self, prepared: &PreparedBatch) -> WireReport {
+        self.receiver
+            .post(prepared)
+            .await
+            .expect("post")
+            .wait()
+            .await
+            .expect("wait")
+    }
+
     fn read(&self, r: &ReadAt) -> ReadDesc {
         let (owner, reg) = &self.src[r.src];
         read(
@@ -227,14 +238,7 @@ pub async fn wait_counts_completed_reads_and_a_skipped_read_is_missing(c: &Count
     let n = b.reads.len() as u64;
     assert!(n >= 2, "the batch needs several reads");
     let prepared = s.receiver.prepare(b.clone()).await.unwrap();
-    let full = s
-        .receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    let full = s.post_and_wait(&prepared).await;
     assert_eq!((full.reads, full.bytes), (n, b.bytes()));
     for (skip, r) in b.reads.iter().enumerate() {
         let range = r.local_offset as usize..(r.local_offset + r.len) as usize;
@@ -264,14 +268,7 @@ pub async fn wait_counts_completed_reads_and_a_skipped_read_is_missing(c: &Count
             "skipped read {skip} moved"
         );
     }
-    let again = s
-        .receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    let again = s.post_and_wait(&prepared).await;
     assert_eq!(again, full);
 }
 
@@ -347,39 +344,21 @@ pub async fn the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoi
     let b = s.batch(&c.reads);
     let prepared = s.receiver.prepare(b.clone()).await.unwrap();
     // Nothing is recorded while no log is set.
-    s.receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    s.post_and_wait(&prepared).await;
     let log = ExecutionLog::new();
     assert!(s.receiver.set_execution_log(Some(log.clone())));
-    s.receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    s.post_and_wait(&prepared).await;
     // Reads cut into pieces are recorded once, whole.
     assert_eq!(sorted(log.take()), sorted(b.reads.clone()));
     if let Some(split) = &c.split_read {
         // A read the backend cuts into pieces, alone: recorded once, whole.
         let big = s.batch(std::slice::from_ref(split));
         let p2 = s.receiver.prepare(big.clone()).await.unwrap();
-        s.receiver.post(&p2).await.unwrap().wait().await.unwrap();
+        s.post_and_wait(&p2).await;
         assert_eq!(log.take(), big.reads);
     }
     assert!(s.receiver.set_execution_log(None));
-    s.receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    s.post_and_wait(&prepared).await;
     assert!(log.is_empty());
 }
 
