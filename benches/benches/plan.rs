@@ -1,4 +1,5 @@
-//! Full-scale plan of the DESIGN §8 setup (Qwen3-30B-A3B, EP8/DP8 -> TP2), both receiver ranks.
+//! Full-scale plan of the docs/design.md §8 setup (Qwen3-30B-A3B, EP8/DP8 -> TP2), both receiver
+//! ranks.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items.
 

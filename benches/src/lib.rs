@@ -12,7 +12,8 @@ use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{geometry_tables, ReceiverTopology};
 use reshard_runtime::{Placement, Receiver, ReceiverOptions, SyntheticCluster};
 
-/// The DESIGN §8 setup at full scale, geometry only: deduplicated table and both TP2 layouts.
+/// The docs/design.md §8 setup at full scale, geometry only: deduplicated table and both TP2
+/// layouts.
 pub fn reference_geometry() -> Result<(MergedTable, Vec<WantedLayout>)> {
     let model = preset("qwen3-30b-a3b")?;
     let tables = geometry_tables(&model, &"ep=8,dp=8".parse()?, 0)?;

@@ -1,4 +1,4 @@
-//! A receiver's wanted layout: its parameters and the copies that fill them (DESIGN §2).
+//! A receiver's wanted layout: its parameters and the copies that fill them (docs/design.md §2).
 
 use serde::{Deserialize, Serialize};
 

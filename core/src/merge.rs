@@ -1,5 +1,5 @@
 //! Merging many publishers' shard tables, and replica dedup: one owner per byte-identical offer
-//! (DESIGN §3).
+//! (docs/design.md §3).
 
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;

@@ -120,7 +120,7 @@ pub struct PlanParam {
     pub bytes: u64,
 }
 
-/// Plan statistics (DESIGN §4), the figures `reshard plan` prints.
+/// Plan statistics (docs/design.md §4), the figures `reshard plan` prints.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PlanStats {
     /// Wanted copies (source boxes).

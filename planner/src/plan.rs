@@ -1,4 +1,4 @@
-//! The fused range planner (DESIGN §4).
+//! The fused range planner (docs/design.md §4).
 //!
 //! Intersects each wanted copy of a receiver's layout with the offers of its source tensor,
 //! turns every overlap into runs that are contiguous in both the source buffer and the
@@ -480,8 +480,8 @@ impl<'a> Planner<'a> {
     }
 
     /// Fails when two overlaps of one copy share elements: reading both would write those bytes
-    /// twice (DESIGN §3: never a silent double read). Sweeps over dim 0 so disjoint row blocks
-    /// cost O(n log n).
+    /// twice (docs/design.md §3: never a silent double read). Sweeps over dim 0 so disjoint row
+    /// blocks cost O(n log n).
     fn check_disjoint(&mut self, t: &MergedTensor) -> Result<()> {
         let n = self.ov.len();
         if n < 2 {

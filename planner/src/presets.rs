@@ -64,7 +64,8 @@ pub fn presets() -> Vec<Preset> {
     vec![
         Preset {
             name: "qwen3-30b-a3b",
-            description: "Qwen3-30B-A3B: 48 MoE layers, 128 experts, GQA 32/4, BF16 (DESIGN §8)",
+            description: "Qwen3-30B-A3B: 48 MoE layers, 128 experts, GQA 32/4, BF16 \
+                          (docs/design.md §8)",
             source: "config.json of Qwen/Qwen3-30B-A3B on its Hugging Face model card \
                      (hidden_size 2048, num_hidden_layers 48, num_experts 128, \
                      moe_intermediate_size 768, num_attention_heads 32, num_key_value_heads 4, \

@@ -1,5 +1,5 @@
 //! Receiver layouts, topology parsing and publisher geometry, checked element by element on small
-//! models and against DESIGN §8 at full scale.
+//! models and against docs/design.md §8 at full scale.
 
 mod common;
 
@@ -288,7 +288,8 @@ fn qkv_fused_when_kv_heads_at_least_tp() {
             }
         }
     }
-    // Full scale, DESIGN §8: TP2 rank 1 gets q rows 2048.., k and v rows 256.. (2 KV heads each).
+    // Full scale, docs/design.md §8: TP2 rank 1 gets q rows 2048.., k and v rows 256.. (2 KV
+    // heads each).
     let qwen = preset("qwen3-30b-a3b").unwrap();
     let l = receiver_layout(&qwen, &recv(2), 1).unwrap();
     let p = param(&l, "model.layers.47.self_attn.qkv_proj.weight");

@@ -1,5 +1,5 @@
-//! Hand-built planner cases (DESIGN §4): each names one behaviour and checks the exact reads,
-//! staging, re-slices and statistics it must produce.
+//! Hand-built planner cases (docs/design.md §4): each names one behaviour and checks the exact
+//! reads, staging, re-slices and statistics it must produce.
 
 use reshard_core::{
     dedup, merge, DType, DedupOptions, Dest, ErrorDetail, ErrorKind, MemoryKind, MergedTable,
@@ -584,8 +584,8 @@ fn allow_overlap_arm_reads_every_replica() {
 
 #[test]
 fn replicated_offers_do_not_tile_so_no_dedup_reads_per_row() {
-    // The DESIGN §8 o_proj counterfactual in small: 2 replicas of a whole tensor, a dim-1 half
-    // wanted. With dedup: one full pull; without: 2 x 128 exact rows.
+    // The docs/design.md §8 o_proj counterfactual in small: 2 replicas of a whole tensor, a dim-1
+    // half wanted. With dedup: one full pull; without: 2 x 128 exact rows.
     let w = bf16("w", &[128, 8]);
     let tables: Vec<_> = (0..2)
         .map(|r| table(r, &[&w], &[off("w", &[0, 0], &[128, 8])]))

@@ -1,5 +1,5 @@
-//! DESIGN §8 at full scale: Qwen3-30B-A3B published by Megatron EP8/DP8 (TP1), planned for each
-//! rank of a vLLM TP2 receiver, geometry only (no bytes are allocated).
+//! docs/design.md §8 at full scale: Qwen3-30B-A3B published by Megatron EP8/DP8 (TP1), planned
+//! for each rank of a vLLM TP2 receiver, geometry only (no bytes are allocated).
 
 use reshard_core::{dedup, merge, DedupOptions, MergedTable, PlanStats};
 use reshard_planner::layouts::receiver_layout;
