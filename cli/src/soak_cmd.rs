@@ -69,6 +69,12 @@ impl Transport for CountingTransport {
     fn epoch(&self) -> u64 {
         self.inner.epoch()
     }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.inner.peer_incarnation(owner)
+    }
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
         let inner = self.inner.register(block).await?;
         let (id, len, kind) = (inner.id(), inner.len(), inner.kind());

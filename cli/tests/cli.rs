@@ -314,7 +314,7 @@ fn table_round_trips_through_binary_and_rejects_garbage() {
     let bin = dir.join("rank3.rsht");
     let args = ["table", "--layers", "1", "--experts", "16", "--rank", "3"];
     let json_out = json(&reshard(&args, &[]));
-    assert_eq!(json_out["schema_version"], 1);
+    assert_eq!(json_out["schema_version"], 2);
     assert_eq!(json_out["table"]["publisher"]["rank"], 3);
     let mut write = args.to_vec();
     write.extend(["--binary", bin.to_str().unwrap()]);

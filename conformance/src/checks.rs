@@ -1075,7 +1075,7 @@ async fn one_publisher(h: &Harness, agent: &str, seed: u8) -> OnePublisher {
 
 fn one_table(p: &OnePublisher, region: u64, digest_of: &[u8], step: u64) -> ShardTable {
     use reshard_core::{DType, MemoryKind, OfferLocation, ShardOffer, TensorBox, TensorSpec};
-    let mut t = ShardTable::new(0, p.transport.agent(), step);
+    let mut t = ShardTable::new(0, p.transport.agent(), step).bound_to(p.transport.incarnation());
     t.tensors.push(TensorSpec::new("w", DType::U8, vec![8, 8]));
     t.offers.push(ShardOffer {
         tensor: "w".into(),
@@ -1111,8 +1111,9 @@ fn whole_w() -> reshard_core::WantedLayout {
 
 /// Catalogue row "peer metadata of another agent for the same rank": `load_peer` of a
 /// differently named agent's metadata for a loaded rank is accepted and replaces the peer; a
-/// table still describing the old agent's bytes fails `Verification` naming tensor, owner and
-/// byte range, with the live weights kept; the new agent's own table installs exactly. (The
+/// table still bound to the old agent's endpoint fails `Transport` before any read; one bound to
+/// the new agent but describing the old agent's bytes fails `Verification` naming tensor, owner
+/// and byte range, with the live weights kept; the new agent's own table installs exactly. (The
 /// publishers are made in this process by every harness: the row is about `load_peer`.)
 pub async fn peer_metadata_from_another_agent_for_the_same_rank(h: &Harness) {
     let tag = if h.is_cross_process() { "x" } else { "i" };
@@ -1141,10 +1142,21 @@ pub async fn peer_metadata_from_another_agent_for_the_same_rank(h: &Harness) {
     )
     .await
     .expect("another agent's metadata for a loaded rank is accepted");
-    // The table still claims the old agent's bytes (its digest); the reads reach the new agent.
+    // A table still bound to the old agent's endpoint is refused before any read is posted.
     let mut stale = one_table(&first, other.region, &first.bytes, 2);
-    stale.publisher.agent = other.transport.agent().to_owned();
     let before = snapshot(&rx);
+    let e = rx
+        .update(std::slice::from_ref(&stale))
+        .await
+        .expect_err("table of another incarnation");
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(0), "{e}");
+    assert!(e.to_string().contains("incarnation"), "{e}");
+    assert_eq!(snapshot(&rx), before, "live weights untouched");
+    // Bound to the new agent but still claiming the old agent's bytes (its digest): the reads
+    // reach the new agent and verification refuses them.
+    stale.publisher.agent = other.transport.agent().to_owned();
+    stale.publisher.incarnation = other.transport.incarnation();
     let e = rx.update(&[stale]).await.expect_err("stale digest");
     assert_eq!(e.kind(), ErrorKind::Verification, "{e}");
     assert_eq!(e.context().tensor.as_deref(), Some("w"), "{e}");
@@ -1376,13 +1388,12 @@ pub async fn two_receiver_processes(h: &Harness, command: impl Fn() -> std::proc
             })
             .collect(),
     );
+    // A child that exited successfully has finished its last step (it may do so while the
+    // other is still refitting); only a failed exit ends the wait early.
     let alive = |children: &mut Children| {
         for (rank, c) in children.0.iter_mut().enumerate() {
-            if let Ok(Some(status)) = c.try_wait() {
-                panic!(
-                    "{}: receiver process {rank} exited early: {status}",
-                    h.name()
-                );
+            if let Ok(Some(status)) = c.try_wait().map(|s| s.filter(|s| !s.success())) {
+                panic!("{}: receiver process {rank} failed: {status}", h.name());
             }
         }
     };

@@ -474,6 +474,12 @@ impl Transport for FaultyTransport {
             .epoch()
             .wrapping_add(self.epoch_bumps.load(Ordering::SeqCst))
     }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.inner.peer_incarnation(owner)
+    }
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
         let inner = self.inner.register(block).await?;
         let (id, len, kind) = (inner.id(), inner.len(), inner.kind());

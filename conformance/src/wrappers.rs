@@ -29,6 +29,12 @@ macro_rules! wrapper_transport {
             fn epoch(&self) -> u64 {
                 self.inner.epoch()
             }
+            fn incarnation(&self) -> u64 {
+                self.inner.incarnation()
+            }
+            fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+                self.inner.peer_incarnation(owner)
+            }
             async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
                 self.inner.register(block).await
             }

@@ -3,7 +3,7 @@
 //! failure is a typed [`Error`] (never a panic), and no length field can make them allocate more
 //! than a small multiple of the input size.
 //!
-//! # Binary format, version 1
+//! # Binary format, version 2
 //!
 //! Fixed-width integers are little-endian; `varint` is unsigned LEB128 (at most 10 bytes, minimal
 //! form only); `str` is a varint byte length followed by that many bytes of UTF-8.
@@ -13,6 +13,7 @@
 //! version        u16       SCHEMA_VERSION
 //! publisher rank u32
 //! agent          str
+//! incarnation    u64       of the publisher's endpoint (0 = unbound)
 //! step           u64
 //! tensor count   varint
 //!   name         str       at most MAX_NAME_LEN bytes
@@ -37,7 +38,7 @@
 //!
 //! # Errors
 //!
-//! [`ErrorKind::Decode`] means the bytes (or JSON) are not a well-formed version-1 encoding: bad
+//! [`ErrorKind::Decode`] means the bytes (or JSON) are not a well-formed version-2 encoding: bad
 //! magic, another schema version, truncation (the message names the field), trailing bytes,
 //! invalid UTF-8, an unknown dtype, memory or digest tag, a malformed varint, a name longer than
 //! [`MAX_NAME_LEN`], or offers whose copied tensor names would take more than 64 times the input
@@ -57,7 +58,7 @@ use crate::model::{
 };
 
 /// Schema version written by this build and the only one its decoders accept.
-pub const SCHEMA_VERSION: u16 = 1;
+pub const SCHEMA_VERSION: u16 = 2;
 
 /// The four bytes every binary shard table starts with.
 pub const MAGIC: [u8; 4] = *b"RSHT";
@@ -100,6 +101,7 @@ pub fn encode_table(t: &ShardTable) -> Vec<u8> {
     w.extend_from_slice(&SCHEMA_VERSION.to_le_bytes());
     w.extend_from_slice(&t.publisher.rank.to_le_bytes());
     put_str(&mut w, &t.publisher.agent);
+    w.extend_from_slice(&t.publisher.incarnation.to_le_bytes());
     w.extend_from_slice(&t.step.to_le_bytes());
 
     put_varint(&mut w, t.tensors.len() as u64);
@@ -209,6 +211,7 @@ pub fn decode_table(bytes: &[u8]) -> Result<ShardTable> {
     let rank = r.u32("publisher rank")?;
     r.owner = Some(rank);
     let agent = r.string("agent name", usize::MAX)?;
+    let incarnation = r.u64("incarnation")?;
     let step = r.u64("step")?;
 
     let n_tensors = r.count("tensor count", MIN_TENSOR_BYTES)?;
@@ -247,7 +250,11 @@ pub fn decode_table(bytes: &[u8]) -> Result<ShardTable> {
     }
 
     let table = ShardTable {
-        publisher: PublisherId { rank, agent },
+        publisher: PublisherId {
+            rank,
+            agent,
+            incarnation,
+        },
         step,
         tensors,
         offers,
@@ -550,7 +557,7 @@ struct JsonIn {
     table: serde_json::Value,
 }
 
-/// Pretty JSON for people: `{"schema_version": 1, "table": {...}}`.
+/// Pretty JSON for people: `{"schema_version": 2, "table": {...}}`.
 pub fn table_to_json(t: &ShardTable) -> String {
     serde_json::to_string_pretty(&JsonOut {
         schema_version: SCHEMA_VERSION,

@@ -32,6 +32,6 @@ pub use plan::{
     Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer,
 };
 pub use transport::{
-    Capability, ExecutionLog, InFlight, PreparedBatch, ReadBatch, ReadDesc, Registration,
-    Transport, WireReport,
+    new_incarnation, Capability, ExecutionLog, InFlight, PreparedBatch, ReadBatch, ReadDesc,
+    Registration, Transport, WireReport,
 };

@@ -1,4 +1,4 @@
-//! The shard-table data model: dtypes, tensor specs, boxes, offers and tables (DESIGN §2).
+//! The shard-table data model: dtypes, tensor specs, boxes, offers and tables (docs/design.md §2).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -409,6 +409,13 @@ pub struct PublisherId {
     pub rank: OwnerId,
     /// Transport agent name of that rank.
     pub agent: String,
+    /// Incarnation of the endpoint whose regions the offers name
+    /// ([`crate::Transport::incarnation`]): a restarted publisher keeps its rank and agent name
+    /// but gets a new incarnation, so a receiver can tell that the peer metadata it holds is not
+    /// the one this table was written against (docs/in-flight-safety.md, "Stale peers"). 0 means
+    /// unbound: such a table is never read from.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// One publisher's offers, with its identity and training step.
@@ -431,11 +438,18 @@ impl ShardTable {
             publisher: PublisherId {
                 rank,
                 agent: agent.into(),
+                incarnation: 0,
             },
             step,
             tensors: Vec::new(),
             offers: Vec::new(),
         }
+    }
+
+    /// This table bound to the publisher endpoint incarnation its offers were written against.
+    pub fn bound_to(mut self, incarnation: u64) -> Self {
+        self.publisher.incarnation = incarnation;
+        self
     }
 
     /// The owner of every offer in this table.

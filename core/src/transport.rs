@@ -239,6 +239,21 @@ pub trait InFlight: Send {
     async fn abort(self: Box<Self>);
 }
 
+/// A fresh endpoint incarnation: random, never 0, distinct across endpoints and processes with
+/// overwhelming probability (std's randomly keyed hasher over the process id, the time and a
+/// per-process counter, so no extra dependency is needed for a nonce).
+pub fn new_incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    h.finish().max(1)
+}
+
 /// A backend that moves bytes from publishers' registered memory into local memory.
 ///
 /// # Contract
@@ -283,6 +298,15 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Changes whenever a local registration or a loaded peer changes: prepared batches made
     /// under another epoch must be rebuilt.
     fn epoch(&self) -> u64;
+
+    /// This endpoint's incarnation: drawn with [`new_incarnation`] when the endpoint is created
+    /// and carried in its exported metadata. Publishers bind their tables to it
+    /// ([`crate::ShardTable::bound_to`]).
+    fn incarnation(&self) -> u64;
+
+    /// The incarnation in the metadata loaded for `owner` (`None`: no peer loaded under it).
+    /// A receiver compares it with the table it reads by before posting anything.
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64>;
 
     /// Allocates `len` bytes of zeroed host memory that this backend moves faster than memory
     /// the caller allocated (e.g. shared memory its peers map directly), to be registered like

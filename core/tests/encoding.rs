@@ -100,11 +100,15 @@ struct Raw(Vec<u8>);
 
 impl Raw {
     fn header(rank: u32, agent: &[u8], step: u64) -> Raw {
+        Raw::header_bound(rank, agent, 0, step)
+    }
+    fn header_bound(rank: u32, agent: &[u8], incarnation: u64, step: u64) -> Raw {
         Raw::default()
             .bytes(&MAGIC)
             .u16(SCHEMA_VERSION)
             .u32(rank)
             .str(agent)
+            .u64(incarnation)
             .u64(step)
     }
     fn bytes(mut self, b: &[u8]) -> Raw {
@@ -212,7 +216,7 @@ fn empty_table_round_trips() {
 
 #[test]
 fn encoding_matches_the_documented_layout() {
-    let mut t = ShardTable::new(0x0102_0304, "ag", 300);
+    let mut t = ShardTable::new(0x0102_0304, "ag", 300).bound_to(0x1122_3344_5566_7788);
     t.tensors
         .push(TensorSpec::new("w", DType::Bf16, vec![200, 3]));
     let mut o = offer(
@@ -229,7 +233,7 @@ fn encoding_matches_the_documented_layout() {
         digests: vec![Digest([0xcd; 16]), Digest([0xef; 16])],
     });
     t.offers.push(o);
-    let expected = Raw::header(0x0102_0304, b"ag", 300)
+    let expected = Raw::header_bound(0x0102_0304, b"ag", 0x1122_3344_5566_7788, 300)
         .varint(1)
         .tensor(b"w", DType::Bf16.code(), &[200, 3])
         .varint(1)
@@ -249,7 +253,7 @@ fn encoding_matches_the_documented_layout() {
     assert_eq!(bytes, expected.0);
     assert_eq!(
         bytes[..10],
-        [b'R', b'S', b'H', b'T', 1, 0, 0x04, 0x03, 0x02, 0x01]
+        [b'R', b'S', b'H', b'T', 2, 0, 0x04, 0x03, 0x02, 0x01]
     );
     assert_eq!(decode_table(&bytes).unwrap(), t);
 }
@@ -632,9 +636,10 @@ fn json_rejects_other_schema_versions() {
     let json = table_to_json(&sample());
     let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
     for bad in [
-        serde_json::json!(2),
+        serde_json::json!(1),
+        serde_json::json!(3),
         serde_json::json!(0),
-        serde_json::json!("1"),
+        serde_json::json!("2"),
     ] {
         v["schema_version"] = bad.clone();
         let e = table_from_json(&v.to_string()).unwrap_err();

@@ -28,6 +28,7 @@ pub fn ucx_seed() -> bytes::Bytes {
     use ucx_meta::{EndpointMeta, RegionMeta};
     EndpointMeta {
         agent: "publisher-3".into(),
+        incarnation: 0x5eed_0003,
         worker_address: (0..61u8).map(|i| i.wrapping_mul(37)).collect(),
         regions: vec![
             RegionMeta {

@@ -1,4 +1,4 @@
-//! The receiver runtime: prepare once, then refit every step (DESIGN §5–§7).
+//! The receiver runtime: prepare once, then refit every step (docs/design.md §5–§7).
 //!
 //! Parameters are double-buffered: every update lands in the bank that is not live, is
 //! re-sliced and verified there, and only a fully successful update swaps it in. A failed update
@@ -105,7 +105,7 @@ impl ReceiverOptions {
     }
 }
 
-/// Seconds spent in each stage of one update (DESIGN §7).
+/// Seconds spent in each stage of one update (docs/design.md §7).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct StageTimes {
     /// Gathering and decoding publishers' tables.
@@ -116,7 +116,7 @@ pub struct StageTimes {
     pub dedup: f64,
     /// Planning (near zero when the cached plan holds).
     pub plan: f64,
-    /// Allocating and registering buffers (near zero when cached).
+    /// Allocating and registering buffers (near zero when cached), and the coverage gate.
     pub register: f64,
     /// Building transport descriptors (near zero when cached; always timed).
     pub descriptor_build: f64,
@@ -126,7 +126,7 @@ pub struct StageTimes {
     pub reslice: f64,
     /// Swapping the new weights in.
     pub install: f64,
-    /// Digest verification and the coverage gate.
+    /// Digest verification (the coverage gate runs in `register`).
     pub verify: f64,
 }
 
@@ -415,6 +415,10 @@ impl Receiver {
                 (table, report, geometry)
             }
         };
+
+        // After merge (which refuses malformed sets of tables, such as two tables of one rank)
+        // and before anything is planned or posted.
+        check_incarnations(tables, self.transport.as_ref())?;
 
         let reuse = matches!(&self.prepared, Some(p) if p.geometry == geometry && p.arm == arm);
         let mut new_plan = None;
@@ -775,6 +779,47 @@ fn check_steps(tables: &[ShardTable], live: Option<u64>) -> Result<u64> {
         }));
     }
     Ok(first.step)
+}
+
+/// Every table must be bound to the incarnation of the peer metadata loaded for its owner.
+///
+/// A publisher that restarts keeps its rank and agent name but not its memory: reads through
+/// the metadata of its previous incarnation reach nothing (a wire error), or, where the old
+/// memory stays mapped (UCX shared memory), the departed process's bytes, which only digests
+/// would catch. Comparing incarnations before any read is posted catches both, with verification
+/// on or off (docs/in-flight-safety.md, "Stale peers"). Owners with no metadata loaded are left
+/// to `prepare`, which names the read's byte range.
+fn check_incarnations(tables: &[ShardTable], transport: &dyn Transport) -> Result<()> {
+    for t in tables {
+        let (owner, agent) = (t.publisher.rank, &t.publisher.agent);
+        let Some(loaded) = transport.peer_incarnation(owner) else {
+            continue;
+        };
+        if t.publisher.incarnation == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidTable,
+                format!(
+                    "the table of rank {owner} (agent {agent:?}) is not bound to a publisher \
+                     endpoint (incarnation 0); publishers bind tables with ShardTable::bound_to"
+                ),
+            )
+            .with_owner(owner));
+        }
+        if t.publisher.incarnation != loaded {
+            return Err(Error::new(
+                ErrorKind::Transport,
+                format!(
+                    "rank {owner} (agent {agent:?}) published this table from endpoint \
+                     incarnation {:016x}, but the metadata loaded for it is from incarnation \
+                     {loaded:016x}: the publisher restarted; load its current metadata",
+                    t.publisher.incarnation
+                ),
+            )
+            .with_owner(owner)
+            .with_backend(transport.name()));
+        }
+    }
+    Ok(())
 }
 
 fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> ReadBatch {

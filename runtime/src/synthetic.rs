@@ -366,7 +366,8 @@ impl SyntheticCluster {
         self.ranks
             .iter()
             .map(|r| {
-                let mut t = ShardTable::new(r.rank, r.transport.agent(), self.step);
+                let mut t = ShardTable::new(r.rank, r.transport.agent(), self.step)
+                    .bound_to(r.transport.incarnation());
                 let mut seen = HashMap::new();
                 for &(id, offset) in &r.shards {
                     let d = &self.distinct[id];

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
-use reshard_core::encoding::{decode_table, encode_table, table_from_json, table_to_json};
+use reshard_core::encoding::{
+    decode_table, encode_table, table_from_json, table_to_json, SCHEMA_VERSION,
+};
 use reshard_core::{
     DType, Digest, Error, ErrorDetail, ErrorKind, HostBuffer, MemoryBlock, MemoryKind,
     OfferLocation, ParamSpec, Registration, ShardOffer, ShardTable, TensorBox, TensorSpec,
@@ -475,7 +477,8 @@ fn first_dtype_at(t: &ShardTable) -> usize {
         + 4
         + varint_len(agent)
         + agent
-        + 8
+        + 8 // incarnation
+        + 8 // step
         + varint_len(t.tensors.len())
         + varint_len(name)
         + name
@@ -534,15 +537,19 @@ async fn wrong_schema_version() {
     let mut s = installed("ep=2,dp=2").await;
     let tables = next_tables(&mut s);
     let mut encoded: Vec<Vec<u8>> = tables.iter().map(encode_table).collect();
-    encoded[0][4..6].copy_from_slice(&2u16.to_le_bytes());
+    encoded[0][4..6].copy_from_slice(&(SCHEMA_VERSION + 1).to_le_bytes());
     let e = refused_encoded(&mut s, &encoded).await;
     assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
     // The version precedes the rank, so nothing else can be named yet.
     let e = decode_table(&encoded[0]).unwrap_err();
     assert_eq!((e.kind(), e.context().owner), (ErrorKind::Decode, None));
     // JSON says its version too.
-    let json =
-        table_to_json(&tables[0]).replacen("\"schema_version\": 1", "\"schema_version\": 2", 1);
+    let json = table_to_json(&tables[0]).replacen(
+        &format!("\"schema_version\": {SCHEMA_VERSION}"),
+        &format!("\"schema_version\": {}", SCHEMA_VERSION + 1),
+        1,
+    );
+    assert_ne!(json, table_to_json(&tables[0]), "the version was replaced");
     let e = table_from_json(&json).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
 }
@@ -669,7 +676,7 @@ async fn one_publisher(fabric: &LoopbackFabric, agent: &str, seed: u8) -> OnePub
 }
 
 fn one_table(p: &OnePublisher, step: u64) -> ShardTable {
-    let mut t = ShardTable::new(0, p.transport.agent(), step);
+    let mut t = ShardTable::new(0, p.transport.agent(), step).bound_to(p.transport.incarnation());
     t.tensors.push(TensorSpec::new("w", DType::U8, vec![8, 8]));
     t.offers.push(ShardOffer {
         tensor: "w".into(),
@@ -742,10 +749,31 @@ async fn peer_metadata_changed_for_the_same_name() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_not_bound_to_an_endpoint() {
+    let fabric = LoopbackFabric::new();
+    let p = one_publisher(&fabric, "pub-0", 3).await;
+    let rx_t = endpoint(&fabric, "rx");
+    rx_t.load_peer(0, p.transport.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let mut rx = Receiver::new(rx_t.clone(), whole_w(), ReceiverOptions::default()).unwrap();
+    let mut t = one_table(&p, 1);
+    t.publisher.incarnation = 0;
+    let e = rx.update(&[t]).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidTable, "{e}");
+    assert_eq!(e.context().owner, Some(0));
+    assert!(e.to_string().contains("not bound"), "{e}");
+    assert!(rx.live_params().is_none() || rx.live_step().is_none());
+    rx.update(&[one_table(&p, 1)]).await.unwrap();
+    assert_eq!(rx.live_params().unwrap()[0].read()[..], p.bytes[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_metadata_from_another_agent_for_the_same_rank() {
     // Decision: the owner rank is the identity offers use, so metadata of a differently named
     // agent for an already-loaded rank replaces the old peer (a restart under a new name). A
-    // wrong agent is caught by the digests, not by the transport.
+    // table bound to another endpoint incarnation than the loaded one is refused before any
+    // read; a wrong agent's bytes under a correctly bound table are caught by the digests.
     let fabric = LoopbackFabric::new();
     let first = one_publisher(&fabric, "pub-0", 3).await;
     let rx_t = endpoint(&fabric, "rx");
@@ -759,11 +787,18 @@ async fn peer_metadata_from_another_agent_for_the_same_rank() {
     rx_t.load_peer(0, other.transport.export_metadata().await.unwrap())
         .await
         .unwrap();
-    // A table that still claims the old agent's bytes (its digest) is refused: the reads now
-    // reach the new agent, whose bytes differ.
+    // A table still bound to the old agent's endpoint is refused before any read is posted.
     let mut stale = one_table(&first, 2);
-    stale.publisher.agent = other.transport.agent().to_owned();
     let before = live(&rx);
+    let e = rx.update(std::slice::from_ref(&stale)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(0));
+    assert!(e.to_string().contains("incarnation"), "{e}");
+    assert_eq!(live(&rx), before, "live weights untouched");
+    // One bound to the new agent that still claims the old agent's bytes (its digest) is
+    // refused by verification: the reads reach the new agent, whose bytes differ.
+    stale.publisher.agent = other.transport.agent().to_owned();
+    stale.publisher.incarnation = other.transport.incarnation();
     let e = rx.update(&[stale]).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Verification, "{e}");
     assert_eq!(e.context().tensor.as_deref(), Some("w"));
@@ -784,7 +819,7 @@ fn garbled_json_table() {
     assert_eq!(table_from_json(&json).unwrap(), t);
     for bad in [
         &json[..json.len() / 2],
-        "{\"schema_version\": 1}",
+        "{\"schema_version\": 2}",
         "not json",
         &json.replacen("\"f32\"", "\"q4\"", 1),
     ] {

@@ -1,5 +1,5 @@
 //! Receiver runtime behaviour over the loopback backend: descriptor-cache invalidation (one test
-//! per DESIGN §5 condition), batched versus per-copy re-slice, and stage accounting.
+//! per docs/design.md §5 condition), batched versus per-copy re-slice, and stage accounting.
 
 use std::sync::Arc;
 
@@ -231,7 +231,7 @@ async fn overlapping_reslices_run_in_plan_order() {
         .register(buf.clone() as Arc<dyn MemoryBlock>)
         .await
         .unwrap();
-    let mut table = ShardTable::new(0, "pub", 1);
+    let mut table = ShardTable::new(0, "pub", 1).bound_to(publisher.incarnation());
     for (i, name) in ["a", "b"].into_iter().enumerate() {
         table
             .tensors
@@ -333,7 +333,7 @@ async fn coverage_floor_refuses_plans_that_write_too_little() {
         .register(buf.clone() as Arc<dyn MemoryBlock>)
         .await
         .unwrap();
-    let mut table = ShardTable::new(0, "pub", 1);
+    let mut table = ShardTable::new(0, "pub", 1).bound_to(publisher.incarnation());
     table
         .tensors
         .push(TensorSpec::new("a", DType::U8, vec![16]));
@@ -428,6 +428,12 @@ impl Transport for Flaky {
     }
     fn epoch(&self) -> u64 {
         self.inner.epoch()
+    }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn peer_incarnation(&self, owner: reshard_core::OwnerId) -> Option<u64> {
+        self.inner.peer_incarnation(owner)
     }
     async fn register(
         &self,

@@ -40,6 +40,8 @@ pub struct LoopbackTransport {
 /// A loaded peer: the agent its metadata names and the regions the metadata lists.
 struct Peer {
     agent: Weak<AgentState>,
+    /// The exporting agent's uid, which is its incarnation.
+    uid: u64,
     regions: HashMap<u64, u64>,
 }
 
@@ -594,6 +596,15 @@ impl Transport for LoopbackTransport {
         self.agent.epoch.load(Ordering::Acquire)
     }
 
+    fn incarnation(&self) -> u64 {
+        // Agent uids are never reused within a fabric (which is one process), and start at 1.
+        self.agent.uid
+    }
+
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.peers.read().get(&owner).map(|p| p.uid)
+    }
+
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
         let kind = block.kind();
         if let MemoryKind::Vram { .. } = kind {
@@ -701,6 +712,7 @@ impl Transport for LoopbackTransport {
             }
         }
         let peer = Peer {
+            uid: meta.agent_uid,
             agent,
             regions: meta.regions.into_iter().collect(),
         };

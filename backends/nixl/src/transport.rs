@@ -108,6 +108,8 @@ fn space(kind: MemoryKind) -> u64 {
 /// A loaded peer: its NIXL name, the regions its metadata lists, and the exact bytes loaded.
 struct Peer {
     nixl_name: String,
+    /// Its incarnation ([`incarnation_of`] its NIXL name).
+    incarnation: u64,
     agent: String,
     regions: HashMap<u64, RegionMeta>,
     generation: u64,
@@ -223,6 +225,12 @@ fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
 
 fn span(off: u64, len: u64) -> Range<u64> {
     off..off.saturating_add(len)
+}
+
+/// The incarnation of the endpoint whose NIXL agent has this name: names are unique per
+/// endpoint creation ([`unique_name`]), so the metadata already carries its incarnation.
+fn incarnation_of(nixl_name: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(nixl_name.as_bytes()).max(1)
 }
 
 /// A name no other NIXL agent (in this or another process or host) is likely to carry, so a
@@ -676,6 +684,19 @@ impl Transport for NixlTransport {
         self.shared.epoch.load(Ordering::Acquire)
     }
 
+    fn incarnation(&self) -> u64 {
+        incarnation_of(&self.shared.nixl_name)
+    }
+
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.shared
+            .state
+            .lock()
+            .peers
+            .get(&owner)
+            .map(|p| p.incarnation)
+    }
+
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
         let s = &self.shared;
         let kind = block.kind();
@@ -842,6 +863,7 @@ impl Transport for NixlTransport {
                     return Err(e);
                 }
                 let p = Arc::new(Peer {
+                    incarnation: incarnation_of(&name),
                     nixl_name: name.clone(),
                     agent: meta.agent.clone(),
                     regions: meta.regions.iter().map(|r| (r.id, *r)).collect(),

@@ -211,6 +211,8 @@ pub(crate) struct Spawned {
 pub(crate) struct EngineOptions {
     /// The process-wide context of this endpoint's configuration.
     pub(crate) context: Arc<Context>,
+    /// The endpoint's incarnation, exported in its metadata.
+    pub(crate) incarnation: u64,
     pub(crate) reads_in_flight: usize,
     pub(crate) timeout: Duration,
     /// Threads copying direct reads (1: on the progress thread itself).
@@ -1014,6 +1016,7 @@ impl Engine {
     fn export(&self) -> Bytes {
         EndpointMeta {
             agent: self.agent.clone(),
+            incarnation: self.opts.incarnation,
             worker_address: self.worker.address().to_vec(),
             regions: self
                 .regions

@@ -3,20 +3,21 @@
 //! maps, memory kind and packed remote key.
 //!
 //! Layout (little endian): magic `RSUX`, version `u8`, name length `u16` + UTF-8 agent name,
-//! address length `u32` + worker address, region count `u32`, then per region `id u64`,
-//! `base u64`, `len u64`, `key_base u64`, `key_len u64`, kind `u8` (0 DRAM, 1 VRAM) + device
-//! `u32`, key length `u32` + packed key. `key_base..key_base+key_len` is the whole memory the
-//! packed key maps (the region itself, or the UCX allocation the region lies in, whose shared
-//! segment a peer maps on unpack); it must contain the region. Decoding treats the bytes as untrusted (they come from other processes): every length
-//! is checked against the input before it is used, and nothing is allocated beyond what the
-//! input holds. The worker address and keys themselves are opaque to us and parsed by UCX.
+//! endpoint incarnation `u64`, address length `u32` + worker address, region count `u32`, then
+//! per region `id u64`, `base u64`, `len u64`, `key_base u64`, `key_len u64`, kind `u8` (0 DRAM,
+//! 1 VRAM) + device `u32`, key length `u32` + packed key. `key_base..key_base+key_len` is the
+//! whole memory the packed key maps (the region itself, or the UCX allocation the region lies
+//! in, whose shared segment a peer maps on unpack); it must contain the region. Decoding treats
+//! the bytes as untrusted (they come from other processes): every length is checked against the
+//! input before it is used, and nothing is allocated beyond what the input holds. The worker
+//! address and keys themselves are opaque to us and parsed by UCX.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 
 const MAGIC: &[u8; 4] = b"RSUX";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 /// Fixed bytes of one region entry (everything but the key bytes).
 const REGION_FIXED: usize = 8 + 8 + 8 + 8 + 8 + 1 + 4 + 4;
 
@@ -40,6 +41,8 @@ pub(crate) struct RegionMeta {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct EndpointMeta {
     pub(crate) agent: String,
+    /// The exporting endpoint's incarnation (`Transport::incarnation`).
+    pub(crate) incarnation: u64,
     pub(crate) worker_address: Vec<u8>,
     /// Ascending by id, ids unique.
     pub(crate) regions: Vec<RegionMeta>,
@@ -80,6 +83,7 @@ impl EndpointMeta {
             4 + 1
                 + 2
                 + name.len()
+                + 8
                 + 4
                 + self.worker_address.len()
                 + 4
@@ -91,6 +95,7 @@ impl EndpointMeta {
         // Agent names are limited to u16::MAX bytes when the endpoint is created.
         b.put_u16_le(name.len() as u16);
         b.put_slice(name);
+        b.put_u64_le(self.incarnation);
         b.put_u32_le(self.worker_address.len() as u32);
         b.put_slice(&self.worker_address);
         b.put_u32_le(self.regions.len() as u32);
@@ -133,6 +138,7 @@ impl EndpointMeta {
         let agent = std::str::from_utf8(r.take(name_len)?)
             .map_err(|_| MetaError::Name)?
             .to_owned();
+        let incarnation = r.u64()?;
         let addr_len = r.u32()? as usize;
         let worker_address = r.take(addr_len)?.to_vec();
         if worker_address.is_empty() {
@@ -185,6 +191,7 @@ impl EndpointMeta {
         }
         Ok(EndpointMeta {
             agent,
+            incarnation,
             worker_address,
             regions,
         })
@@ -198,6 +205,7 @@ mod tests {
     fn sample() -> EndpointMeta {
         EndpointMeta {
             agent: "publisher-ä".into(),
+            incarnation: 0x0123_4567_89ab_cdef,
             worker_address: vec![9; 37],
             regions: vec![
                 RegionMeta {
@@ -259,7 +267,7 @@ mod tests {
         v[0] = b'X';
         assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Magic));
         let name_len = sample().agent.len();
-        let count_at = 4 + 1 + 2 + name_len + 4 + 37;
+        let count_at = 4 + 1 + 2 + name_len + 8 + 4 + 37;
         // A huge region count with few bytes present allocates nothing and fails cleanly.
         let mut v = full.clone();
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());

@@ -30,6 +30,10 @@ static NEXT_UID: AtomicU64 = AtomicU64::new(1);
 pub struct UcxTransport {
     agent: String,
     uid: u64,
+    /// This endpoint's incarnation (in its metadata).
+    incarnation: u64,
+    /// The incarnation of the metadata last loaded per owner.
+    peer_incarnations: Mutex<std::collections::HashMap<OwnerId, u64>>,
     options: UcxOptions,
     mailbox: Mailbox,
     epoch: Arc<AtomicU64>,
@@ -91,10 +95,12 @@ impl UcxTransport {
                 name: "reshard".to_owned(),
             },
         )?;
+        let incarnation = reshard_core::new_incarnation();
         let spawned = engine::start(
             agent,
             EngineOptions {
                 context: Arc::clone(&ctx),
+                incarnation,
                 reads_in_flight: options.reads_in_flight,
                 timeout: Duration::from_millis(options.timeout_ms),
                 copy_threads: options.effective_copy_threads(),
@@ -108,6 +114,8 @@ impl UcxTransport {
         Ok(UcxTransport {
             agent: agent.to_owned(),
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            incarnation,
+            peer_incarnations: Mutex::new(std::collections::HashMap::new()),
             options,
             mailbox: spawned.mailbox,
             epoch,
@@ -230,6 +238,14 @@ impl Transport for UcxTransport {
         self.epoch.load(Ordering::Acquire)
     }
 
+    fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.peer_incarnations.lock().get(&owner).copied()
+    }
+
     /// Shared memory allocated by UCX (`ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`): peers on
     /// this host read it with plain copies through UCX's sysv/posix transports, while memory
     /// the caller allocated is served by emulated reads (see README). Any endpoint of this
@@ -257,9 +273,14 @@ impl Transport for UcxTransport {
 
     async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
         let meta = EndpointMeta::decode(&metadata).map_err(|e| e.with_owner(owner))?;
+        let incarnation = meta.incarnation;
+        // Forget the old incarnation first: while the new one loads, tables of neither are read.
+        self.peer_incarnations.lock().remove(&owner);
         self.ask(|reply| Cmd::LoadPeer { owner, meta, reply })
             .await
-            .map_err(|e| e.with_owner(owner))
+            .map_err(|e| e.with_owner(owner))?;
+        self.peer_incarnations.lock().insert(owner, incarnation);
+        Ok(())
     }
 
     async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {

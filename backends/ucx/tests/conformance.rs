@@ -17,16 +17,8 @@ fn endpoint(agent: &str) -> Result<Arc<dyn Transport>> {
     endpoint_with(agent, UcxOptions::default())
 }
 
-/// Open defect, found by the suite: with UCX's shared-memory transports a read through a
-/// departed publisher's metadata still reaches the memory UCX mapped for it (the mapping
-/// outlives the publisher), so it returns stale bytes instead of failing on the wire; only
-/// digest verification catches it. Over TCP the same check passes.
-const STALE_PEER: &str = "reads through a departed publisher's metadata reach the shared \
-                          memory UCX still maps and return stale bytes (caught by digests only)";
-
 fn harness() -> Harness {
     Harness::new("ucx", endpoint)
-        .with_known_defect("peer_metadata_changed_for_the_same_name", STALE_PEER)
 }
 
 reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_ucx::probe());
@@ -63,8 +55,7 @@ mod cross_process {
     reshard_conformance::cross_process_conformance_tests!(
         "ucx",
         super::endpoint,
-        requires = reshard_backend_ucx::probe(),
-        known_defects = [("peer_metadata_changed_for_the_same_name", super::STALE_PEER)]
+        requires = reshard_backend_ucx::probe()
     );
 }
 

@@ -53,9 +53,9 @@ fn counting() -> Counting {
 
 reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
 
-/// Metadata layout (see `meta.rs`): magic, version, name, worker address, region count, then
-/// per region `id, base, len, key_base, key_len` (u64 each), kind `u8`, device `u32`, key
-/// length `u32` and key. Enlarges region `region`'s length and its key's range by `by`
+/// Metadata layout (see `meta.rs`): magic, version, name, incarnation, worker address, region
+/// count, then per region `id, base, len, key_base, key_len` (u64 each), kind `u8`, device
+/// `u32`, key length `u32` and key. Enlarges region `region`'s length and its key's range by `by`
 /// (a consistent lie, so decoding accepts it).
 fn enlarge_region(meta: &[u8], region: u64, by: u64) -> Bytes {
     let mut v = meta.to_vec();
@@ -64,6 +64,7 @@ fn enlarge_region(meta: &[u8], region: u64, by: u64) -> Bytes {
     let u64_at = |v: &[u8], at: usize| u64::from_le_bytes(v[at..at + 8].try_into().unwrap());
     let mut at = 5;
     at += 2 + u16_at(&v, at);
+    at += 8;
     at += 4 + u32_at(&v, at) as usize;
     let count = u32_at(&v, at);
     at += 4;

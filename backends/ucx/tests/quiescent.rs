@@ -496,11 +496,12 @@ async fn quiescent_after_abort_shm() {
 // Metadata bounds on the fast path.
 
 /// Offsets of region `index`'s `base`, `len`, `key_base`, `key_len` in exported metadata
-/// (layout in the crate's `meta` module: magic, version, name, address, count, regions).
+/// (layout in the crate's `meta` module: magic, version, name, incarnation, address, count,
+/// regions).
 fn region_fields(meta: &[u8], index: usize) -> [usize; 4] {
     let u32_at = |at: usize| u32::from_le_bytes(meta[at..at + 4].try_into().unwrap()) as usize;
     let name = u16::from_le_bytes(meta[5..7].try_into().unwrap()) as usize;
-    let mut at = 7 + name;
+    let mut at = 7 + name + 8; // incarnation
     at += 4 + u32_at(at);
     at += 4; // region count
     for _ in 0..index {
