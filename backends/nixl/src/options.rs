@@ -32,6 +32,15 @@ pub struct NixlOptions {
     pub progress_thread: bool,
     /// Delay of the progress thread between polls, in microseconds.
     pub progress_delay_us: u64,
+    /// Most bytes one NIXL transfer request carries; longer reads are split. NIXL reports
+    /// completion per request, so this is the step at which the no-progress timer sees a
+    /// transfer advance and at which `abort` can stop one (at least 1 MiB).
+    pub request_bytes: u64,
+    /// Requests per owner in flight at once (at least 1): a request that does not complete
+    /// inside `post` takes a slot until it completes, and the next one of that owner is posted
+    /// then. `abort`, which cannot stop a posted read, waits for at most this many requests
+    /// of `request_bytes` per owner; raise both on fast fabrics with few owners.
+    pub requests_in_flight: usize,
 }
 
 impl Default for NixlOptions {
@@ -44,6 +53,8 @@ impl Default for NixlOptions {
             device_id: None,
             progress_thread: true,
             progress_delay_us: 100,
+            request_bytes: 16 << 20,
+            requests_in_flight: 2,
         }
     }
 }

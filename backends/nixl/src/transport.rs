@@ -35,6 +35,10 @@ pub(crate) struct Shared {
     /// The no-progress bound: how long a wait (or an abort's drain) goes on while no pending
     /// request completes.
     pub(crate) timeout: Duration,
+    /// Most bytes per request ([`NixlOptions::request_bytes`]).
+    request_bytes: u64,
+    /// Requests per owner in flight at once ([`NixlOptions::requests_in_flight`]).
+    pub(crate) requests_in_flight: usize,
     /// Set when the [`NixlTransport`] is dropped: waiters stop waiting (after draining).
     pub(crate) closed: AtomicBool,
     /// NIXL registrations of this endpoint not yet deregistered (diagnostics and tests).
@@ -117,22 +121,30 @@ struct Peer {
 }
 
 /// One NIXL request's worth of reads: one owner, one local and one remote memory kind.
+///
+/// A read longer than the request size is split into pieces (consecutive descriptors, in
+/// this or the following groups of its owner); every field below is per piece.
 pub(crate) struct Group {
     pub(crate) owner: OwnerId,
     local_list: usize,
     remote_list: usize,
     local_ix: Vec<i32>,
     remote_ix: Vec<i32>,
+    /// Per piece: the whole read's length if the piece starts a read, else 0 (the execution
+    /// log records a read once, whole, when its first piece is posted).
+    read_len: Vec<u64>,
+    /// Reads whose last piece this request carries: what its completion adds to the count.
+    ends: u64,
     /// Remote byte range of its first read, for errors.
     pub(crate) range: Range<u64>,
-    /// Bytes its reads move (at most [`REQUEST_BYTES`] unless one read is larger).
+    /// Bytes its pieces move (at most the request size).
     pub(crate) bytes: u64,
 }
 
 impl Group {
-    /// Reads (descriptors) the request carries.
+    /// Reads this request completes (those whose last piece it carries).
     pub(crate) fn reads(&self) -> u64 {
-        self.local_ix.len() as u64
+        self.ends
     }
 }
 
@@ -148,13 +160,6 @@ struct RemoteList {
     /// `(address, length)` of every descriptor, in list order: exactly what NIXL was given.
     descs: Vec<(u64, u64)>,
 }
-
-/// Largest number of bytes one NIXL request carries (a larger read still gets one request of
-/// its own). NIXL tells completion per request, not per read, so this is the granularity at
-/// which the no-progress timer sees a transfer advance: 64 MiB is a tenth of a second over
-/// TCP and well under a millisecond in shared memory, while a 3 GB refit needs only ~50
-/// requests.
-const REQUEST_BYTES: u64 = 64 << 20;
 
 /// The NIXL objects of a prepared batch. Field order is release order: requests before the
 /// lists they were made from.
@@ -260,6 +265,17 @@ impl NixlTransport {
             )
             .with_backend(BACKEND));
         }
+        if options.request_bytes < 1 << 20 || options.requests_in_flight == 0 {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "backends.nixl.request_bytes must be at least 1 MiB (got {}) and \
+                     backends.nixl.requests_in_flight at least 1 (got {})",
+                    options.request_bytes, options.requests_in_flight
+                ),
+            )
+            .with_backend(BACKEND));
+        }
         runtime::ensure(options.plugin_dir.as_deref())?;
         static NEXT_UID: AtomicU64 = AtomicU64::new(1);
         let uid = NEXT_UID.fetch_add(1, Ordering::Relaxed);
@@ -272,6 +288,8 @@ impl NixlTransport {
                 nixl_name,
                 uid,
                 timeout: Duration::from_millis(options.timeout_ms),
+                request_bytes: options.request_bytes,
+                requests_in_flight: options.requests_in_flight,
                 closed: AtomicBool::new(false),
                 registrations: Arc::new(AtomicUsize::new(0)),
                 device_id: options.device_id,
@@ -356,7 +374,8 @@ impl Drop for NixlTransport {
 pub struct PreparedStats {
     /// Segments run one after another (1 unless destinations overlap).
     pub segments: usize,
-    /// NIXL transfer requests (one per owner and memory kind per segment).
+    /// NIXL transfer requests (per segment, per owner and memory kind, one per
+    /// `request_bytes`).
     pub requests: usize,
     /// Prepared local descriptor lists (one per local memory kind).
     pub local_lists: usize,
@@ -468,7 +487,12 @@ impl Prepared {
             let local = &self.local_descs[group.local_list];
             let space_l = self.local_spaces[group.local_list];
             for k in 0..group.local_ix.len() {
-                let (la, len) = local[group.local_ix[k] as usize];
+                // A read is recorded whole, from its first piece.
+                let len = group.read_len[k];
+                if len == 0 {
+                    continue;
+                }
+                let (la, _) = local[group.local_ix[k] as usize];
                 let (ra, _) = remote.descs[group.remote_ix[k] as usize];
                 let (remote_region, remote_offset) = remote
                     .peer
@@ -999,7 +1023,9 @@ impl Transport for NixlTransport {
         let mut remote_keys: Vec<(OwnerId, MemoryKind)> = Vec::new();
         let mut local_descs: Vec<Vec<(u64, u64)>> = Vec::new();
         let mut remote_descs: Vec<Vec<(u64, u64)>> = Vec::new();
-        let mut at = Vec::with_capacity(resolved.len());
+        // Per read, its pieces: (local list, local index, remote list, remote index, length).
+        let piece = s.request_bytes;
+        let mut at: Vec<Vec<(usize, i32, usize, i32, u64)>> = Vec::with_capacity(resolved.len());
         for r in &resolved {
             let l = match local_keys.iter().position(|k| *k == r.local_kind) {
                 Some(l) => l,
@@ -1018,14 +1044,33 @@ impl Transport for NixlTransport {
                     remote_keys.len() - 1
                 }
             };
-            local_descs[l].push((r.local_addr, r.len));
-            remote_descs[m].push((r.remote_addr, r.len));
-            at.push((
-                l,
-                local_descs[l].len() as i32 - 1,
-                m,
-                remote_descs[m].len() as i32 - 1,
-            ));
+            let mut pieces = Vec::with_capacity(r.len.div_ceil(piece) as usize);
+            let mut off = 0;
+            while off < r.len {
+                let n = piece.min(r.len - off);
+                local_descs[l].push((r.local_addr + off, n));
+                remote_descs[m].push((r.remote_addr + off, n));
+                pieces.push((
+                    l,
+                    local_descs[l].len() as i32 - 1,
+                    m,
+                    remote_descs[m].len() as i32 - 1,
+                    n,
+                ));
+                off += n;
+            }
+            at.push(pieces);
+        }
+        if local_descs
+            .iter()
+            .chain(&remote_descs)
+            .any(|d| i32::try_from(d.len()).is_err())
+        {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "more than 2^31 NIXL descriptors in one list (reads split at request_bytes)",
+            )
+            .with_backend(BACKEND));
         }
         let local_lists = local_keys
             .iter()
@@ -1075,30 +1120,38 @@ impl Transport for NixlTransport {
                     // Fault injection: this read is never handed to a request.
                     continue;
                 }
-                let (l, li, m, mi) = at[i];
                 let r = &resolved[i];
-                // The newest request of these lists, while it has room: NIXL reports progress
-                // only per request, so requests are capped at REQUEST_BYTES to give the
-                // no-progress timer something to see on a long transfer.
-                match groups.iter_mut().rev().find(|g| {
-                    g.local_list == l
-                        && g.remote_list == m
-                        && g.bytes.saturating_add(r.len) <= REQUEST_BYTES
-                }) {
-                    Some(g) => {
-                        g.local_ix.push(li);
-                        g.remote_ix.push(mi);
-                        g.bytes += r.len;
+                let last = at[i].len() - 1;
+                for (k, &(l, li, m, mi, n)) in at[i].iter().enumerate() {
+                    let read_len = if k == 0 { r.len } else { 0 };
+                    let ends = u64::from(k == last);
+                    // The newest request of these lists, while it has room: NIXL reports
+                    // progress only per request, so requests are capped at `request_bytes`
+                    // to give the no-progress timer (and abort) steps to see.
+                    match groups.iter_mut().rev().find(|g| {
+                        g.local_list == l
+                            && g.remote_list == m
+                            && g.bytes.saturating_add(n) <= piece
+                    }) {
+                        Some(g) => {
+                            g.local_ix.push(li);
+                            g.remote_ix.push(mi);
+                            g.read_len.push(read_len);
+                            g.ends += ends;
+                            g.bytes += n;
+                        }
+                        None => groups.push(Group {
+                            owner: r.owner,
+                            local_list: l,
+                            remote_list: m,
+                            local_ix: vec![li],
+                            remote_ix: vec![mi],
+                            read_len: vec![read_len],
+                            ends,
+                            range: r.remote_range.clone(),
+                            bytes: n,
+                        }),
                     }
-                    None => groups.push(Group {
-                        owner: r.owner,
-                        local_list: l,
-                        remote_list: m,
-                        local_ix: vec![li],
-                        remote_ix: vec![mi],
-                        range: r.remote_range.clone(),
-                        bytes: r.len,
-                    }),
                 }
             }
             segs.push(groups);

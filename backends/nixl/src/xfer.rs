@@ -10,6 +10,7 @@
 
 use async_trait::async_trait;
 use reshard_core::{Error, ErrorKind, InFlight, Result, WireReport};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +25,8 @@ const SPIN_POLLS: u32 = 64;
 /// First and largest sleep between polls.
 const FIRST_SLEEP: Duration = Duration::from_micros(50);
 const MAX_SLEEP: Duration = Duration::from_millis(1);
+/// Largest sleep while requests wait for a slot: a slot left empty idles the wire.
+const QUEUED_MAX_SLEEP: Duration = Duration::from_micros(100);
 
 /// Yield a few times (a small read completes in microseconds), then sleep, doubling up to
 /// 1 ms, so a long transfer costs no runtime worker.
@@ -45,23 +48,34 @@ impl Backoff {
     }
 
     async fn pause(&mut self) {
+        self.pause_upto(MAX_SLEEP).await;
+    }
+
+    /// As [`Backoff::pause`], sleeping at most `max`.
+    async fn pause_upto(&mut self, max: Duration) {
         if self.polls < SPIN_POLLS {
             self.polls += 1;
             tokio::task::yield_now().await;
         } else {
-            tokio::time::sleep(self.sleep).await;
-            self.sleep = (self.sleep * 2).min(MAX_SLEEP);
+            let sleep = self.sleep.min(max);
+            tokio::time::sleep(sleep).await;
+            self.sleep = (sleep * 2).min(max);
         }
     }
 }
 
-/// A posted NIXL batch: the current segment's requests are in flight.
+/// A posted NIXL batch: the current segment's requests are in flight, at most
+/// `requests_in_flight` per owner; the rest of the segment waits in per-owner queues and is
+/// posted as requests complete, so `abort` and a drop (which cannot stop a posted read) only
+/// wait for what is in flight, not for the whole batch.
 pub(crate) struct NixlInFlight {
     p: Arc<Prepared>,
     /// Segment whose requests are posted.
     seg: usize,
     /// Groups of `seg` posted and not yet seen to end.
     pending: Vec<usize>,
+    /// Groups of `seg` not posted yet, per owner, in batch order.
+    queues: Vec<(reshard_core::OwnerId, VecDeque<usize>)>,
     /// When a pending request last ended (or the segment was posted): the no-progress timer.
     last_progress: Instant,
     /// The batch was handed back (idle) or to the quarantine.
@@ -82,6 +96,7 @@ impl NixlInFlight {
             p,
             seg: 0,
             pending: Vec::new(),
+            queues: Vec::new(),
             last_progress: Instant::now(),
             finished: false,
             unobservable: false,
@@ -120,12 +135,31 @@ impl NixlInFlight {
         Ok(f)
     }
 
-    /// Posts every request of segment `seg` before polling any; stops at the first failure
-    /// (the requests posted before it stay pending).
+    /// Starts segment `seg`: queues its requests per owner and posts the first of every owner
+    /// (the contract: every owner's reads start in `post`).
     fn post_segment(&mut self, seg: usize) -> Result<()> {
         self.seg = seg;
         self.pending.clear();
+        self.queues.clear();
+        for (g, group) in self.p.segments[seg].iter().enumerate() {
+            match self.queues.iter_mut().find(|(o, _)| *o == group.owner) {
+                Some((_, q)) => q.push_back(g),
+                None => self.queues.push((group.owner, VecDeque::from([g]))),
+            }
+        }
         self.last_progress = Instant::now();
+        self.refill()
+    }
+
+    /// Posts queued requests of every owner while it has fewer than `requests_in_flight` in
+    /// flight (a request that completes inside the post takes no slot); stops at the first
+    /// failure (the requests posted before it stay pending).
+    fn refill(&mut self) -> Result<()> {
+        if self.queues.iter().all(|(_, q)| q.is_empty()) {
+            return Ok(());
+        }
+        let window = self.p.shared.requests_in_flight;
+        let seg = self.seg;
         let nixl = self.p.nixl.lock();
         let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
             return Err(
@@ -136,36 +170,49 @@ impl NixlInFlight {
         let log = self.p.shared.log.lock().clone();
         let mut posted = Vec::new();
         let mut result = Ok(());
-        for (g, req) in reqs[seg].iter().enumerate() {
-            let group = &self.p.segments[seg][g];
-            match self.p.shared.agent.post(req) {
-                Ok(true) => {
-                    self.pending.push(g);
-                    posted.push(g);
-                }
-                Ok(false) => {
-                    // Complete at once: counted now.
-                    self.counted.reads += group.reads();
-                    self.counted.bytes += group.bytes;
-                    posted.push(g);
-                }
-                Err(e) => {
-                    // NIXL records the failed post as the request's status (it reports that
-                    // error from now on). Errors of NIXL's own checks (invalid parameter,
-                    // unknown agent) come before anything is handed to the plugin. A plugin
-                    // error (NIXL_ERR_BACKEND) may come part-way: the UCX plugin then releases
-                    // the gets of this request it already started, which do not stop.
-                    self.unobservable = plugin_failed(&e);
-                    result = Err(Error::new(
-                        ErrorKind::Transport,
-                        format!("NIXL postXferReq (READ) failed: {}", status_name(&e)),
-                    )
-                    .with_owner(group.owner)
-                    .with_range(group.range.clone())
-                    .with_backend(BACKEND)
-                    .with_source(e)
-                    .set_retryable(true));
+        'owners: for (owner, queue) in &mut self.queues {
+            let groups = &self.p.segments[seg];
+            let mut busy = self
+                .pending
+                .iter()
+                .filter(|&&g| groups[g].owner == *owner)
+                .count();
+            while busy < window {
+                let Some(g) = queue.pop_front() else {
                     break;
+                };
+                let group = &groups[g];
+                match self.p.shared.agent.post(&reqs[seg][g]) {
+                    Ok(true) => {
+                        self.pending.push(g);
+                        posted.push(g);
+                        busy += 1;
+                    }
+                    Ok(false) => {
+                        // Complete at once: counted now.
+                        self.counted.reads += group.reads();
+                        self.counted.bytes += group.bytes;
+                        posted.push(g);
+                    }
+                    Err(e) => {
+                        // NIXL records the failed post as the request's status (it reports
+                        // that error from now on). Errors of NIXL's own checks (invalid
+                        // parameter, unknown agent) come before anything is handed to the
+                        // plugin. A plugin error (NIXL_ERR_BACKEND) may come part-way: the UCX
+                        // plugin then releases the gets of this request it already started,
+                        // which do not stop.
+                        self.unobservable = plugin_failed(&e);
+                        result = Err(Error::new(
+                            ErrorKind::Transport,
+                            format!("NIXL postXferReq (READ) failed: {}", status_name(&e)),
+                        )
+                        .with_owner(group.owner)
+                        .with_range(group.range.clone())
+                        .with_backend(BACKEND)
+                        .with_source(e)
+                        .set_retryable(true));
+                        break 'owners;
+                    }
                 }
             }
         }
@@ -174,6 +221,11 @@ impl NixlInFlight {
             self.p.record(&log, seg, &posted);
         }
         result
+    }
+
+    /// Requests of the current segment not posted yet.
+    fn queued(&self) -> bool {
+        self.queues.iter().any(|(_, q)| !q.is_empty())
     }
 
     /// Polls the pending requests of the current segment once; returns the first failure.
@@ -376,11 +428,14 @@ impl NixlInFlight {
                 if let Some(e) = self.poll_once() {
                     return Err(self.after_failure(e).await);
                 }
-                if self.pending.is_empty() {
-                    break;
-                }
                 if self.pending.len() < before {
                     backoff.reset();
+                    if let Err(e) = self.refill() {
+                        return Err(self.after_failure(e).await);
+                    }
+                }
+                if self.pending.is_empty() && !self.queued() {
+                    break;
                 }
                 if self.closed() {
                     return Err(self.dropped_transport().await);
@@ -390,7 +445,11 @@ impl NixlInFlight {
                     let what = self.quarantine();
                     return Err(requalify(e, &what));
                 }
-                backoff.pause().await;
+                if self.queued() {
+                    backoff.pause_upto(QUEUED_MAX_SLEEP).await;
+                } else {
+                    backoff.pause().await;
+                }
             }
             let next = self.seg + 1;
             if next >= self.p.segments.len() {
@@ -470,7 +529,9 @@ impl InFlight for NixlInFlight {
 
     async fn abort(mut self: Box<Self>) {
         // NIXL cannot take back a one-sided read already handed to the fabric: no further
-        // segment is posted, and what is in flight is drained while it makes progress.
+        // request is posted (of this segment's queues or a later segment), and what is in
+        // flight (at most `requests_in_flight` requests per owner) is drained while it makes
+        // progress.
         if self.drain().await {
             self.idle();
         } else {
@@ -485,7 +546,7 @@ impl Drop for NixlInFlight {
         if self.finished {
             return;
         }
-        // Dropped part-way (the handle, or a `wait`/`abort` future): no further segment is
+        // Dropped part-way (the handle, or a `wait`/`abort` future): no further request is
         // posted, and the reads already posted, which NIXL cannot stop, are waited out here
         // while they progress (rule 1), blocking this thread as long as the transfer of what
         // was posted takes. A batch that stops progressing for the no-progress bound goes to

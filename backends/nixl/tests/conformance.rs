@@ -12,19 +12,7 @@ fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
 }
 
 fn harness() -> Harness {
-    let h = Harness::new("nixl", endpoint);
-    // Open defect, found by the suite: NIXL hands every request of a batch to UCX in `post`,
-    // and UCX cannot cancel a get, so over TCP (where reads stay in flight) abort can only
-    // wait the whole batch out. In one process NIXL's UCX completes a batch inside `post`.
-    if std::env::var("UCX_TLS").as_deref() == Ok("tcp") {
-        h.with_known_defect(
-            "abort_stops_a_posted_batch",
-            "abort waits for every posted read: NIXL posts the whole batch to UCX, which \
-             cannot cancel gets",
-        )
-    } else {
-        h
-    }
+    Harness::new("nixl", endpoint)
 }
 
 reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_nixl::probe());
