@@ -12,7 +12,8 @@
 //! Groups `prepare_<shape>` time the descriptor build alone (`Transport::prepare`), with the
 //! reads built per second as element throughput.
 //!
-//! `loopback` always runs; `ucx` and `nixl` run when the conformance suite's probe
+//! Backends come from the transport registry (`reshard_transports::registry`), each with its
+//! default options. `loopback` always runs; the others run when the conformance suite's probe
 //! (`reshard_conformance::backend_available`) finds their runtime, and are skipped with a
 //! `SKIPPED:` line otherwise (unless `RESHARD_REQUIRE_BACKENDS` names them, which fails as in
 //! the tests). The ucx publisher block comes from `allocate_host`, as the synthetic publishers'
@@ -29,9 +30,6 @@ use std::time::Duration;
 use criterion::{
     criterion_group, criterion_main, BenchmarkGroup, Criterion, SamplingMode, Throughput,
 };
-use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
-use reshard_backend_nixl::{NixlOptions, NixlTransport};
-use reshard_backend_ucx::{UcxOptions, UcxTransport};
 use reshard_benches::wire::{Memcpy, Shape, WirePair, LARGE, SMALL};
 use reshard_core::{Result, Transport};
 use tokio::runtime::Runtime;
@@ -48,38 +46,22 @@ struct Backend {
     make: MakeEndpoint,
 }
 
+/// Every backend the registry has, with its default options (the registry's loopback fabric
+/// is shared by the endpoints it makes).
 fn backends() -> Vec<Backend> {
-    let fabric = LoopbackFabric::new();
-    // Copy threads of the loopback backend: one per core, its default.
-    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    vec![
-        Backend {
-            name: "loopback",
-            probe: Ok(()),
-            make: Box::new(move |agent| {
-                Ok(Arc::new(LoopbackTransport::new(&fabric, agent, workers)?)
-                    as Arc<dyn Transport>)
-            }),
-        },
-        Backend {
-            name: "ucx",
-            probe: reshard_backend_ucx::probe(),
-            make: Box::new(|agent| {
-                Ok(Arc::new(UcxTransport::new(agent, UcxOptions::default())?)
-                    as Arc<dyn Transport>)
-            }),
-        },
-        Backend {
-            name: "nixl",
-            probe: reshard_backend_nixl::probe(),
-            make: Box::new(|agent| {
-                Ok(
-                    Arc::new(NixlTransport::new(agent, &NixlOptions::default())?)
-                        as Arc<dyn Transport>,
-                )
-            }),
-        },
-    ]
+    let registry = Arc::new(reshard_transports::registry());
+    registry
+        .schemes()
+        .into_iter()
+        .map(|name| {
+            let r = Arc::clone(&registry);
+            Backend {
+                name,
+                probe: registry.probe(name),
+                make: Box::new(move |agent| r.create_default(name, agent)),
+            }
+        })
+        .collect()
 }
 
 /// Publisher and receiver endpoints of `backend`, connected, with `len` registered bytes each.

@@ -6,7 +6,6 @@ mod ranges_cmd;
 mod refit_cmd;
 mod soak_cmd;
 mod table_cmd;
-mod transports;
 
 use clap::{Args, Parser, Subcommand};
 use std::process::ExitCode;
@@ -168,13 +167,14 @@ pub fn block_on<T>(
     rt.block_on(fut)
 }
 
-/// Loads the configuration with `--transport` (when given) as the CLI layer.
+/// Loads the configuration with `--transport` (when given) as the CLI layer, its backend
+/// sections and kind checked against the backends built into this binary.
 pub fn load_config(
     transport: Option<&str>,
     file: Option<&std::path::Path>,
 ) -> reshard_core::Result<reshard_core::config::Config> {
     let cli = transport.map(|k| serde_json::json!({"transport": {"kind": k}}));
-    reshard_core::config::Config::load(file, cli)
+    reshard_transports::registry().load_config(file, cli)
 }
 
 /// What a subcommand returns on success: 0, or 1 when it ran but found a failure.

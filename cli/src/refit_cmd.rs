@@ -22,7 +22,7 @@ use reshard_runtime::{
     UpdateReport,
 };
 
-use crate::{transports, ModelArgs, Outcome};
+use crate::{ModelArgs, Outcome};
 
 /// Layers a refit keeps unless `--layers` says otherwise.
 const DEFAULT_LAYERS: u64 = 4;
@@ -104,7 +104,7 @@ pub struct ServeArgs {
 /// Runs the publisher side for a parent `reshard refit --publisher-process process`.
 pub fn serve(args: ServeArgs) -> Result<Outcome> {
     let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
-    let registry = transports::registry();
+    let registry = reshard_transports::registry();
     reshard_runtime::remote::serve(|agent| registry.create(agent, &cfg.transport))?;
     Ok(Outcome(true))
 }
@@ -228,7 +228,7 @@ pub(crate) async fn start_bench(
     setup: PublisherSetup,
 ) -> Result<Bench> {
     let (model, pubs, recv) = resolve_scaled(model)?;
-    let registry = transports::registry();
+    let registry = reshard_transports::registry();
     let cluster = start_publishers(&registry, cfg, config_path, &model, pubs, setup).await?;
     Ok(Bench {
         registry,

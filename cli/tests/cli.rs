@@ -237,6 +237,28 @@ fn unknown_transport_kind_from_env_lists_the_available_ones() {
     );
 }
 
+/// Backend sections are checked against the registry (core knows no backend), and a
+/// backend's own `RESHARD_*` variable (NIXL's runtime folder) is not taken for a key.
+#[test]
+fn backend_sections_are_checked_against_the_registered_backends() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-sections");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("sections.toml");
+    std::fs::write(&file, "[backends.pigeon]\nwings = 2\n").unwrap();
+    let out = small_refit(&["--config", file.to_str().unwrap()], &[]);
+    let err = error_text(&out);
+    assert!(
+        err.contains("[backends.pigeon]") && err.contains("loopback"),
+        "{err}"
+    );
+    std::fs::write(&file, "[backends.nixl]\ntimeout_ms = 1000\n").unwrap();
+    let out = small_refit(
+        &["--config", file.to_str().unwrap(), "--json"],
+        &[("RESHARD_NIXL_HOME", "/nonexistent")],
+    );
+    assert_eq!(json(&out)["verified"], true);
+}
+
 #[test]
 fn the_cli_flag_overrides_the_environment() {
     let out = reshard(
@@ -605,11 +627,7 @@ fn bad_usage_exits_2_with_the_problem_on_stderr() {
 /// Whether `backend` can run here: the conformance suite's rule (skip with a `SKIPPED:` line,
 /// or fail when `RESHARD_REQUIRE_BACKENDS` names it).
 fn available(backend: &str) -> bool {
-    let probe = match backend {
-        "ucx" => reshard_backend_ucx::probe(),
-        "nixl" => reshard_backend_nixl::probe(),
-        other => panic!("no probe for {other}"),
-    };
+    let probe = reshard_transports::registry().probe(backend);
     reshard_conformance::backend_available(backend, probe)
 }
 
@@ -652,12 +670,24 @@ fn refit_in_another_process(backend: &str) {
     }
 }
 
+/// Every registered backend that crosses processes, as the registry lists them (a new backend
+/// is covered by registering it).
 #[test]
-fn refit_over_ucx_with_publishers_in_another_process_is_byte_exact() {
-    refit_in_another_process("ucx");
-}
-
-#[test]
-fn refit_over_nixl_with_publishers_in_another_process_is_byte_exact() {
-    refit_in_another_process("nixl");
+fn refit_over_every_cross_process_backend_with_publishers_in_another_process_is_byte_exact() {
+    let registry = reshard_transports::registry();
+    let mut ran = Vec::new();
+    for scheme in registry.schemes() {
+        if !available(scheme) {
+            continue;
+        }
+        let probe = registry
+            .create_default(scheme, "capability-probe")
+            .expect("endpoint");
+        if probe.capabilities().cross_process {
+            drop(probe);
+            refit_in_another_process(scheme);
+            ran.push(scheme);
+        }
+    }
+    eprintln!("refit in another process over: {ran:?}");
 }

@@ -8,13 +8,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
-use reshard_backend_nixl::{NixlOptions, NixlTransport};
-use reshard_backend_ucx::{UcxOptions, UcxTransport};
 use reshard_conformance::checks::assert_installed;
 use reshard_conformance::fixtures::{tiny_dense, tiny_moe};
 use reshard_conformance::{backend_available, Harness};
-use reshard_core::{ExecutionLog, ReadDesc, Transport};
+use reshard_core::{ExecutionLog, ReadDesc};
 use reshard_planner::presets::{preset, ModelConfig};
 use reshard_runtime::{Placement, ReceiverOptions};
 
@@ -60,23 +57,18 @@ fn rigs() -> Vec<Rig> {
     ]
 }
 
-/// Every backend usable here, each with its own fabric (the loopback fabric lives as long as
-/// its harness).
+/// Every registered backend usable here, with its default options, as the registry lists them
+/// (the registry's loopback fabric lives as long as the harnesses that share it).
 fn harnesses() -> Vec<Harness> {
+    let registry = Arc::new(reshard_transports::registry());
     let mut out = Vec::new();
-    let fabric = LoopbackFabric::new();
-    out.push(Harness::new("loopback", move |agent| {
-        Ok(Arc::new(LoopbackTransport::new(&fabric, agent, 2)?) as Arc<dyn Transport>)
-    }));
-    if backend_available("ucx", reshard_backend_ucx::probe()) {
-        out.push(Harness::new("ucx", |agent| {
-            Ok(Arc::new(UcxTransport::new(agent, UcxOptions::default())?) as Arc<dyn Transport>)
-        }));
-    }
-    if backend_available("nixl", reshard_backend_nixl::probe()) {
-        out.push(Harness::new("nixl", |agent| {
-            Ok(Arc::new(NixlTransport::new(agent, &NixlOptions::default())?) as Arc<dyn Transport>)
-        }));
+    for scheme in registry.schemes() {
+        if backend_available(scheme, registry.probe(scheme)) {
+            let registry = Arc::clone(&registry);
+            out.push(Harness::new(scheme, move |agent| {
+                registry.create_default(scheme, agent)
+            }));
+        }
     }
     out
 }

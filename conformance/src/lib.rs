@@ -13,8 +13,8 @@ pub mod wrappers;
 pub use fixtures::Harness;
 pub use reshard_runtime::Publishers as Cluster;
 
-/// Environment variable listing backends (comma-separated) whose absence fails tests instead
-/// of skipping them; CI sets it to every backend it installs.
+/// Environment variable listing backends (comma-separated, or `all`) whose absence fails tests
+/// instead of skipping them; CI sets it to `all`, so a registered backend cannot be skipped.
 pub const REQUIRE_BACKENDS_ENV: &str = "RESHARD_REQUIRE_BACKENDS";
 
 /// Environment variable: how many random fault schedules the fault property test runs per
@@ -91,14 +91,17 @@ pub async fn run_check(h: &Harness, name: &str, check: impl std::future::Future<
 }
 
 /// Whether `backend`'s tests can run: `probe` says if its native runtime is usable here. When it
-/// is not, this panics if [`REQUIRE_BACKENDS_ENV`] names the backend (so CI cannot skip it
-/// silently) and otherwise prints why the test is skipped and returns false.
+/// is not, this panics if [`REQUIRE_BACKENDS_ENV`] names the backend or says `all` (so CI cannot
+/// skip it silently) and otherwise prints why the test is skipped and returns false.
 pub fn backend_available(backend: &str, probe: reshard_core::Result<()>) -> bool {
     match probe {
         Ok(()) => true,
         Err(e) => {
             let required = std::env::var(REQUIRE_BACKENDS_ENV).unwrap_or_default();
-            if required.split(',').any(|b| b.trim() == backend) {
+            if required
+                .split(',')
+                .any(|b| b.trim() == backend || b.trim() == "all")
+            {
                 panic!(
                     "backend {backend} is required ({REQUIRE_BACKENDS_ENV}) but unavailable: {e}"
                 );

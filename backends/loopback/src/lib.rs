@@ -10,7 +10,7 @@ mod work;
 mod tests;
 
 use reshard_core::config::TransportConfig;
-use reshard_core::registry::TransportFactory;
+use reshard_core::registry::{Registry, TransportFactory};
 use reshard_core::{Result, Transport};
 use std::sync::Arc;
 
@@ -50,8 +50,14 @@ impl LoopbackFactory {
     }
 }
 
+/// Adds this backend to `registry` with a fabric of its own: every loopback endpoint the
+/// registry creates can reach the others (the one line a registry needs for it).
+pub fn register(registry: &mut Registry) {
+    registry.register(Box::new(LoopbackFactory::new(LoopbackFabric::new())));
+}
+
 impl TransportFactory for LoopbackFactory {
-    fn kind(&self) -> &'static str {
+    fn scheme(&self) -> &'static str {
         BACKEND
     }
 

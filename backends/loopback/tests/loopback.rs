@@ -658,7 +658,7 @@ async fn reads_within_one_agent_and_one_block_work() {
 async fn the_factory_creates_agents_through_the_registry() {
     let fabric = LoopbackFabric::new();
     let registry = Registry::new().with(LoopbackFactory::new(fabric.clone()));
-    assert_eq!(registry.kinds(), vec!["loopback"]);
+    assert_eq!(registry.schemes(), vec!["loopback"]);
     let cfg = TransportConfig {
         kind: "loopback".into(),
         workers: Some(2),

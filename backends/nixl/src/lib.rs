@@ -9,7 +9,7 @@ mod transport;
 mod xfer;
 
 use reshard_core::config::{backend_options, TransportConfig};
-use reshard_core::registry::TransportFactory;
+use reshard_core::registry::{Registry, TransportFactory};
 use reshard_core::{Result, Transport};
 use std::sync::{Arc, OnceLock};
 
@@ -54,9 +54,22 @@ impl NixlFactory {
     }
 }
 
+/// Adds this backend to `registry` (the one line a registry needs for it).
+pub fn register(registry: &mut Registry) {
+    registry.register(Box::new(NixlFactory::new()));
+}
+
 impl TransportFactory for NixlFactory {
-    fn kind(&self) -> &'static str {
+    fn scheme(&self) -> &'static str {
         BACKEND
+    }
+
+    fn probe(&self) -> Result<()> {
+        probe()
+    }
+
+    fn env_vars(&self) -> &'static [&'static str] {
+        &[runtime::HOME_ENV]
     }
 
     fn create(&self, agent: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {

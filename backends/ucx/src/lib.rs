@@ -10,7 +10,7 @@ mod raw;
 mod transport;
 
 use reshard_core::config::TransportConfig;
-use reshard_core::registry::TransportFactory;
+use reshard_core::registry::{Registry, TransportFactory};
 use reshard_core::{Result, Transport};
 use std::sync::Arc;
 
@@ -44,9 +44,18 @@ impl UcxFactory {
     }
 }
 
+/// Adds this backend to `registry` (the one line a registry needs for it).
+pub fn register(registry: &mut Registry) {
+    registry.register(Box::new(UcxFactory::new()));
+}
+
 impl TransportFactory for UcxFactory {
-    fn kind(&self) -> &'static str {
+    fn scheme(&self) -> &'static str {
         BACKEND
+    }
+
+    fn probe(&self) -> Result<()> {
+        probe()
     }
 
     /// `transport.workers` is not used: each endpoint has one UCX worker driven by one
