@@ -286,7 +286,7 @@ pub fn new_incarnation() -> u64 {
 ///    not a total deadline, and dropping the transport wakes every waiter with an error.
 #[async_trait]
 pub trait Transport: Send + Sync + fmt::Debug {
-    /// Scheme of the backend ("loopback", "ucx", "nixl").
+    /// Scheme of the backend: its `transport.kind` and registry key.
     fn name(&self) -> &'static str;
 
     /// This endpoint's agent name.
