@@ -1,6 +1,7 @@
 //! The only place that calls UCX: the run-time loaded library ([`lib`]) and small RAII types
-//! over UCP handles ([`Context`], [`Worker`], [`Endpoint`], [`MemHandle`], [`PackedRkey`](memory::PackedRkey),
-//! [`RKey`], [`Request`]). Every status becomes a [`UcxStatusError`]; no `Drop` panics.
+//! over UCP handles, one file each ([`Context`], [`Worker`], [`Endpoint`], [`MemHandle`],
+//! [`PackedRkey`](memory::PackedRkey), [`RKey`], [`Request`]). Every status becomes a
+//! [`UcxStatusError`]; no `Drop` panics.
 //!
 //! The [`Context`] is process-wide per configuration (UCX's intended use: one context per
 //! process, one worker per thread), created with `mt_workers_shared` so it is thread-safe, and
