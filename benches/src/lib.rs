@@ -10,7 +10,8 @@ use reshard_planner::layouts::receiver_layout;
 use reshard_planner::plan::{plan, PlanOptions};
 use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{geometry_tables, ReceiverTopology};
-use reshard_runtime::{Placement, Receiver, ReceiverOptions, SyntheticCluster};
+use reshard_runtime::{Receiver, ReceiverOptions};
+use reshard_testkit::{Placement, SyntheticCluster};
 
 /// The docs/design.md §8 setup at full scale, geometry only: deduplicated table and both TP2
 /// layouts.

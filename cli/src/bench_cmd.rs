@@ -141,7 +141,7 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         PublisherSetup {
             place: args.place,
             // Replicas share memory so the default EP8 x DP8 rig fits beside the receivers.
-            placement: reshard_runtime::Placement::SharedReplicas,
+            placement: reshard_testkit::Placement::SharedReplicas,
             seed: args.seed,
         },
     )

@@ -16,11 +16,9 @@ use reshard_core::{Error, ErrorKind, Result, Transport};
 use reshard_planner::layouts::ReceiverLayouts;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
-use reshard_runtime::remote::DEFAULT_TIMEOUT;
-use reshard_runtime::{
-    Placement, Publishers, Receiver, ReceiverOptions, RemoteCluster, StageTimes, SyntheticCluster,
-    UpdateReport,
-};
+use reshard_runtime::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
+use reshard_testkit::remote::DEFAULT_TIMEOUT;
+use reshard_testkit::{Placement, Publishers, RemoteCluster, SyntheticCluster};
 
 use crate::{ModelArgs, Outcome};
 
@@ -105,7 +103,7 @@ pub struct ServeArgs {
 pub fn serve(args: ServeArgs) -> Result<Outcome> {
     let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
     let registry = reshard_transports::registry();
-    reshard_runtime::remote::serve(|agent| registry.create(agent, &cfg.transport))?;
+    reshard_testkit::remote::serve(|agent| registry.create(agent, &cfg.transport))?;
     Ok(Outcome(true))
 }
 

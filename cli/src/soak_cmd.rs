@@ -143,7 +143,7 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
         PublisherSetup {
             place: args.place,
             // Replicas share memory so the default EP8 x DP8 rig fits beside the receivers.
-            placement: reshard_runtime::Placement::SharedReplicas,
+            placement: reshard_testkit::Placement::SharedReplicas,
             seed: args.seed,
         },
     )

@@ -13,7 +13,8 @@ use reshard_conformance::fixtures::{tiny_dense, tiny_moe};
 use reshard_conformance::{backend_available, Harness};
 use reshard_core::{ExecutionLog, ReadDesc};
 use reshard_planner::presets::{preset, ModelConfig};
-use reshard_runtime::{Placement, ReceiverOptions};
+use reshard_runtime::ReceiverOptions;
+use reshard_testkit::Placement;
 
 /// One refit set-up: model, publisher topology, receiver TP, placement of publisher memory.
 struct Rig {

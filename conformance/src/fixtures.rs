@@ -7,10 +7,9 @@ use reshard_core::{DType, Result, Transport};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{ModelConfig, MoeConfig};
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
-use reshard_runtime::remote::DEFAULT_TIMEOUT;
-use reshard_runtime::{
-    Placement, Publishers as Cluster, Receiver, ReceiverOptions, RemoteCluster, SyntheticCluster,
-};
+use reshard_runtime::{Receiver, ReceiverOptions};
+use reshard_testkit::remote::DEFAULT_TIMEOUT;
+use reshard_testkit::{Placement, Publishers as Cluster, RemoteCluster, SyntheticCluster};
 
 /// Creates transport endpoints of the backend under test, by agent name.
 pub type MakeTransport = dyn Fn(&str) -> Result<Arc<dyn Transport>> + Send + Sync;
@@ -59,7 +58,7 @@ impl Harness {
     }
 
     /// Puts every cluster's publishers in a child process started by `command()`, which must
-    /// end up calling [`reshard_runtime::remote::serve`] with this backend's endpoints.
+    /// end up calling [`reshard_testkit::remote::serve`] with this backend's endpoints.
     pub fn with_publisher_process(
         mut self,
         command: impl Fn() -> Command + Send + Sync + 'static,

@@ -11,7 +11,7 @@ pub mod remote;
 pub mod wrappers;
 
 pub use fixtures::Harness;
-pub use reshard_runtime::Publishers as Cluster;
+pub use reshard_testkit::Publishers as Cluster;
 
 /// Environment variable listing backends (comma-separated, or `all`) whose absence fails tests
 /// instead of skipping them; CI sets it to `all`, so a registered backend cannot be skipped.
@@ -355,7 +355,7 @@ macro_rules! fault_tests {
 /// `$name` is the backend's scheme, `$endpoint` a function `fn(&str) -> Result<Arc<dyn
 /// Transport>>` making an endpoint by agent name (called in both processes), `$probe` as in
 /// [`conformance_tests!`]. The test binary re-executes itself with only `publisher_process`
-/// selected and [`reshard_runtime::remote::SOCKET_ENV`] set; there that test serves the
+/// selected and [`reshard_testkit::remote::SOCKET_ENV`] set; there that test serves the
 /// publishers over a Unix socket until the parent is done. Use it inside a module of the
 /// backend's `tests/conformance.rs`:
 ///

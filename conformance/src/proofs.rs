@@ -1,11 +1,12 @@
 //! Checks of the suite itself: a deliberately wrong backend (one read sent to another owner, or
 //! to another offset) must be caught, which needs publishers whose replicas live at different
-//! offsets in different memory ([`reshard_runtime::Placement::PerRank`]).
+//! offsets in different memory ([`reshard_testkit::Placement::PerRank`]).
 
 use std::sync::Arc;
 
 use reshard_core::{ErrorKind, OwnerId, Transport};
-use reshard_runtime::{Placement, Receiver, ReceiverOptions};
+use reshard_runtime::{Receiver, ReceiverOptions};
+use reshard_testkit::Placement;
 
 use crate::fixtures::{tiny_moe, Harness};
 use crate::wrappers::{Misdirect, MisdirectingTransport};

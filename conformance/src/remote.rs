@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use reshard_core::encoding::decode_table;
 use reshard_core::{ErrorKind, Result, Transport};
-use reshard_runtime::RemoteCluster;
+use reshard_testkit::RemoteCluster;
 
 use crate::fixtures::{tiny_dense, Harness};
 
-pub use reshard_runtime::remote::is_publisher_process;
+pub use reshard_testkit::remote::is_publisher_process;
 
 /// The libtest name of `test` in the module whose `module_path!()` is `module_path` (the crate
 /// segment is not part of a test's name).
@@ -38,7 +38,7 @@ pub fn self_command(module_path: &str, test: &str) -> impl Fn() -> Command + Sen
 /// Body of the publisher process: serves publishers on `endpoint`'s transports until the parent
 /// says shutdown; a failure fails the child's test run, which the parent sees.
 pub fn serve_publishers(endpoint: impl Fn(&str) -> Result<Arc<dyn Transport>>) {
-    if let Err(e) = reshard_runtime::remote::serve(endpoint) {
+    if let Err(e) = reshard_testkit::remote::serve(endpoint) {
         panic!("publisher process failed: {e}");
     }
 }

@@ -19,7 +19,7 @@ pub mod transport;
 pub use digest::Digest;
 pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};
-pub use memory::{BytesMut, BytesRef, HostBuffer, HostMemory, MemoryBlock};
+pub use memory::{memory_check, BytesMut, BytesRef, HostBuffer, HostMemory, MemoryBlock};
 pub use merge::{
     dedup, keep_all, merge, table_geometry_key, DedupOptions, DedupReport, MergedOffer,
     MergedTable, MergedTensor, ReplicaGroups,

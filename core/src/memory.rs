@@ -201,6 +201,33 @@ impl HostMemory for HostBuffer {
     }
 }
 
+/// Fails with a clear error, instead of an allocation abort, when `bytes` exceed the memory the
+/// OS reports available (Linux `MemAvailable`; skipped where that is unknown).
+pub fn memory_check(bytes: u64, what: &str) -> crate::error::Result<()> {
+    let Some(avail) = available_memory() else {
+        return Ok(());
+    };
+    if bytes > avail {
+        return Err(crate::error::Error::new(
+            crate::error::ErrorKind::InvalidInput,
+            format!(
+                "{what} need {:.2} GiB but only {:.2} GiB of memory is available; scale the \
+                 model down (--layers, --experts, --vocab)",
+                bytes as f64 / (1u64 << 30) as f64,
+                avail as f64 / (1u64 << 30) as f64
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

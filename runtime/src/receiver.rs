@@ -643,7 +643,7 @@ impl Receiver {
     ) -> Result<Prepared> {
         let params: u64 = plan.params.iter().map(|p| p.bytes).sum();
         let staging: u64 = plan.staging.iter().map(|s| s.bytes).sum();
-        crate::memory_check(2 * params + staging, "receiver banks and staging")?;
+        reshard_core::memory_check(2 * params + staging, "receiver banks and staging")?;
         let b0 = self.bank(&plan).await?;
         let b1 = self.bank(&plan).await?;
         let mut staging = Vec::with_capacity(plan.staging.len());

@@ -18,7 +18,8 @@ use reshard_core::{
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{expert_tensor, layer_tensor, ModelConfig, MoeConfig};
 use reshard_planner::topology::ReceiverTopology;
-use reshard_runtime::{Receiver, ReceiverOptions, SyntheticCluster};
+use reshard_runtime::{Receiver, ReceiverOptions};
+use reshard_testkit::SyntheticCluster;
 
 fn model() -> ModelConfig {
     ModelConfig {

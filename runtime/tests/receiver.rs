@@ -8,7 +8,8 @@ use reshard_core::{DType, Transport};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{ModelConfig, MoeConfig};
 use reshard_planner::topology::ReceiverTopology;
-use reshard_runtime::{Receiver, ReceiverOptions, StageTimes, SyntheticCluster};
+use reshard_runtime::{Receiver, ReceiverOptions, StageTimes};
+use reshard_testkit::SyntheticCluster;
 
 fn model() -> ModelConfig {
     ModelConfig {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
 use reshard_core::{DType, ErrorKind, Result, Transport};
 use reshard_planner::presets::ModelConfig;
-use reshard_runtime::remote::{is_publisher_process, serve};
-use reshard_runtime::RemoteCluster;
+use reshard_testkit::remote::{is_publisher_process, serve};
+use reshard_testkit::RemoteCluster;
 
 fn endpoint(agent: &str) -> Result<Arc<dyn Transport>> {
     static FABRIC: OnceLock<LoopbackFabric> = OnceLock::new();

@@ -190,7 +190,7 @@ impl SyntheticCluster {
                 }
             }
         }
-        crate::memory_check(lens.iter().sum(), "publisher buffers")?;
+        reshard_core::memory_check(lens.iter().sum(), "publisher buffers")?;
         let transports = per_rank
             .iter()
             .map(|(rank, _)| make_transport(*rank))

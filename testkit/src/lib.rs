@@ -1,0 +1,11 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+pub mod content;
+pub mod publishers;
+pub mod remote;
+pub mod synthetic;
+
+pub use publishers::Publishers;
+pub use remote::RemoteCluster;
+pub use synthetic::{Placement, SyntheticCluster};
