@@ -4,6 +4,7 @@
 //! registrations are released when they drop.
 
 use clap::Args;
+use reshard_core::median;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use reshard_planner::layouts::ReceiverLayouts;
 use reshard_runtime::{Receiver, ReceiverOptions};
 
 use crate::refit_cmd::{
-    median, print_verdict, progress, start_bench, Bench, PublisherPlace, PublisherSetup,
+    print_verdict, progress, start_bench, Bench, PublisherPlace, PublisherSetup,
 };
 use crate::{ModelArgs, Outcome};
 
