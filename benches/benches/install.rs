@@ -23,7 +23,8 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
-use reshard_benches::{median, LoopbackRig};
+use reshard_benches::LoopbackRig;
+use reshard_core::median;
 use reshard_planner::presets::preset;
 use reshard_runtime::ReceiverOptions;
 

@@ -34,16 +34,6 @@ pub fn time_plans(table: &MergedTable, layouts: &[WantedLayout]) -> Result<f64> 
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Median of a sample.
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        0.0
-    } else {
-        v[v.len() / 2]
-    }
-}
-
 /// An in-process refit set-up over loopback: publishers and one receiver rank.
 pub struct LoopbackRig {
     /// The publishers.

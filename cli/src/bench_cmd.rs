@@ -5,6 +5,7 @@
 //! run as the ceiling.
 
 use clap::Args;
+use reshard_core::median;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -14,8 +15,7 @@ use reshard_core::{Error, ErrorKind, Result};
 use reshard_runtime::{ReceiverOptions, StageTimes};
 
 use crate::refit_cmd::{
-    median, progress, run_arm, start_bench, summarize, ArmSummary, Bench, PublisherPlace,
-    PublisherSetup,
+    progress, run_arm, start_bench, summarize, ArmSummary, Bench, PublisherPlace, PublisherSetup,
 };
 use crate::{ModelArgs, Outcome};
 

@@ -233,7 +233,7 @@ fn print_summary(title: &str, rows: &[RankRow]) {
         let (Some(&lo), Some(&hi)) = (v.first(), v.last()) else {
             continue;
         };
-        let med = crate::refit_cmd::median(v);
+        let med = reshard_core::median(v);
         let (label, fmt): (&str, fn(f64) -> String) = if i == 10 {
             ("plan seconds (per computed plan)", |x| format!("{x:.4}"))
         } else {

@@ -13,8 +13,8 @@ use std::time::Instant;
 use reshard_core::{Error, ErrorKind, HostBuffer, MemoryBlock, ReadBatch, ReadDesc, Result};
 
 use crate::bench_cmd::memcpy_gbps;
-use crate::refit_cmd::median;
 use crate::Outcome;
+use reshard_core::median;
 
 /// Flags of `reshard bench-ranges`.
 #[derive(Args)]

@@ -4,6 +4,7 @@
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use reshard_core::median;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -121,20 +122,6 @@ pub(crate) struct RankSummary {
     median_wire_s: f64,
     attribution: f64,
     checked_bytes: u64,
-}
-
-/// Median of `v` (0 when empty).
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// Runs `reshard refit`.

@@ -3,23 +3,19 @@
 //! the run, plan and descriptor rebuilds after the first update, and whether the receivers'
 //! registrations are released when they drop.
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use clap::Args;
+use reshard_core::median;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use reshard_core::encoding::encode_table;
-use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch,
-    Registration, Result, Transport,
-};
+use reshard_core::{Error, ErrorKind, MemoryBlock, Registration, Result, Transport};
 use reshard_planner::layouts::ReceiverLayouts;
 use reshard_runtime::{Receiver, ReceiverOptions};
 
 use crate::refit_cmd::{
-    median, print_verdict, progress, start_bench, Bench, PublisherPlace, PublisherSetup,
+    print_verdict, progress, start_bench, Bench, PublisherPlace, PublisherSetup,
 };
 use crate::{ModelArgs, Outcome};
 
@@ -55,26 +51,7 @@ struct CountingTransport {
     live: Arc<AtomicU64>,
 }
 
-#[async_trait]
-impl Transport for CountingTransport {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn agent(&self) -> &str {
-        self.inner.agent()
-    }
-    fn capabilities(&self) -> Capability {
-        self.inner.capabilities()
-    }
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
-    }
-    fn incarnation(&self) -> u64 {
-        self.inner.incarnation()
-    }
-    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
-        self.inner.peer_incarnation(owner)
-    }
+reshard_core::forward_transport!(CountingTransport => inner {
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
         let inner = self.inner.register(block).await?;
         let (id, len, kind) = (inner.id(), inner.len(), inner.kind());
@@ -85,19 +62,7 @@ impl Transport for CountingTransport {
             live.fetch_sub(1, Ordering::SeqCst);
         }))
     }
-    async fn export_metadata(&self) -> Result<Bytes> {
-        self.inner.export_metadata().await
-    }
-    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
-        self.inner.load_peer(owner, metadata).await
-    }
-    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
-        self.inner.prepare(batch).await
-    }
-    async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        self.inner.post(batch).await
-    }
-}
+});
 
 /// This process's resident set size in KiB (`VmRSS` of `/proc/self/status`), if known.
 fn rss_kib() -> Option<u64> {

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reshard_core::{
-    Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock, OwnerId,
-    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
+    Error, ErrorKind, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch, ReadDesc,
+    Registration, Result, Transport, WireReport,
 };
 
 /// What happens to the targeted read (or post).
@@ -458,27 +458,12 @@ impl InFlight for FaultyFlight {
     }
 }
 
-#[async_trait]
-impl Transport for FaultyTransport {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn agent(&self) -> &str {
-        self.inner.agent()
-    }
-    fn capabilities(&self) -> Capability {
-        self.inner.capabilities()
-    }
+// Forwards what no fault touches; the rest counts, drops peers and injects the faults.
+reshard_core::forward_transport!(FaultyTransport => inner {
     fn epoch(&self) -> u64 {
         self.inner
             .epoch()
             .wrapping_add(self.epoch_bumps.load(Ordering::SeqCst))
-    }
-    fn incarnation(&self) -> u64 {
-        self.inner.incarnation()
-    }
-    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
-        self.inner.peer_incarnation(owner)
     }
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
         let inner = self.inner.register(block).await?;
@@ -488,15 +473,6 @@ impl Transport for FaultyTransport {
             drop(inner);
             drop(held);
         }))
-    }
-    async fn export_metadata(&self) -> Result<Bytes> {
-        self.inner.export_metadata().await
-    }
-    async fn allocate_host(&self, len: usize) -> Result<Option<Arc<dyn HostMemory>>> {
-        self.inner.allocate_host(len).await
-    }
-    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
-        self.inner.set_execution_log(log)
     }
     async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
         self.inner.load_peer(owner, metadata).await?;
@@ -580,7 +556,7 @@ impl Transport for FaultyTransport {
             _held: Held::new(&self.counts, |c| &c.in_flight),
         }))
     }
-}
+});
 
 /// Schedules of one to three faults. The first always lands on the next post (the one every
 /// update makes) and is never a mere delay, so every schedule injects a fault that changes what

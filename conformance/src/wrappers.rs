@@ -1,59 +1,15 @@
 //! Transport wrappers the suite uses: one records every posted batch, one fails an owner's
-//! reads mid-batch. Both delegate everything else, so they work over any backend.
+//! reads mid-batch, one sends a read elsewhere. All forward everything else
+//! ([`reshard_core::forward_transport!`]), so they work over any backend.
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use parking_lot::Mutex;
 use std::sync::Arc;
 
 use reshard_core::{
-    Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock, OwnerId,
-    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
+    Error, ErrorKind, InFlight, OwnerId, PreparedBatch, ReadBatch, ReadDesc, Result, Transport,
+    WireReport,
 };
-
-/// Implements `Transport` for a wrapper with an `inner` transport: everything but the methods
-/// given passes straight through.
-macro_rules! wrapper_transport {
-    ($ty:ty, { $($own:tt)* }) => {
-        #[async_trait]
-        impl Transport for $ty {
-            fn name(&self) -> &'static str {
-                self.inner.name()
-            }
-            fn agent(&self) -> &str {
-                self.inner.agent()
-            }
-            fn capabilities(&self) -> Capability {
-                self.inner.capabilities()
-            }
-            fn epoch(&self) -> u64 {
-                self.inner.epoch()
-            }
-            fn incarnation(&self) -> u64 {
-                self.inner.incarnation()
-            }
-            fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
-                self.inner.peer_incarnation(owner)
-            }
-            async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-                self.inner.register(block).await
-            }
-            async fn export_metadata(&self) -> Result<Bytes> {
-                self.inner.export_metadata().await
-            }
-            async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
-                self.inner.load_peer(owner, metadata).await
-            }
-            async fn allocate_host(&self, len: usize) -> Result<Option<Arc<dyn HostMemory>>> {
-                self.inner.allocate_host(len).await
-            }
-            fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
-                self.inner.set_execution_log(log)
-            }
-            $($own)*
-        }
-    };
-}
 
 /// Records the reads of every posted batch, in posting order.
 #[derive(Debug)]
@@ -84,7 +40,7 @@ impl RecordingTransport {
     }
 }
 
-wrapper_transport!(RecordingTransport, {
+reshard_core::forward_transport!(RecordingTransport => inner {
     async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
         *self.prepares.lock() += 1;
         self.inner.prepare(batch).await
@@ -127,10 +83,7 @@ impl InFlight for FailAfter {
     }
 }
 
-wrapper_transport!(FailingTransport, {
-    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
-        self.inner.prepare(batch).await
-    }
+reshard_core::forward_transport!(FailingTransport => inner {
     async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
         let first = batch
             .batch()
@@ -202,7 +155,7 @@ impl MisdirectingTransport {
     }
 }
 
-wrapper_transport!(MisdirectingTransport, {
+reshard_core::forward_transport!(MisdirectingTransport => inner {
     async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
         let asked = Arc::new(batch);
         let mut sent = (*asked).clone();

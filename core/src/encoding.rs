@@ -184,12 +184,7 @@ fn put_str(w: &mut Vec<u8>, s: &str) {
 /// Returns [`ErrorKind::Decode`] for malformed bytes and [`ErrorKind::InvalidTable`] for a
 /// well-formed table that is not valid (see the module docs).
 pub fn decode_table(bytes: &[u8]) -> Result<ShardTable> {
-    let mut r = Reader {
-        bytes,
-        pos: 0,
-        section: Section::Header,
-        owner: None,
-    };
+    let mut r = Reader::new(bytes);
 
     let magic = r.take(MAGIC.len(), "magic")?;
     if magic != MAGIC {
@@ -270,7 +265,7 @@ fn decode_tensor(r: &mut Reader<'_>) -> Result<TensorSpec> {
 }
 
 fn decode_tensor_body(r: &mut Reader<'_>) -> Result<(DType, Vec<u64>)> {
-    let at = r.pos;
+    let at = r.pos();
     let code = r.u8("dtype")?;
     let dtype = DType::from_code(code).ok_or_else(|| {
         r.fail_at(
@@ -290,7 +285,7 @@ fn decode_tensor_body(r: &mut Reader<'_>) -> Result<(DType, Vec<u64>)> {
 }
 
 fn decode_offer(r: &mut Reader<'_>, tensors: &[TensorSpec], owner: u32) -> Result<ShardOffer> {
-    let at = r.pos;
+    let at = r.pos();
     let index = r.varint("tensor index")?;
     let Some(spec) = usize::try_from(index).ok().and_then(|i| tensors.get(i)) else {
         return Err(Error::new(
@@ -319,11 +314,11 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
     }
     let region = r.varint("region")?;
     let byte_offset = r.varint("byte offset")?;
-    let at = r.pos;
+    let at = r.pos();
     let memory = match r.u8("memory kind")? {
         TAG_DRAM => MemoryKind::Dram,
         TAG_VRAM => {
-            let at = r.pos;
+            let at = r.pos();
             let device = r.varint("device")?;
             let device = u32::try_from(device)
                 .map_err(|_| r.fail_at(at, format!("device {device} does not fit u32")))?;
@@ -336,7 +331,7 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
             ))
         }
     };
-    let at = r.pos;
+    let at = r.pos();
     let digest = match r.u8("digest flag")? {
         DIGEST_NONE => None,
         DIGEST_SOME => {
@@ -351,12 +346,12 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
             ))
         }
     };
-    let at = r.pos;
+    let at = r.pos();
     let chunks = match r.u8("chunk digests flag")? {
         DIGEST_NONE => None,
         DIGEST_SOME => {
             let rows = r.varint("chunk rows")?;
-            let at = r.pos;
+            let at = r.pos();
             let count = r.varint("chunk count")?;
             // Bounded by the input before allocating: each digest takes 16 bytes.
             if count > (r.remaining() / 16) as u64 {
@@ -415,21 +410,33 @@ impl fmt::Display for Section {
     }
 }
 
-/// A cursor over untrusted bytes whose every read is bounds-checked.
+/// The table decoder's cursor: a [`ByteReader`] (every read bounds-checked) whose failures
+/// become `Decode` errors naming the field, the section and the owner.
 struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
+    inner: ByteReader<'a>,
     section: Section,
     owner: Option<u32>,
 }
 
 impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Reader {
+            inner: ByteReader::new(bytes),
+            section: Section::Header,
+            owner: None,
+        }
+    }
+
+    fn pos(&self) -> usize {
+        self.inner.at()
+    }
+
     fn remaining(&self) -> usize {
-        self.bytes.len() - self.pos
+        self.inner.left()
     }
 
     fn fail(&self, msg: impl fmt::Display) -> Error {
-        self.fail_at(self.pos, msg)
+        self.fail_at(self.pos(), msg)
     }
 
     fn fail_at(&self, at: usize, msg: impl fmt::Display) -> Error {
@@ -443,52 +450,53 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
-        if self.remaining() < n {
-            return Err(self.fail(format!(
-                "truncated: {field} needs {n} bytes, {} remain",
-                self.remaining()
-            )));
-        }
-        let s = &self.bytes[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
+    /// Runs one read of the byte reader, naming `field` if the input is too short.
+    fn read<T>(
+        &mut self,
+        field: &str,
+        read: impl FnOnce(&mut ByteReader<'a>) -> std::result::Result<T, Truncated>,
+    ) -> Result<T> {
+        read(&mut self.inner).map_err(|t| {
+            // A failed read consumes nothing, so what remains is what it found.
+            let left = self.remaining();
+            self.fail(format!(
+                "truncated: {field} needs {} bytes, {left} remain",
+                left + t.needed
+            ))
+        })
     }
 
-    fn array<const N: usize>(&mut self, field: &str) -> Result<[u8; N]> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N, field)?);
-        Ok(a)
+    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
+        self.read(field, |r| r.take(n))
     }
 
     fn u8(&mut self, field: &str) -> Result<u8> {
-        Ok(self.array::<1>(field)?[0])
+        self.read(field, ByteReader::u8)
     }
 
     fn u16(&mut self, field: &str) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.array(field)?))
+        self.read(field, ByteReader::u16)
     }
 
     fn u32(&mut self, field: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.array(field)?))
+        self.read(field, ByteReader::u32)
     }
 
     fn u64(&mut self, field: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.array(field)?))
+        self.read(field, ByteReader::u64)
     }
 
     /// Unsigned LEB128, minimal form, at most 10 bytes.
     fn varint(&mut self, field: &str) -> Result<u64> {
-        let start = self.pos;
+        let start = self.pos();
         let mut v = 0u64;
         for i in 0..10 {
-            let Some(&b) = self.bytes.get(self.pos) else {
+            let Ok(b) = self.inner.u8() else {
                 return Err(self.fail_at(
                     start,
                     format!("truncated: varint {field} ends after {i} bytes"),
                 ));
             };
-            self.pos += 1;
             if i == 9 && b > 1 {
                 return Err(self.fail_at(start, format!("varint {field} overflows u64")));
             }
@@ -507,7 +515,7 @@ impl<'a> Reader<'a> {
     /// A count of items that each take at least `min_bytes` of the remaining input; rejecting
     /// counts the input cannot hold bounds every allocation sized from it.
     fn count(&mut self, field: &str, min_bytes: usize) -> Result<usize> {
-        let at = self.pos;
+        let at = self.pos();
         let n = self.varint(field)?;
         let fits = self.remaining() / min_bytes.max(1);
         match usize::try_from(n) {
@@ -523,7 +531,7 @@ impl<'a> Reader<'a> {
     }
 
     fn string(&mut self, field: &str, max_len: usize) -> Result<String> {
-        let at = self.pos;
+        let at = self.pos();
         let len = self.count(field, 1)?;
         if len > max_len {
             return Err(self.fail_at(
@@ -713,16 +721,22 @@ mod tests {
         assert_eq!(r.left(), 0);
     }
 
+    #[test]
+    fn a_short_table_names_the_field_and_what_it_needed() {
+        let e = decode_table(b"RS").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Decode);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("truncated: magic needs 4 bytes, 2 remain (in the header, at byte 0)"),
+            "{msg}"
+        );
+    }
+
     fn read_varint(bytes: &[u8]) -> Result<u64> {
-        let mut r = Reader {
-            bytes,
-            pos: 0,
-            section: Section::Header,
-            owner: None,
-        };
+        let mut r = Reader::new(bytes);
         let v = r.varint("v")?;
         assert_eq!(
-            r.pos,
+            r.pos(),
             bytes.len(),
             "varint must consume all of {bytes:02x?}"
         );

@@ -123,9 +123,69 @@ pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
     s
 }
 
+/// How a box of elements splits into runs that are contiguous in two strided buffers at once:
+/// the trailing dims collapse into one block, the leading ones enumerate the runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContiguousRuns {
+    /// Number of leading dims not collapsed (a run per combination of their indices).
+    pub outer: usize,
+    /// Elements per run.
+    pub block: u64,
+}
+
+/// Collapses the trailing dims of a box of extent `extent` that are contiguous in both buffers
+/// (element strides `a_strides` and `b_strides`): the innermost dim joins when both its strides
+/// are 1, and each dim further out while both its strides equal the elements already collapsed.
+/// A box whose innermost stride is not 1 on either side has one element per run. The planner
+/// (wire reads), the re-slice copy and the test-content writer all split boxes this way.
+pub fn contiguous_runs(extent: &[u64], a_strides: &[u64], b_strides: &[u64]) -> ContiguousRuns {
+    let r = extent.len();
+    let mut runs = ContiguousRuns { outer: r, block: 1 };
+    if r == 0 || a_strides[r - 1] != 1 || b_strides[r - 1] != 1 {
+        return runs;
+    }
+    runs.outer = r - 1;
+    runs.block = extent[r - 1];
+    while runs.outer > 0 {
+        let d = runs.outer - 1;
+        if a_strides[d] != runs.block || b_strides[d] != runs.block {
+            break;
+        }
+        runs.block *= extent[d];
+        runs.outer = d;
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contiguous_runs_collapse_while_both_sides_are_row_major() {
+        let runs = |outer, block| ContiguousRuns { outer, block };
+        // Whole rows of a [4, 8] box in two [4, 8] buffers: one run of 32 elements.
+        assert_eq!(contiguous_runs(&[4, 8], &[8, 1], &[8, 1]), runs(0, 32));
+        // Half rows: one run per row.
+        assert_eq!(contiguous_runs(&[4, 4], &[8, 1], &[4, 1]), runs(1, 4));
+        // A [2, 3, 4] box: whole in both, then whole rows of its inner [3, 4] only, then rows.
+        assert_eq!(
+            contiguous_runs(&[2, 3, 4], &[12, 4, 1], &[12, 4, 1]),
+            runs(0, 24)
+        );
+        assert_eq!(
+            contiguous_runs(&[2, 3, 4], &[24, 4, 1], &[12, 4, 1]),
+            runs(1, 12)
+        );
+        assert_eq!(
+            contiguous_runs(&[2, 3, 4], &[24, 8, 1], &[12, 4, 1]),
+            runs(2, 4)
+        );
+        // Innermost stride not 1 on either side: every element is a run.
+        assert_eq!(contiguous_runs(&[4, 4], &[4, 1], &[1, 4]), runs(2, 1));
+        assert_eq!(contiguous_runs(&[4, 4], &[1, 4], &[4, 1]), runs(2, 1));
+        assert_eq!(contiguous_runs(&[], &[], &[]), runs(0, 1));
+    }
 
     #[test]
     fn strides_are_row_major() {

@@ -14,6 +14,7 @@ pub mod merge;
 pub mod model;
 pub mod plan;
 pub mod registry;
+pub mod stats;
 pub mod transport;
 
 pub use digest::Digest;
@@ -31,6 +32,7 @@ pub use model::{
 pub use plan::{
     Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer,
 };
+pub use stats::median;
 pub use transport::{
     new_incarnation, Capability, ExecutionLog, InFlight, PreparedBatch, ReadBatch, ReadDesc,
     Registration, Transport, WireReport,

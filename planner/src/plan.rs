@@ -10,7 +10,7 @@
 //! stay exact are enumerated (prior art spent ~45 s per rank building per-row runs it then threw
 //! away for full pulls).
 
-use reshard_core::layout::row_major_strides;
+use reshard_core::layout::{contiguous_runs, row_major_strides, ContiguousRuns};
 use reshard_core::{
     Dest, DigestCheck, Error, ErrorDetail, ErrorKind, MergedOffer, MergedTable, MergedTensor,
     OwnerId, ParamSpec, Plan, PlanParam, PlanStats, PlannedRead, Reslice, Result, StagingBuffer,
@@ -174,26 +174,10 @@ struct RunShape {
     block: u64,
 }
 
-/// Collapses trailing dims while both sides are row-major for the overlap: the innermost dim is
-/// contiguous only when the destination stride is 1, and dim `d` joins while both strides equal
-/// the element count of the block already collapsed.
+/// The runs of an overlap contiguous in both the offer (source) and the parameter
+/// ([`contiguous_runs`]; the offer side is row-major, so its innermost stride is 1).
 fn run_shape(ext: &[u64], src_strides: &[u64], dst_strides: &[u64]) -> RunShape {
-    let r = ext.len();
-    let mut outer = r;
-    let mut block = 1u64;
-    if dst_strides[r - 1] == 1 {
-        block = ext[r - 1];
-        outer = r - 1;
-        while outer > 0 {
-            let d = outer - 1;
-            if src_strides[d] == block && dst_strides[d] == block {
-                block *= ext[d];
-                outer = d;
-            } else {
-                break;
-            }
-        }
-    }
+    let ContiguousRuns { outer, block } = contiguous_runs(ext, src_strides, dst_strides);
     RunShape {
         outer,
         runs: ext[..outer].iter().product(),

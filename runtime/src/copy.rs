@@ -1,12 +1,12 @@
 //! Local strided copies (the re-slice of full pulls): collapse trailing dimensions contiguous in
 //! both buffers, then move each run with one `copy_from_slice`.
 
+use reshard_core::layout::{contiguous_runs, ContiguousRuns};
 use reshard_core::{Error, ErrorKind, Reslice, Result};
 
 /// Copies `r.extent` elements from `src` (staging) into `dst` (parameter) per the re-slice.
 /// Bounds are checked up front; a violation is an `Internal` error naming the tensor.
 pub fn reslice(r: &Reslice, src: &[u8], dst: &mut [u8], tensor: &str) -> Result<()> {
-    let n = r.extent.len();
     let e = r.elem;
     let last = |off: u64, strides: &[u64]| -> u64 {
         off + e
@@ -25,16 +25,10 @@ pub fn reslice(r: &Reslice, src: &[u8], dst: &mut [u8], tensor: &str) -> Result<
         );
     }
     // Collapse: dims k.. form one contiguous run in both buffers.
-    let mut k = n;
-    let mut run = 1u64;
-    if r.src_strides[n - 1] == 1 && r.dst_strides[n - 1] == 1 {
-        k = n - 1;
-        run = r.extent[n - 1];
-        while k > 0 && r.src_strides[k - 1] == run && r.dst_strides[k - 1] == run {
-            k -= 1;
-            run *= r.extent[k];
-        }
-    }
+    let ContiguousRuns {
+        outer: k,
+        block: run,
+    } = contiguous_runs(&r.extent, &r.src_strides, &r.dst_strides);
     let run_bytes = (run * e) as usize;
     let outer: u64 = r.extent[..k].iter().product();
     let mut idx = vec![0u64; k];

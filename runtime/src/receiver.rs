@@ -96,13 +96,25 @@ impl ReceiverOptions {
     }
 
     /// Options that change the plan or its descriptors (the "arm").
-    fn arm_key(&self) -> (bool, bool, u64) {
-        (
-            self.dedup,
-            self.spread_owners,
-            self.plan.full_pull_threshold,
-        )
+    fn arm(&self) -> Arm {
+        Arm {
+            dedup: self.dedup,
+            spread_owners: self.spread_owners,
+            full_pull_threshold: self.plan.full_pull_threshold,
+        }
     }
+}
+
+/// The receiver options a cached plan, its buffers and its descriptors were made under (the
+/// "arm" of a benchmark); any other option can change without rebuilding them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Arm {
+    /// [`ReceiverOptions::dedup`]: one replica per byte, or every replica (overlapping reads).
+    dedup: bool,
+    /// [`ReceiverOptions::spread_owners`]: which replica each byte is read from.
+    spread_owners: bool,
+    /// [`PlanOptions::full_pull_threshold`]: where strided reads become full pulls.
+    full_pull_threshold: u64,
 }
 
 /// Seconds spent in each stage of one update (docs/design.md §7).
@@ -234,7 +246,7 @@ struct Cached {
 
 struct Prepared {
     geometry: u64,
-    arm: (bool, bool, u64),
+    arm: Arm,
     plan: Arc<Plan>,
     banks: [Bank; 2],
     staging: Vec<Arc<HostBuffer>>,
@@ -297,7 +309,7 @@ impl Receiver {
     /// Changes options; a change of arm (dedup, spreading, threshold) drops the cached plan and
     /// descriptors. Live weights stay.
     pub fn set_options(&mut self, opts: ReceiverOptions) {
-        if opts.arm_key() != self.opts.arm_key() {
+        if opts.arm() != self.opts.arm() {
             self.prepared = None;
         }
         self.opts = opts;
@@ -372,7 +384,7 @@ impl Receiver {
         // Stable geometry (the normal case, step after step): the previous merge and dedup hold;
         // only the new digests need the replica check.
         let keys: Vec<u64> = tables.iter().map(table_geometry_key).collect();
-        let arm = self.opts.arm_key();
+        let arm = self.opts.arm();
         let (table, dedup_report, geometry) = match &self.tables_cache {
             Some(c) if c.keys == keys && c.arm == arm => {
                 st.merge = watch.lap();
@@ -635,12 +647,7 @@ impl Receiver {
         Ok(Bank { params, regs })
     }
 
-    async fn allocate(
-        &self,
-        plan: Arc<Plan>,
-        geometry: u64,
-        arm: (bool, bool, u64),
-    ) -> Result<Prepared> {
+    async fn allocate(&self, plan: Arc<Plan>, geometry: u64, arm: Arm) -> Result<Prepared> {
         let params: u64 = plan.params.iter().map(|p| p.bytes).sum();
         let staging: u64 = plan.staging.iter().map(|s| s.bytes).sum();
         reshard_core::memory_check(2 * params + staging, "receiver banks and staging")?;
@@ -677,7 +684,7 @@ impl Receiver {
 /// the arm are unchanged.
 struct TablesCache {
     keys: Vec<u64>,
-    arm: (bool, bool, u64),
+    arm: Arm,
     table: Arc<MergedTable>,
     report: DedupReport,
     geometry: u64,

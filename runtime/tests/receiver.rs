@@ -416,44 +416,7 @@ impl reshard_core::InFlight for Delayed {
     }
 }
 
-#[async_trait::async_trait]
-impl Transport for Flaky {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn agent(&self) -> &str {
-        self.inner.agent()
-    }
-    fn capabilities(&self) -> reshard_core::Capability {
-        self.inner.capabilities()
-    }
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
-    }
-    fn incarnation(&self) -> u64 {
-        self.inner.incarnation()
-    }
-    fn peer_incarnation(&self, owner: reshard_core::OwnerId) -> Option<u64> {
-        self.inner.peer_incarnation(owner)
-    }
-    async fn register(
-        &self,
-        block: Arc<dyn reshard_core::MemoryBlock>,
-    ) -> reshard_core::Result<reshard_core::Registration> {
-        self.inner.register(block).await
-    }
-    async fn export_metadata(&self) -> reshard_core::Result<bytes::Bytes> {
-        self.inner.export_metadata().await
-    }
-    async fn load_peer(&self, owner: u32, md: bytes::Bytes) -> reshard_core::Result<()> {
-        self.inner.load_peer(owner, md).await
-    }
-    async fn prepare(
-        &self,
-        batch: reshard_core::ReadBatch,
-    ) -> reshard_core::Result<reshard_core::PreparedBatch> {
-        self.inner.prepare(batch).await
-    }
+reshard_core::forward_transport!(Flaky => inner {
     async fn post(
         &self,
         batch: &reshard_core::PreparedBatch,
@@ -482,7 +445,7 @@ impl Transport for Flaky {
             short: self.short,
         }))
     }
-}
+});
 
 async fn flaky_setup(
     fail: u32,

@@ -2,6 +2,7 @@
 //! name, global byte position), so replicas are byte-identical, any box can be produced on its
 //! own, and a receiver's expected parameters can be rebuilt independently of the wire.
 
+use reshard_core::layout::{contiguous_runs, row_major_strides, ContiguousRuns};
 use reshard_core::TensorBox;
 
 /// Per-tensor key mixing seed, step and name.
@@ -47,27 +48,18 @@ pub fn fill(dst: &mut [u8], key: u64, start: u64) {
 /// Calls `f(global_byte, len, box_byte)` for each maximal run of `b` that is contiguous in the
 /// row-major global tensor of `shape`, in row-major order of the box.
 pub fn for_each_span(shape: &[u64], b: &TensorBox, elem: u64, mut f: impl FnMut(u64, u64, u64)) {
-    let n = shape.len();
-    // Dims after `k` are full, so the box is contiguous from dim k inwards.
-    let mut k = n - 1;
-    while k > 0 && b.extent[k] == shape[k] {
-        k -= 1;
-    }
-    let inner: u64 = b.extent[k] * shape[k + 1..].iter().product::<u64>();
-    let strides = reshard_core::layout::row_major_strides(shape);
+    let strides = row_major_strides(shape);
+    // Runs contiguous in both the box (row-major over its extent) and the global tensor.
+    let ContiguousRuns {
+        outer: k,
+        block: inner,
+    } = contiguous_runs(&b.extent, &row_major_strides(&b.extent), &strides);
+    let origin: u64 = b.offset.iter().zip(&strides).map(|(o, s)| o * s).sum();
     let outer: u64 = b.extent[..k].iter().product();
     let mut idx = vec![0u64; k];
     let mut box_byte = 0u64;
     for _ in 0..outer {
-        let mut g = b.offset[k] * strides[k];
-        for d in 0..k {
-            g += (b.offset[d] + idx[d]) * strides[d];
-        }
-        g += b.offset[k + 1..]
-            .iter()
-            .zip(&strides[k + 1..])
-            .map(|(o, s)| o * s)
-            .sum::<u64>();
+        let g = origin + (0..k).map(|d| idx[d] * strides[d]).sum::<u64>();
         f(g * elem, inner * elem, box_byte);
         box_byte += inner * elem;
         for d in (0..k).rev() {

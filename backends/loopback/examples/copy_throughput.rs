@@ -3,16 +3,11 @@
 //! `cargo run --release -p reshard-backend-loopback --example copy_throughput [MiB] [read KiB]`
 
 use reshard_backend_loopback::{default_workers, LoopbackFabric, LoopbackTransport};
-use reshard_core::{HostBuffer, ReadBatch, ReadDesc, Transport};
+use reshard_core::{median, HostBuffer, ReadBatch, ReadDesc, Transport};
 use std::sync::Arc;
 use std::time::Instant;
 
 const ROUNDS: usize = 5;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 #[tokio::main]
 async fn main() -> reshard_core::Result<()> {

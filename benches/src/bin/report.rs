@@ -5,7 +5,8 @@
 
 use std::time::Instant;
 
-use reshard_benches::{median, reference_geometry, time_plans, LoopbackRig};
+use reshard_benches::{reference_geometry, time_plans, LoopbackRig};
+use reshard_core::median;
 use reshard_core::{dedup, merge, table_geometry_key, DedupOptions, ReplicaGroups, Result};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::plan::{plan, PlanOptions};
