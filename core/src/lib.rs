@@ -7,6 +7,7 @@ pub mod config;
 pub mod digest;
 pub mod encoding;
 pub mod error;
+mod forward;
 pub mod layout;
 #[allow(unsafe_code)]
 pub mod memory;
