@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod contract;
 pub mod digest;
 pub mod encoding;
 pub mod error;
