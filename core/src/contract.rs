@@ -13,7 +13,7 @@ use crate::transport::{ReadBatch, ReadDesc};
 
 /// What a backend knows about a remote region a read names, from its loaded peer metadata.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RemoteRegion {
+pub enum RemoteLookup {
     /// The owner's metadata was never loaded (or was dropped).
     NoPeer,
     /// The owner is loaded but advertises no region with this id.
@@ -30,7 +30,7 @@ pub fn span(off: u64, len: u64) -> Range<u64> {
 /// Checks every read of `batch`, in order, and returns the first violation:
 ///
 /// 1. zero length: `OutOfBounds`;
-/// 2. owner not loaded (`remote` says [`RemoteRegion::NoPeer`]): `PeerUnknown`;
+/// 2. owner not loaded (`remote` says [`RemoteLookup::NoPeer`]): `PeerUnknown`;
 /// 3. remote region not advertised: `OutOfBounds`;
 /// 4. remote range past the region's end, or `offset + len` overflowing: `OutOfBounds`;
 /// 5. local region not registered (`local` says `None`), local range past its end or
@@ -45,7 +45,7 @@ pub fn validate_batch(
     backend: &'static str,
     agent: &str,
     batch: &ReadBatch,
-    mut remote: impl FnMut(OwnerId, u64) -> RemoteRegion,
+    mut remote: impl FnMut(OwnerId, u64) -> RemoteLookup,
     mut local: impl FnMut(u64) -> Option<u64>,
 ) -> Result<()> {
     let err = |kind: ErrorKind, r: &ReadDesc, range: Range<u64>, msg: String| {
@@ -55,7 +55,7 @@ pub fn validate_batch(
             .with_backend(backend)
     };
     // (owner, region, what `remote` said) of the previous read; (region, len) likewise.
-    let mut last_remote: Option<(OwnerId, u64, RemoteRegion)> = None;
+    let mut last_remote: Option<(OwnerId, u64, RemoteLookup)> = None;
     let mut last_local: Option<(u64, Option<u64>)> = None;
     for (i, r) in batch.reads.iter().enumerate() {
         let rrange = span(r.remote_offset, r.len);
@@ -72,15 +72,15 @@ pub fn validate_batch(
             }
         };
         let rlen = match found {
-            RemoteRegion::Len(len) => len,
-            RemoteRegion::NoPeer => {
+            RemoteLookup::Len(len) => len,
+            RemoteLookup::NoPeer => {
                 let msg = format!(
                     "read {i} names owner {} whose metadata was never loaded",
                     r.owner
                 );
                 return Err(err(ErrorKind::PeerUnknown, r, rrange, msg));
             }
-            RemoteRegion::NoRegion => {
+            RemoteLookup::NoRegion => {
                 let msg = format!(
                     "read {i}: owner {} has no region {}",
                     r.owner, r.remote_region
@@ -142,12 +142,12 @@ mod tests {
 
     /// Owner 1 advertises region 10 of 100 bytes and region 11 of `u64::MAX` bytes; owner 2
     /// is loaded with no regions; local region 5 has 50 bytes, local region 6 `u64::MAX`.
-    fn remote(owner: OwnerId, region: u64) -> RemoteRegion {
+    fn remote(owner: OwnerId, region: u64) -> RemoteLookup {
         match (owner, region) {
-            (1, 10) => RemoteRegion::Len(100),
-            (1, 11) => RemoteRegion::Len(u64::MAX),
-            (1 | 2, _) => RemoteRegion::NoRegion,
-            _ => RemoteRegion::NoPeer,
+            (1, 10) => RemoteLookup::Len(100),
+            (1, 11) => RemoteLookup::Len(u64::MAX),
+            (1 | 2, _) => RemoteLookup::NoRegion,
+            _ => RemoteLookup::NoPeer,
         }
     }
 

@@ -4,7 +4,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
-use reshard_core::contract::{self, span, RemoteRegion};
+use reshard_core::contract::{self, span, RemoteLookup};
 use reshard_core::{
     Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
     PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
@@ -205,11 +205,11 @@ impl LoopbackTransport {
             &self.agent.name,
             batch,
             |owner, region| match peers.get(&owner) {
-                None => RemoteRegion::NoPeer,
+                None => RemoteLookup::NoPeer,
                 Some(p) => p
                     .regions
                     .get(&region)
-                    .map_or(RemoteRegion::NoRegion, |&len| RemoteRegion::Len(len)),
+                    .map_or(RemoteLookup::NoRegion, |&len| RemoteLookup::Len(len)),
             },
             |region| local.get(&region).map(|r| r.len),
         )?;
