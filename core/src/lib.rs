@@ -12,6 +12,7 @@ pub mod layout;
 #[allow(unsafe_code)]
 pub mod memory;
 pub mod merge;
+pub mod metadata;
 pub mod model;
 pub mod plan;
 pub mod registry;
