@@ -17,7 +17,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::agent::{NixlAgent, Prepped, Reg, Request};
-use crate::meta::{AgentMeta, RegionMeta};
+use crate::meta::{incarnation_of, AgentMeta, RegionMeta};
 use crate::options::NixlOptions;
 use crate::xfer::NixlInFlight;
 use crate::{quarantine, runtime, BACKEND};
@@ -227,12 +227,6 @@ fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
         .with_owner(owner)
         .with_range(range)
         .with_backend(BACKEND)
-}
-
-/// The incarnation of the endpoint whose NIXL agent has this name: names are unique per
-/// endpoint creation ([`unique_name`]), so the metadata already carries its incarnation.
-fn incarnation_of(nixl_name: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(nixl_name.as_bytes()).max(1)
 }
 
 /// A name no other NIXL agent (in this or another process or host) is likely to carry, so a
