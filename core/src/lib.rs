@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod contract;
 pub mod digest;
 pub mod encoding;
 pub mod error;
@@ -12,6 +13,7 @@ pub mod layout;
 #[allow(unsafe_code)]
 pub mod memory;
 pub mod merge;
+pub mod metadata;
 pub mod model;
 pub mod plan;
 pub mod registry;

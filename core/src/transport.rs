@@ -261,7 +261,8 @@ pub fn new_incarnation() -> u64 {
 ///   registered region are a typed `OutOfBounds` error, never undefined behaviour. Region ids
 ///   are assigned 1, 2, 3, ... in registration order per endpoint, so the same registrations
 ///   give the same ids (and the same plan fingerprint) on every backend.
-/// - `prepare` validates every read (peer known, both ranges inside registered regions) and
+/// - `prepare` validates every read (peer known, both ranges inside registered regions) with
+///   [`crate::contract::validate_batch`], the one implementation of these checks, and
 ///   translates the batch once; the result is reused by every `post` until any registration
 ///   or peer changes, which [`Transport::epoch`] reports.
 /// - `post` starts every owner's reads before it returns; nothing is awaited per owner.

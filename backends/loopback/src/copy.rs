@@ -6,7 +6,6 @@ use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
 use reshard_core::{Error, ErrorKind, InFlight, MemoryBlock, OwnerId, Result, WireReport};
 use std::cell::Cell;
-use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -283,9 +282,4 @@ impl Drop for LoopbackInFlight {
             self.gate.close();
         }
     }
-}
-
-/// The byte range `off..off+len` as a `Range`, saturating instead of overflowing.
-pub(crate) fn span(off: u64, len: u64) -> Range<u64> {
-    off..off.saturating_add(len)
 }

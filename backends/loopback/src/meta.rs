@@ -1,16 +1,18 @@
 //! Metadata an agent exports and its peers load: a small versioned binary blob.
 //!
-//! Layout (little endian): magic `RSLB`, version `u8`, fabric id `u64`, agent uid `u64`,
-//! name length `u16` + UTF-8 name, region count `u32`, then `(id u64, len u64)` per region.
-//! Decoding treats the bytes as untrusted: every length is checked before it is used and
+//! Layout (little endian): the shared header ([`reshard_core::metadata::MetaHeader`]: magic
+//! `RSLB`, version `u8`, name length `u16` + UTF-8 name, agent uid `u64` as the incarnation),
+//! fabric id `u64`, region count `u32`, then `(id u64, len u64)` per region. Decoding treats the bytes as untrusted: every length is checked before it is used and
 //! nothing is allocated beyond what the input itself holds.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
+use reshard_core::metadata::{HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, Result};
 
-const MAGIC: &[u8; 4] = b"RSLB";
-const VERSION: u8 = 1;
+const MAGIC: [u8; 4] = *b"RSLB";
+/// 2: the shared header (name before the agent uid, the fabric id after them).
+const VERSION: u8 = 2;
 
 /// What a peer needs to read an agent's regions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,14 +27,10 @@ pub(crate) struct AgentMeta {
 /// Why a blob could not be decoded (kept as the source of the public `Decode` error).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub(crate) enum MetaError {
-    #[error("not loopback metadata (bad magic)")]
-    Magic,
-    #[error("unsupported loopback metadata version {0} (this build reads {VERSION})")]
-    Version(u8),
+    #[error(transparent)]
+    Header(#[from] HeaderError),
     #[error(transparent)]
     Truncated(#[from] Truncated),
-    #[error("agent name is not UTF-8")]
-    Name,
     #[error("{0} trailing bytes after the last region")]
     Trailing(usize),
     #[error("region {0} listed twice")]
@@ -41,16 +39,15 @@ pub(crate) enum MetaError {
 
 impl AgentMeta {
     pub(crate) fn encode(&self) -> Bytes {
-        let name = self.agent.as_bytes();
-        let mut b =
-            BytesMut::with_capacity(4 + 1 + 8 + 8 + 2 + name.len() + 4 + 16 * self.regions.len());
-        b.put_slice(MAGIC);
-        b.put_u8(VERSION);
+        let header = MetaHeader {
+            magic: MAGIC,
+            version: VERSION,
+            agent: self.agent.clone(),
+            incarnation: self.agent_uid,
+        };
+        let mut b = BytesMut::with_capacity(header.encoded_len() + 8 + 4 + 16 * self.regions.len());
+        header.encode_into(&mut b);
         b.put_u64_le(self.fabric);
-        b.put_u64_le(self.agent_uid);
-        // Agent names are limited to u16::MAX bytes when the agent is created.
-        b.put_u16_le(name.len() as u16);
-        b.put_slice(name);
         b.put_u32_le(self.regions.len() as u32);
         for &(id, len) in &self.regions {
             b.put_u64_le(id);
@@ -72,19 +69,12 @@ impl AgentMeta {
 
     fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
         let mut r = ByteReader::new(bytes);
-        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
-            return Err(MetaError::Magic);
-        }
-        let version = r.take(1)?[0];
-        if version != VERSION {
-            return Err(MetaError::Version(version));
-        }
+        let MetaHeader {
+            agent,
+            incarnation: agent_uid,
+            ..
+        } = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
         let fabric = r.u64()?;
-        let agent_uid = r.u64()?;
-        let name_len = u16::from_le_bytes(r.array()?) as usize;
-        let agent = std::str::from_utf8(r.take(name_len)?)
-            .map_err(|_| MetaError::Name)?
-            .to_owned();
         let count = u32::from_le_bytes(r.array()?) as usize;
         // Check the count against the bytes present before allocating anything for it.
         let need = count.saturating_mul(16);
@@ -145,13 +135,19 @@ mod tests {
         let full = sample().encode().to_vec();
         let mut v = full.clone();
         v[4] = 99;
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Version(99)));
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Version { found: 99, .. }))
+        ));
         let mut v = full.clone();
         v[0] = b'X';
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Magic));
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Magic { .. }))
+        ));
         // A huge region count with few bytes present allocates nothing and fails cleanly.
         let name_len = sample().agent.len();
-        let count_at = 4 + 1 + 8 + 8 + 2 + name_len;
+        let count_at = 4 + 1 + 2 + name_len + 8 + 8;
         let mut v = full.clone();
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
@@ -165,8 +161,11 @@ mod tests {
             Err(MetaError::DuplicateRegion(3))
         );
         let mut v = full;
-        v[4 + 1 + 8 + 8 + 2] = 0xff;
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Name));
+        v[4 + 1 + 2] = 0xff;
+        assert_eq!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Name))
+        );
     }
 
     #[test]
@@ -183,5 +182,28 @@ mod tests {
                 .collect();
             assert!(AgentMeta::decode(&v).is_err());
         }
+    }
+
+    /// The fuzz seed `fuzz/corpus/loopback_metadata/seed-two-regions` is what this encoder
+    /// writes (`UPDATE_SEEDS=1 cargo test -p reshard-backend-loopback seed` rewrites it after a
+    /// format change), and it decodes.
+    #[test]
+    fn the_fuzz_seed_is_the_encoders_output() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fuzz/corpus/loopback_metadata/seed-two-regions"
+        );
+        let seed = AgentMeta {
+            fabric: 0xfeed_beef,
+            agent_uid: 7,
+            agent: "pub-0".into(),
+            regions: vec![(1, 4096), (2, 64)],
+        };
+        let bytes = seed.encode();
+        if std::env::var_os("UPDATE_SEEDS").is_some() {
+            std::fs::write(path, &bytes).unwrap();
+        }
+        assert_eq!(std::fs::read(path).unwrap(), &bytes[..]);
+        assert_eq!(AgentMeta::decode(&bytes).unwrap(), seed);
     }
 }

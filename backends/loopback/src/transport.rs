@@ -4,6 +4,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
+use reshard_core::contract::{self, span, RemoteLookup};
 use reshard_core::{
     Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
     PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
@@ -14,7 +15,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use crate::copy::{self, span, Live, PostCtx};
+use crate::copy::{self, Live, PostCtx};
 use crate::fabric::{AgentState, LoopbackFabric, Region};
 use crate::meta::AgentMeta;
 use crate::work::{self, Piece};
@@ -188,7 +189,8 @@ impl LoopbackTransport {
         Ok(pool)
     }
 
-    /// Checks every read against loaded peers and local registrations and builds work lists.
+    /// Checks every read against loaded peers and local registrations
+    /// ([`contract::validate_batch`]) and builds work lists.
     fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
         if u32::try_from(batch.reads.len()).is_err() {
             return Err(
@@ -198,6 +200,24 @@ impl LoopbackTransport {
         }
         let peers = self.peers.read();
         let local = self.agent.regions.read();
+        contract::validate_batch(
+            BACKEND,
+            &self.agent.name,
+            batch,
+            |owner, region| match peers.get(&owner) {
+                None => RemoteLookup::NoPeer,
+                Some(p) => p
+                    .regions
+                    .get(&region)
+                    .map_or(RemoteLookup::NoRegion, |&len| RemoteLookup::Len(len)),
+            },
+            |region| local.get(&region).map(|r| r.len),
+        )?;
+        // Every look-up below succeeds (the batch was validated under these same locks);
+        // failing anyway is an internal error, never a panic.
+        let missing = |i: usize, r: &ReadDesc, what: &str| {
+            contract::validated_lookup_failed(BACKEND, i, r, what)
+        };
         let mut srcs: Vec<SrcRef> = Vec::new();
         let mut src_ix: HashMap<(OwnerId, u64), u32> = HashMap::new();
         let mut dsts: Vec<DstRef> = Vec::new();
@@ -205,48 +225,34 @@ impl LoopbackTransport {
         let mut dst_base: Vec<u64> = Vec::new();
         let mut dst_ix: HashMap<u64, u32> = HashMap::new();
         let mut whole = Vec::with_capacity(batch.reads.len());
-        let mut last_src: Option<(OwnerId, u64, u32, u64)> = None;
-        let mut last_dst: Option<(u64, u32, u64)> = None;
+        let mut last_src: Option<(OwnerId, u64, u32)> = None;
+        let mut last_dst: Option<(u64, u32)> = None;
         for (i, r) in batch.reads.iter().enumerate() {
-            let remote = span(r.remote_offset, r.len);
-            if r.len == 0 {
-                return Err(oob(r.owner, remote, format!("read {i} has zero length")));
-            }
             // Consecutive reads mostly share regions: skip the map look-ups when they do.
-            let (s, rlen) = match last_src {
-                Some((o, g, s, len)) if (o, g) == (r.owner, r.remote_region) => (s, len),
+            let s = match last_src {
+                Some((o, g, s)) if (o, g) == (r.owner, r.remote_region) => s,
                 _ => {
-                    let hit = self.lookup_src(&peers, &mut srcs, &mut src_ix, i, r)?;
-                    last_src = Some((r.owner, r.remote_region, hit.0, hit.1));
-                    hit
+                    let peer = peers.get(&r.owner).ok_or_else(|| missing(i, r, "peer"))?;
+                    let s = *src_ix.entry((r.owner, r.remote_region)).or_insert_with(|| {
+                        srcs.push(SrcRef {
+                            owner: r.owner,
+                            agent: Weak::clone(&peer.agent),
+                            region: r.remote_region,
+                            max_end: 0,
+                            first_read: i,
+                        });
+                        (srcs.len() - 1) as u32
+                    });
+                    last_src = Some((r.owner, r.remote_region, s));
+                    s
                 }
             };
-            let rend = r.remote_offset.checked_add(r.len).filter(|&e| e <= rlen);
-            let rend = rend.ok_or_else(|| {
-                oob(
-                    r.owner,
-                    remote.clone(),
-                    format!(
-                        "read {i}: bytes {}..{} outside region {} of owner {} ({rlen} bytes)",
-                        remote.start, remote.end, r.remote_region, r.owner
-                    ),
-                )
-            })?;
-            let lrange = span(r.local_offset, r.len);
-            let (d, llen) = match last_dst {
-                Some((g, d, len)) if g == r.local_region => (d, len),
+            let d = match last_dst {
+                Some((g, d)) if g == r.local_region => d,
                 _ => {
-                    let region = local.get(&r.local_region).ok_or_else(|| {
-                        oob(
-                            r.owner,
-                            lrange.clone(),
-                            format!(
-                                "read {i}: local region {} is not registered on agent {:?}",
-                                r.local_region, self.agent.name
-                            ),
-                        )
-                    })?;
-                    let llen = region.len;
+                    let region = local
+                        .get(&r.local_region)
+                        .ok_or_else(|| missing(i, r, "local region"))?;
                     let d = *dst_ix.entry(r.local_region).or_insert_with(|| {
                         dst_base.push(region.block.addr() as u64);
                         dsts.push(DstRef {
@@ -256,25 +262,15 @@ impl LoopbackTransport {
                         });
                         (dsts.len() - 1) as u32
                     });
-                    last_dst = Some((r.local_region, d, llen));
-                    (d, llen)
+                    last_dst = Some((r.local_region, d));
+                    d
                 }
             };
-            let lend = r.local_offset.checked_add(r.len).filter(|&e| e <= llen);
-            let lend = lend.ok_or_else(|| {
-                oob(
-                    r.owner,
-                    lrange.clone(),
-                    format!(
-                        "read {i}: local bytes {}..{} outside local region {} ({llen} bytes)",
-                        lrange.start, lrange.end, r.local_region
-                    ),
-                )
-            })?;
+            // Validated: neither sum overflows.
             let src = &mut srcs[s as usize];
-            src.max_end = src.max_end.max(rend);
+            src.max_end = src.max_end.max(r.remote_offset + r.len);
             let dst = &mut dsts[d as usize];
-            dst.max_end = dst.max_end.max(lend);
+            dst.max_end = dst.max_end.max(r.local_offset + r.len);
             whole.push(Piece {
                 read: i as u32,
                 src: s,
@@ -298,52 +294,6 @@ impl LoopbackTransport {
             dsts,
             work,
         })
-    }
-
-    /// Finds (or adds) the source reference of read `i`: its index and the region length the
-    /// peer's metadata lists.
-    fn lookup_src(
-        &self,
-        peers: &HashMap<OwnerId, Arc<Peer>>,
-        srcs: &mut Vec<SrcRef>,
-        src_ix: &mut HashMap<(OwnerId, u64), u32>,
-        i: usize,
-        r: &ReadDesc,
-    ) -> Result<(u32, u64)> {
-        let remote = span(r.remote_offset, r.len);
-        let peer = peers.get(&r.owner).ok_or_else(|| {
-            Error::new(
-                ErrorKind::PeerUnknown,
-                format!(
-                    "read {i} names owner {} whose metadata was never loaded",
-                    r.owner
-                ),
-            )
-            .with_owner(r.owner)
-            .with_range(remote.clone())
-            .with_backend(BACKEND)
-        })?;
-        let rlen = *peer.regions.get(&r.remote_region).ok_or_else(|| {
-            oob(
-                r.owner,
-                remote,
-                format!(
-                    "read {i}: owner {} has no region {}",
-                    r.owner, r.remote_region
-                ),
-            )
-        })?;
-        let s = *src_ix.entry((r.owner, r.remote_region)).or_insert_with(|| {
-            srcs.push(SrcRef {
-                owner: r.owner,
-                agent: Weak::clone(&peer.agent),
-                region: r.remote_region,
-                max_end: 0,
-                first_read: i,
-            });
-            (srcs.len() - 1) as u32
-        });
-        Ok((s, rlen))
     }
 
     /// Resolves every region of a prepared batch to its live block, re-checking bounds.

@@ -40,12 +40,12 @@ fn counting() -> Counting {
 
 reshard_conformance::counting_tests!(counting());
 
-/// Metadata layout (see `meta.rs`): magic, version, fabric id, agent uid, name, region count,
+/// Metadata layout (see `meta.rs`): magic, version, name, agent uid, fabric id, region count,
 /// then `(id u64, len u64)` per region.
 fn enlarge_region(meta: &[u8], region: u64, by: u64) -> Vec<u8> {
     let mut v = meta.to_vec();
-    let name_len = u16::from_le_bytes([v[21], v[22]]) as usize;
-    let count_at = 23 + name_len;
+    let name_len = u16::from_le_bytes([v[5], v[6]]) as usize;
+    let count_at = 7 + name_len + 8 + 8;
     let count = u32::from_le_bytes(v[count_at..count_at + 4].try_into().unwrap()) as usize;
     for k in 0..count {
         let at = count_at + 4 + 16 * k;

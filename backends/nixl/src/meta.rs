@@ -1,8 +1,9 @@
 //! Metadata an endpoint exports and its peers load: NIXL's own agent metadata inside a small
 //! versioned envelope that also lists reshard's regions.
 //!
-//! Layout (little endian): magic `RSNX`, version `u8`, agent name (`u16` length + UTF-8), NIXL
-//! agent name (`u16` length + UTF-8), region count `u32`, then per region `id u64, addr u64,
+//! Layout (little endian): the shared header ([`reshard_core::metadata::MetaHeader`]: magic
+//! `RSNX`, version `u8`, agent name (`u16` length + UTF-8), incarnation `u64`, which must be
+//! [`incarnation_of`] the NIXL name), NIXL agent name (`u16` length + UTF-8), region count `u32`, then per region `id u64, addr u64,
 //! len u64, kind u8 (0 DRAM, 1 VRAM), device u32`, then the NIXL metadata (`u32` length +
 //! bytes), then an XXH3-64 checksum of everything before it. Decoding treats the bytes as
 //! untrusted: every length is checked before it is used and nothing is allocated beyond what
@@ -12,12 +13,19 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
+use reshard_core::metadata::{HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 use xxhash_rust::xxh3::xxh3_64;
 
-const MAGIC: &[u8; 4] = b"RSNX";
-/// Version this build writes and reads.
-pub(crate) const VERSION: u8 = 1;
+const MAGIC: [u8; 4] = *b"RSNX";
+/// Version this build writes and reads (2: the shared header, with the incarnation).
+pub(crate) const VERSION: u8 = 2;
+
+/// The incarnation of the endpoint whose NIXL agent has this name: names are unique per
+/// endpoint creation, so the name already identifies the incarnation.
+pub(crate) fn incarnation_of(nixl_name: &str) -> u64 {
+    xxh3_64(nixl_name.as_bytes()).max(1)
+}
 const REGION_BYTES: usize = 8 + 8 + 8 + 1 + 4;
 
 /// One registered region as a peer sees it.
@@ -45,14 +53,14 @@ pub(crate) struct AgentMeta {
 /// Why a blob could not be decoded (kept as the source of the public `Decode` error).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub(crate) enum MetaError {
-    #[error("not nixl metadata (bad magic)")]
-    Magic,
-    #[error("unsupported nixl metadata version {0} (this build reads {VERSION})")]
-    Version(u8),
+    #[error(transparent)]
+    Header(#[from] HeaderError),
     #[error(transparent)]
     Truncated(#[from] Truncated),
-    #[error("agent name is not UTF-8 or is empty")]
+    #[error("agent name is not UTF-8, is empty or holds a NUL")]
     Name,
+    #[error("incarnation {0:#x} is not the one the NIXL agent name stands for")]
+    Incarnation(u64),
     #[error("region {0} has an unknown memory kind {1}")]
     Kind(u64, u8),
     #[error("region {0} wraps around the address space")]
@@ -70,11 +78,15 @@ pub(crate) enum MetaError {
 impl AgentMeta {
     /// Encodes; names are at most `u16::MAX` bytes (checked when the endpoint is created).
     pub(crate) fn encode(&self) -> Bytes {
-        let (a, n) = (self.agent.as_bytes(), self.nixl_name.as_bytes());
+        let header = MetaHeader {
+            magic: MAGIC,
+            version: VERSION,
+            agent: self.agent.clone(),
+            incarnation: incarnation_of(&self.nixl_name),
+        };
+        let n = self.nixl_name.as_bytes();
         let mut b = BytesMut::with_capacity(
-            4 + 1
-                + 2
-                + a.len()
+            header.encoded_len()
                 + 2
                 + n.len()
                 + 4
@@ -83,10 +95,7 @@ impl AgentMeta {
                 + self.nixl_md.len()
                 + 8,
         );
-        b.put_slice(MAGIC);
-        b.put_u8(VERSION);
-        b.put_u16_le(a.len() as u16);
-        b.put_slice(a);
+        header.encode_into(&mut b);
         b.put_u16_le(n.len() as u16);
         b.put_slice(n);
         b.put_u32_le(self.regions.len() as u32);
@@ -126,14 +135,12 @@ impl AgentMeta {
 
     pub(crate) fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
         let mut r = ByteReader::new(bytes);
-        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
-            return Err(MetaError::Magic);
+        let header = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
+        if header.agent.contains('\0') {
+            return Err(MetaError::Name);
         }
-        let version = r.take(1)?[0];
-        if version != VERSION {
-            return Err(MetaError::Version(version));
-        }
-        // Verify the checksum before parsing anything else.
+        // Verify the checksum before parsing anything past the header (which is ours and
+        // parsed defensively): NIXL's own parser must never see damaged bytes.
         r.ensure(8)?;
         let body = bytes.len() - 8;
         let mut sum = [0u8; 8];
@@ -146,8 +153,10 @@ impl AgentMeta {
         let at = r.at();
         let mut r = ByteReader::new(bytes);
         r.take(at)?;
-        let agent = read_name(&mut r)?;
         let nixl_name = read_name(&mut r)?;
+        if header.incarnation != incarnation_of(&nixl_name) {
+            return Err(MetaError::Incarnation(header.incarnation));
+        }
         let count = u32::from_le_bytes(r.array()?) as usize;
         // Check the count against the bytes present before allocating anything for it.
         r.ensure(count.saturating_mul(REGION_BYTES))?;
@@ -186,7 +195,7 @@ impl AgentMeta {
             return Err(MetaError::Trailing(bytes.len() - r.at()));
         }
         Ok(AgentMeta {
-            agent,
+            agent: header.agent,
             nixl_name,
             regions,
             nixl_md,
@@ -266,12 +275,26 @@ mod tests {
         let full = sample().encode().to_vec();
         let mut v = full.clone();
         v[4] = 99;
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Version(99)));
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Version { found: 99, .. }))
+        ));
         let mut v = full.clone();
         v[0] = b'X';
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Magic));
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Magic { .. }))
+        ));
         let m = sample();
-        let count_at = 4 + 1 + 2 + m.agent.len() + 2 + m.nixl_name.len();
+        let incarnation_at = 4 + 1 + 2 + m.agent.len();
+        let mut v = full.clone();
+        v[incarnation_at] ^= 1;
+        reseal(&mut v);
+        assert!(matches!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Incarnation(_))
+        ));
+        let count_at = incarnation_at + 8 + 2 + m.nixl_name.len();
         let mut v = full.clone();
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         reseal(&mut v);
@@ -296,7 +319,13 @@ mod tests {
         let mut v = full.clone();
         v[4 + 1 + 2] = 0xff;
         reseal(&mut v);
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Name));
+        assert_eq!(
+            AgentMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Name))
+        );
+        let mut m = sample();
+        m.agent = "pub\0lisher".into();
+        assert_eq!(AgentMeta::try_decode(&m.encode()), Err(MetaError::Name));
         let mut v = full;
         v[10] ^= 1;
         assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Checksum));
@@ -316,5 +345,42 @@ mod tests {
                 .collect();
             assert!(AgentMeta::decode(&v).is_err());
         }
+    }
+
+    /// The fuzz seed `fuzz/corpus/nixl_metadata/seed-body-two-regions` is what this encoder
+    /// writes, without its checksum (the target appends one): `UPDATE_SEEDS=1 cargo test -p
+    /// reshard-backend-nixl seed` rewrites it after a format change.
+    #[test]
+    fn the_fuzz_seed_is_the_encoders_output() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fuzz/corpus/nixl_metadata/seed-body-two-regions"
+        );
+        let seed = AgentMeta {
+            agent: "pub-0".into(),
+            nixl_name: "pub-0@1.2".into(),
+            regions: vec![
+                RegionMeta {
+                    id: 1,
+                    addr: 0x1000,
+                    len: 4096,
+                    kind: MemoryKind::Dram,
+                },
+                RegionMeta {
+                    id: 2,
+                    addr: 0x7f00_0000,
+                    len: 64,
+                    kind: MemoryKind::Vram { device: 3 },
+                },
+            ],
+            nixl_md: b"nixl".to_vec(),
+        };
+        let sealed = seed.encode();
+        let body = &sealed[..sealed.len() - 8];
+        if std::env::var_os("UPDATE_SEEDS").is_some() {
+            std::fs::write(path, body).unwrap();
+        }
+        assert_eq!(std::fs::read(path).unwrap(), body);
+        assert_eq!(AgentMeta::decode(&sealed).unwrap(), seed);
     }
 }

@@ -4,6 +4,7 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
+use reshard_core::contract::{self, span, RemoteLookup};
 use reshard_core::{
     Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
     PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
@@ -16,7 +17,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::agent::{NixlAgent, Prepped, Reg, Request};
-use crate::meta::{AgentMeta, RegionMeta};
+use crate::meta::{incarnation_of, AgentMeta, RegionMeta};
 use crate::options::NixlOptions;
 use crate::xfer::NixlInFlight;
 use crate::{quarantine, runtime, BACKEND};
@@ -226,16 +227,6 @@ fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
         .with_owner(owner)
         .with_range(range)
         .with_backend(BACKEND)
-}
-
-fn span(off: u64, len: u64) -> Range<u64> {
-    off..off.saturating_add(len)
-}
-
-/// The incarnation of the endpoint whose NIXL agent has this name: names are unique per
-/// endpoint creation ([`unique_name`]), so the metadata already carries its incarnation.
-fn incarnation_of(nixl_name: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(nixl_name.as_bytes()).max(1)
 }
 
 /// A name no other NIXL agent (in this or another process or host) is likely to carry, so a
@@ -929,68 +920,39 @@ impl Transport for NixlTransport {
         // Held until the batch is registered in `batches`: no peer reload can invalidate the
         // metadata its lists and requests are made from in between.
         let mut st = s.state.lock();
+        contract::validate_batch(
+            BACKEND,
+            &s.name,
+            &batch,
+            |owner, region| match st.peers.get(&owner) {
+                None => RemoteLookup::NoPeer,
+                Some(p) => p
+                    .regions
+                    .get(&region)
+                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            },
+            |region| st.regions.get(&region).map(|l| l.len),
+        )?;
         {
+            // Every look-up below succeeds (validated under this same lock); failing anyway
+            // is an internal error, never a panic.
+            let missing = |i: usize, r: &ReadDesc, what: &str| {
+                contract::validated_lookup_failed(BACKEND, i, r, what)
+            };
             for (i, r) in batch.reads.iter().enumerate() {
                 let remote = span(r.remote_offset, r.len);
-                if r.len == 0 {
-                    return Err(oob(r.owner, remote, format!("read {i} has zero length")));
-                }
-                let peer = st.peers.get(&r.owner).ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::PeerUnknown,
-                        format!(
-                            "read {i} names owner {} whose metadata was never loaded",
-                            r.owner
-                        ),
-                    )
-                    .with_owner(r.owner)
-                    .with_range(remote.clone())
-                    .with_backend(BACKEND)
-                })?;
-                let region = peer.regions.get(&r.remote_region).ok_or_else(|| {
-                    oob(
-                        r.owner,
-                        remote.clone(),
-                        format!(
-                            "owner {} ({}) has no region {}",
-                            r.owner, peer.agent, r.remote_region
-                        ),
-                    )
-                })?;
-                if r.remote_offset
-                    .checked_add(r.len)
-                    .is_none_or(|e| e > region.len)
-                {
-                    return Err(oob(
-                        r.owner,
-                        remote,
-                        format!(
-                            "read {i} ends past region {} of owner {} ({} bytes)",
-                            r.remote_region, r.owner, region.len
-                        ),
-                    ));
-                }
-                let local_range = span(r.local_offset, r.len);
-                let local = st.regions.get(&r.local_region).ok_or_else(|| {
-                    oob(
-                        r.owner,
-                        local_range.clone(),
-                        format!("no local region {} (read {i})", r.local_region),
-                    )
-                })?;
-                if r.local_offset
-                    .checked_add(r.len)
-                    .is_none_or(|e| e > local.len)
-                {
-                    return Err(oob(
-                        r.owner,
-                        local_range,
-                        format!(
-                            "read {i} ends past local region {} ({} bytes)",
-                            r.local_region, local.len
-                        ),
-                    ));
-                }
+                let peer = st
+                    .peers
+                    .get(&r.owner)
+                    .ok_or_else(|| missing(i, r, "peer"))?;
+                let region = peer
+                    .regions
+                    .get(&r.remote_region)
+                    .ok_or_else(|| missing(i, r, "remote region"))?;
+                let local = st
+                    .regions
+                    .get(&r.local_region)
+                    .ok_or_else(|| missing(i, r, "local region"))?;
                 locals.entry(r.local_region).or_insert_with(|| {
                     (
                         local.generation,

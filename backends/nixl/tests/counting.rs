@@ -53,15 +53,15 @@ fn counting() -> Counting {
 
 reshard_conformance::counting_tests!(counting(), requires = probe());
 
-/// Envelope layout (see `meta.rs`): magic, version, agent name, NIXL name, region count, then
-/// per region `id, addr, len` (u64 each), kind `u8`, device `u32`; NIXL metadata; XXH3 of
-/// everything before it. Enlarges region `region`'s advertised length by `by` and reseals.
+/// Envelope layout (see `meta.rs`): magic, version, agent name, incarnation, NIXL name, region
+/// count, then per region `id, addr, len` (u64 each), kind `u8`, device `u32`; NIXL metadata;
+/// XXH3 of everything before it. Enlarges region `region`'s advertised length by `by` and reseals.
 fn enlarge_region(meta: &[u8], region: u64, by: u64) -> Bytes {
     let mut v = meta.to_vec();
     let u16_at = |v: &[u8], at: usize| u16::from_le_bytes([v[at], v[at + 1]]) as usize;
     let u64_at = |v: &[u8], at: usize| u64::from_le_bytes(v[at..at + 8].try_into().unwrap());
     let mut at = 5;
-    at += 2 + u16_at(&v, at);
+    at += 2 + u16_at(&v, at) + 8;
     at += 2 + u16_at(&v, at);
     let count = u32::from_le_bytes(v[at..at + 4].try_into().unwrap());
     at += 4;

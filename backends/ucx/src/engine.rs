@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
+use reshard_core::contract::{self, span, RemoteLookup};
 use reshard_core::{
     Error, ErrorKind, ExecutionLog, MemoryBlock, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result,
     WireReport,
@@ -530,10 +531,6 @@ struct Engine {
 
 fn ucx_err(e: UcxStatusError) -> Error {
     Error::from(e)
-}
-
-fn span(off: u64, len: u64) -> std::ops::Range<u64> {
-    off..off.saturating_add(len)
 }
 
 fn oob(owner: OwnerId, range: std::ops::Range<u64>, msg: String) -> Error {
@@ -1249,6 +1246,36 @@ impl Engine {
         }
     }
 
+    /// `PeerUnknown` for an owner whose endpoint was force-closed and could not be re-created
+    /// is this backend's own `Transport` error (the peer was loaded; the endpoint is lost);
+    /// every other error is returned as it is.
+    fn lost_peer(&self, batch: &ReadBatch, e: Error) -> Error {
+        let lost = (e.kind() == ErrorKind::PeerUnknown)
+            .then(|| e.context().owner)
+            .flatten()
+            .and_then(|owner| Some((owner, &self.lost.get(&owner)?.1)));
+        let Some((owner, why)) = lost else {
+            return e;
+        };
+        // The first read naming the owner is the one validation refused.
+        let i = batch
+            .reads
+            .iter()
+            .position(|r| r.owner == owner)
+            .unwrap_or(0);
+        let range = e.context().range.clone().unwrap_or_default();
+        Error::new(
+            ErrorKind::Transport,
+            format!(
+                "read {i}: the endpoint to owner {owner} was force-closed and could not be \
+                 re-created ({why}); load the peer again"
+            ),
+        )
+        .with_owner(owner)
+        .with_range(range)
+        .with_backend(BACKEND)
+    }
+
     /// Checks every read against loaded peers and local registrations and resolves it to the
     /// raw handles `ucp_get_nbx` takes.
     fn translate(&self, batch: &ReadBatch) -> Result<Resolved> {
@@ -1258,6 +1285,25 @@ impl Engine {
                     .with_backend(BACKEND),
             );
         }
+        contract::validate_batch(
+            BACKEND,
+            &self.agent,
+            batch,
+            |owner, region| match self.peers.get(&owner) {
+                None => RemoteLookup::NoPeer,
+                Some(p) => p
+                    .regions
+                    .get(&region)
+                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            },
+            |region| self.regions.get(&region).map(|l| l.len),
+        )
+        .map_err(|e| self.lost_peer(batch, e))?;
+        // Every look-up below succeeds (validated just now, on this thread); failing anyway is
+        // an internal error, never a panic.
+        let missing = |i: usize, r: &ReadDesc, what: &str| {
+            contract::validated_lookup_failed(BACKEND, i, r, what)
+        };
         let mut ops = Vec::with_capacity(batch.reads.len());
         let mut op_read = Vec::with_capacity(batch.reads.len());
         let mut pieces = Vec::with_capacity(batch.reads.len());
@@ -1267,104 +1313,42 @@ impl Engine {
         let mut maps = None;
         for (i, r) in batch.reads.iter().enumerate() {
             let remote = span(r.remote_offset, r.len);
-            if r.len == 0 {
-                return Err(oob(r.owner, remote, format!("read {i} has zero length")));
-            }
             let peer = match peers.get(&r.owner) {
                 Some(p) => p,
                 None => {
-                    let p =
-                        self.peers
-                            .get(&r.owner)
-                            .ok_or_else(|| match self.lost.get(&r.owner) {
-                                Some((_, why)) => Error::new(
-                                    ErrorKind::Transport,
-                                    format!(
-                                "read {i}: the endpoint to owner {} was force-closed and could \
-                                 not be re-created ({why}); load the peer again",
-                                r.owner
-                            ),
-                                )
-                                .with_owner(r.owner)
-                                .with_range(remote.clone())
-                                .with_backend(BACKEND),
-                                None => Error::new(
-                                    ErrorKind::PeerUnknown,
-                                    format!(
-                                        "read {i} names owner {} whose metadata was never loaded",
-                                        r.owner
-                                    ),
-                                )
-                                .with_owner(r.owner)
-                                .with_range(remote.clone())
-                                .with_backend(BACKEND),
-                            })?;
+                    let p = self
+                        .peers
+                        .get(&r.owner)
+                        .ok_or_else(|| missing(i, r, "peer"))?;
                     peers.entry(r.owner).or_insert_with(|| Rc::clone(p))
                 }
             };
-            let region = peer.regions.get(&r.remote_region).ok_or_else(|| {
-                oob(
-                    r.owner,
-                    remote.clone(),
-                    format!(
-                        "read {i}: owner {} has no region {}",
-                        r.owner, r.remote_region
-                    ),
-                )
-            })?;
-            let inside = r
-                .remote_offset
-                .checked_add(r.len)
-                .is_some_and(|e| e <= region.len);
-            let rkey = match (&region.rkey, inside) {
-                (Some(k), true) => k,
-                _ => {
-                    return Err(oob(
-                        r.owner,
-                        remote.clone(),
-                        format!(
-                            "read {i}: bytes {}..{} outside region {} of owner {} ({} bytes)",
-                            remote.start, remote.end, r.remote_region, r.owner, region.len
-                        ),
-                    ))
-                }
-            };
-            let lrange = span(r.local_offset, r.len);
+            let region = peer
+                .regions
+                .get(&r.remote_region)
+                .ok_or_else(|| missing(i, r, "remote region"))?;
+            // Only zero-length regions have no key, and no validated read fits in one.
+            let rkey = region
+                .rkey
+                .as_ref()
+                .ok_or_else(|| missing(i, r, "remote key"))?;
             let local = match regions.get(&r.local_region) {
                 Some(l) => l,
                 None => {
-                    let l = self.regions.get(&r.local_region).ok_or_else(|| {
-                        oob(
-                            r.owner,
-                            lrange.clone(),
-                            format!(
-                                "read {i}: local region {} is not registered on agent {:?}",
-                                r.local_region, self.agent
-                            ),
-                        )
-                    })?;
+                    let l = self
+                        .regions
+                        .get(&r.local_region)
+                        .ok_or_else(|| missing(i, r, "local region"))?;
                     regions
                         .entry(r.local_region)
                         .or_insert_with(|| Rc::clone(l))
                 }
             };
-            let inside = r
-                .local_offset
-                .checked_add(r.len)
-                .is_some_and(|e| e <= local.len);
-            let memh = match (&local.mem, inside) {
-                (Some(m), true) => m,
-                _ => {
-                    return Err(oob(
-                        r.owner,
-                        lrange.clone(),
-                        format!(
-                            "read {i}: local bytes {}..{} outside local region {} ({} bytes)",
-                            lrange.start, lrange.end, r.local_region, local.len
-                        ),
-                    ))
-                }
-            };
+            // Only zero-length blocks are not mapped, and no validated read fits in one.
+            let memh = local
+                .mem
+                .as_ref()
+                .ok_or_else(|| missing(i, r, "local memory handle"))?;
             // Shared memory the peer's UCX mapped here: copy it directly (see raw::copy),
             // once the mapping is checked against what the kernel has.
             let base = match (local.kind, self.opts.shm_fast_path) {

@@ -2,8 +2,9 @@
 //! worker address and, per registered region, its id, base address, length, the range its key
 //! maps, memory kind and packed remote key.
 //!
-//! Layout (little endian): magic `RSUX`, version `u8`, name length `u16` + UTF-8 agent name,
-//! endpoint incarnation `u64`, address length `u32` + worker address, region count `u32`, then
+//! Layout (little endian): the shared header ([`reshard_core::metadata::MetaHeader`]: magic
+//! `RSUX`, version `u8`, name length `u16` + UTF-8 agent name, endpoint incarnation `u64`),
+//! then address length `u32` + worker address, region count `u32`, then
 //! per region `id u64`, `base u64`, `len u64`, `key_base u64`, `key_len u64`, kind `u8` (0 DRAM,
 //! 1 VRAM) + device `u32`, key length `u32` + packed key. `key_base..key_base+key_len` is the
 //! whole memory the packed key maps (the region itself, or the UCX allocation the region lies
@@ -14,9 +15,10 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
+use reshard_core::metadata::{HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 
-const MAGIC: &[u8; 4] = b"RSUX";
+const MAGIC: [u8; 4] = *b"RSUX";
 const VERSION: u8 = 3;
 /// Fixed bytes of one region entry (everything but the key bytes).
 const REGION_FIXED: usize = 8 + 8 + 8 + 8 + 8 + 1 + 4 + 4;
@@ -51,14 +53,10 @@ pub(crate) struct EndpointMeta {
 /// Why a blob could not be decoded (kept as the source of the public `Decode` error).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub(crate) enum MetaError {
-    #[error("not ucx metadata (bad magic)")]
-    Magic,
-    #[error("unsupported ucx metadata version {0} (this build reads {VERSION})")]
-    Version(u8),
+    #[error(transparent)]
+    Header(#[from] HeaderError),
     #[error(transparent)]
     Truncated(#[from] Truncated),
-    #[error("agent name is not UTF-8")]
-    Name,
     #[error("empty worker address")]
     EmptyAddress,
     #[error("region {0}: unknown memory kind {1}")]
@@ -77,25 +75,22 @@ pub(crate) enum MetaError {
 
 impl EndpointMeta {
     pub(crate) fn encode(&self) -> Bytes {
-        let name = self.agent.as_bytes();
+        let header = MetaHeader {
+            magic: MAGIC,
+            version: VERSION,
+            agent: self.agent.clone(),
+            incarnation: self.incarnation,
+        };
         let keys: usize = self.regions.iter().map(|r| r.rkey.len()).sum();
         let mut b = BytesMut::with_capacity(
-            4 + 1
-                + 2
-                + name.len()
-                + 8
+            header.encoded_len()
                 + 4
                 + self.worker_address.len()
                 + 4
                 + REGION_FIXED * self.regions.len()
                 + keys,
         );
-        b.put_slice(MAGIC);
-        b.put_u8(VERSION);
-        // Agent names are limited to u16::MAX bytes when the endpoint is created.
-        b.put_u16_le(name.len() as u16);
-        b.put_slice(name);
-        b.put_u64_le(self.incarnation);
+        header.encode_into(&mut b);
         b.put_u32_le(self.worker_address.len() as u32);
         b.put_slice(&self.worker_address);
         b.put_u32_le(self.regions.len() as u32);
@@ -127,18 +122,9 @@ impl EndpointMeta {
 
     fn try_decode(bytes: &[u8]) -> Result<EndpointMeta, MetaError> {
         let mut r = ByteReader::new(bytes);
-        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
-            return Err(MetaError::Magic);
-        }
-        let version = r.take(1)?[0];
-        if version != VERSION {
-            return Err(MetaError::Version(version));
-        }
-        let name_len = u16::from_le_bytes(r.array()?) as usize;
-        let agent = std::str::from_utf8(r.take(name_len)?)
-            .map_err(|_| MetaError::Name)?
-            .to_owned();
-        let incarnation = r.u64()?;
+        let MetaHeader {
+            agent, incarnation, ..
+        } = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
         let addr_len = r.u32()? as usize;
         let worker_address = r.take(addr_len)?.to_vec();
         if worker_address.is_empty() {
@@ -262,10 +248,16 @@ mod tests {
         let full = sample().encode().to_vec();
         let mut v = full.clone();
         v[4] = 99;
-        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Version(99)));
+        assert!(matches!(
+            EndpointMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Version { found: 99, .. }))
+        ));
         let mut v = full.clone();
         v[0] = b'X';
-        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Magic));
+        assert!(matches!(
+            EndpointMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Magic { .. }))
+        ));
         let name_len = sample().agent.len();
         let count_at = 4 + 1 + 2 + name_len + 8 + 4 + 37;
         // A huge region count with few bytes present allocates nothing and fails cleanly.
@@ -330,7 +322,10 @@ mod tests {
         );
         let mut v = full;
         v[4 + 1 + 2] = 0xff;
-        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Name));
+        assert_eq!(
+            EndpointMeta::try_decode(&v),
+            Err(MetaError::Header(HeaderError::Name))
+        );
     }
 
     #[test]
@@ -348,7 +343,7 @@ mod tests {
             assert!(EndpointMeta::decode(&v).is_err());
             // With a valid header, garbage after it must still fail cleanly or decode.
             if v.len() > 5 {
-                v[..4].copy_from_slice(MAGIC);
+                v[..4].copy_from_slice(&MAGIC);
                 v[4] = VERSION;
                 let _ = EndpointMeta::decode(&v);
             }

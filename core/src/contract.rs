@@ -1,0 +1,334 @@
+//! The read checks every backend's [`Transport::prepare`](crate::Transport::prepare) runs,
+//! written once: [`validate_batch`] checks a [`ReadBatch`] against the regions a backend's
+//! loaded peers advertise and its own registrations, and returns the typed error the
+//! [`Transport`](crate::Transport) contract promises (kind, owner, byte range, backend).
+//! Backends keep only the checks that are really theirs (batch-size limits of their wire
+//! library, endpoints they lost, mappings they verify).
+
+use std::ops::Range;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::model::OwnerId;
+use crate::transport::{ReadBatch, ReadDesc};
+
+/// What a backend knows about a remote region a read names, from its loaded peer metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteLookup {
+    /// The owner's metadata was never loaded (or was dropped).
+    NoPeer,
+    /// The owner is loaded but advertises no region with this id.
+    NoRegion,
+    /// The region the owner advertises, of this many bytes.
+    Len(u64),
+}
+
+/// `off..off + len`, saturating: the byte range errors name, even for a read that overflows.
+pub fn span(off: u64, len: u64) -> Range<u64> {
+    off..off.saturating_add(len)
+}
+
+/// Checks every read of `batch`, in order, and returns the first violation:
+///
+/// 1. zero length: `OutOfBounds`;
+/// 2. owner not loaded (`remote` says [`RemoteLookup::NoPeer`]): `PeerUnknown`;
+/// 3. remote region not advertised: `OutOfBounds`;
+/// 4. remote range past the region's end, or `offset + len` overflowing: `OutOfBounds`;
+/// 5. local region not registered (`local` says `None`), local range past its end or
+///    overflowing: `OutOfBounds`.
+///
+/// Every error names the read's owner, the byte range concerned (remote for 1-4, local for 5)
+/// and `backend`; its message names the read index, the region and the lengths. `remote`
+/// answers for `(owner, remote region)`, `local` gives a local region's length; `agent` (this
+/// endpoint's name) is only for messages. Consecutive reads of the same regions are looked up
+/// once, and nothing is allocated unless a read is refused.
+pub fn validate_batch(
+    backend: &'static str,
+    agent: &str,
+    batch: &ReadBatch,
+    mut remote: impl FnMut(OwnerId, u64) -> RemoteLookup,
+    mut local: impl FnMut(u64) -> Option<u64>,
+) -> Result<()> {
+    let err = |kind: ErrorKind, r: &ReadDesc, range: Range<u64>, msg: String| {
+        Error::new(kind, msg)
+            .with_owner(r.owner)
+            .with_range(range)
+            .with_backend(backend)
+    };
+    // (owner, region, what `remote` said) of the previous read; (region, len) likewise.
+    let mut last_remote: Option<(OwnerId, u64, RemoteLookup)> = None;
+    let mut last_local: Option<(u64, Option<u64>)> = None;
+    for (i, r) in batch.reads.iter().enumerate() {
+        let rrange = span(r.remote_offset, r.len);
+        if r.len == 0 {
+            let msg = format!("read {i} has zero length");
+            return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
+        }
+        let found = match last_remote {
+            Some((o, g, found)) if (o, g) == (r.owner, r.remote_region) => found,
+            _ => {
+                let found = remote(r.owner, r.remote_region);
+                last_remote = Some((r.owner, r.remote_region, found));
+                found
+            }
+        };
+        let rlen = match found {
+            RemoteLookup::Len(len) => len,
+            RemoteLookup::NoPeer => {
+                let msg = format!(
+                    "read {i} names owner {} whose metadata was never loaded",
+                    r.owner
+                );
+                return Err(err(ErrorKind::PeerUnknown, r, rrange, msg));
+            }
+            RemoteLookup::NoRegion => {
+                let msg = format!(
+                    "read {i}: owner {} has no region {}",
+                    r.owner, r.remote_region
+                );
+                return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
+            }
+        };
+        if r.remote_offset.checked_add(r.len).is_none_or(|e| e > rlen) {
+            let msg = format!(
+                "read {i}: bytes {}..{} outside region {} of owner {} ({rlen} bytes)",
+                rrange.start, rrange.end, r.remote_region, r.owner
+            );
+            return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
+        }
+        let lrange = span(r.local_offset, r.len);
+        let llen = match last_local {
+            Some((g, len)) if g == r.local_region => len,
+            _ => {
+                let len = local(r.local_region);
+                last_local = Some((r.local_region, len));
+                len
+            }
+        };
+        let Some(llen) = llen else {
+            let msg = format!(
+                "read {i}: local region {} is not registered on agent {agent:?}",
+                r.local_region
+            );
+            return Err(err(ErrorKind::OutOfBounds, r, lrange, msg));
+        };
+        if r.local_offset.checked_add(r.len).is_none_or(|e| e > llen) {
+            let msg = format!(
+                "read {i}: local bytes {}..{} outside local region {} ({llen} bytes)",
+                lrange.start, lrange.end, r.local_region
+            );
+            return Err(err(ErrorKind::OutOfBounds, r, lrange, msg));
+        }
+    }
+    Ok(())
+}
+
+/// The error for a look-up that [`validate_batch`] already proved succeeds, failing anyway in
+/// a backend's translation (a bug, never the caller's fault): `Internal`, naming read `i`'s
+/// owner and remote range, and `what` was missing.
+pub fn validated_lookup_failed(backend: &'static str, i: usize, r: &ReadDesc, what: &str) -> Error {
+    Error::new(
+        ErrorKind::Internal,
+        format!("read {i}: {what} missing after the batch was validated"),
+    )
+    .with_owner(r.owner)
+    .with_range(span(r.remote_offset, r.len))
+    .with_backend(backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// Owner 1 advertises region 10 of 100 bytes and region 11 of `u64::MAX` bytes; owner 2
+    /// is loaded with no regions; local region 5 has 50 bytes, local region 6 `u64::MAX`.
+    fn remote(owner: OwnerId, region: u64) -> RemoteLookup {
+        match (owner, region) {
+            (1, 10) => RemoteLookup::Len(100),
+            (1, 11) => RemoteLookup::Len(u64::MAX),
+            (1 | 2, _) => RemoteLookup::NoRegion,
+            _ => RemoteLookup::NoPeer,
+        }
+    }
+
+    fn local(region: u64) -> Option<u64> {
+        match region {
+            5 => Some(50),
+            6 => Some(u64::MAX),
+            _ => None,
+        }
+    }
+
+    fn read(owner: OwnerId, remote_region: u64, remote_offset: u64, len: u64) -> ReadDesc {
+        ReadDesc {
+            owner,
+            remote_region,
+            remote_offset,
+            local_region: 5,
+            local_offset: 0,
+            len,
+        }
+    }
+
+    fn check(reads: Vec<ReadDesc>) -> Result<()> {
+        validate_batch("test", "rx", &ReadBatch { reads }, remote, local)
+    }
+
+    /// Asserts kind, owner, range and backend of the error for a batch whose last read is bad
+    /// (after one good read, so the index in the message is 1); returns the message.
+    fn refused(bad: ReadDesc, kind: ErrorKind, range: Range<u64>) -> String {
+        let e = check(vec![read(1, 10, 0, 10), bad]).expect_err("refused");
+        assert_eq!(e.kind(), kind, "{e}");
+        assert_eq!(e.context().owner, Some(bad.owner), "{e}");
+        assert_eq!(e.context().range, Some(range), "{e}");
+        assert_eq!(e.context().backend.as_deref(), Some("test"), "{e}");
+        assert!(e.message().starts_with("read 1"), "{e}");
+        e.message().to_owned()
+    }
+
+    #[test]
+    fn good_batches_pass() {
+        check(vec![
+            ReadDesc {
+                local_region: 6,
+                ..read(1, 10, 0, 100)
+            },
+            read(1, 10, 99, 1),
+            read(1, 11, u64::MAX - 50, 50),
+            ReadDesc {
+                local_offset: 49,
+                ..read(1, 10, 0, 1)
+            },
+        ])
+        .unwrap();
+        check(vec![]).unwrap();
+    }
+
+    #[test]
+    fn zero_length_is_out_of_bounds() {
+        let m = refused(read(1, 10, 7, 0), ErrorKind::OutOfBounds, 7..7);
+        assert!(m.contains("zero length"), "{m}");
+        // Even for an owner nobody loaded: zero length is checked first.
+        refused(read(9, 10, 7, 0), ErrorKind::OutOfBounds, 7..7);
+    }
+
+    #[test]
+    fn unknown_owner_is_peer_unknown_with_its_remote_range() {
+        let m = refused(read(9, 10, 30, 4), ErrorKind::PeerUnknown, 30..34);
+        assert!(m.contains("owner 9") && m.contains("never loaded"), "{m}");
+    }
+
+    #[test]
+    fn unknown_remote_region_is_out_of_bounds() {
+        let m = refused(read(2, 10, 0, 4), ErrorKind::OutOfBounds, 0..4);
+        assert!(m.contains("has no region 10"), "{m}");
+        refused(read(1, 12, 0, 4), ErrorKind::OutOfBounds, 0..4);
+    }
+
+    #[test]
+    fn remote_range_past_the_end_is_out_of_bounds() {
+        let m = refused(read(1, 10, 90, 11), ErrorKind::OutOfBounds, 90..101);
+        assert!(m.contains("region 10") && m.contains("(100 bytes)"), "{m}");
+    }
+
+    #[test]
+    fn remote_overflow_at_u64_max_is_out_of_bounds() {
+        // The region is u64::MAX bytes long, so only the overflow check can refuse this read.
+        let m = refused(
+            read(1, 11, u64::MAX, 1),
+            ErrorKind::OutOfBounds,
+            u64::MAX..u64::MAX,
+        );
+        assert!(m.contains("outside region 11"), "{m}");
+        refused(
+            read(1, 11, 2, u64::MAX - 1),
+            ErrorKind::OutOfBounds,
+            2..u64::MAX,
+        );
+    }
+
+    #[test]
+    fn unknown_local_region_is_out_of_bounds_with_the_local_range() {
+        let bad = ReadDesc {
+            local_region: 7,
+            local_offset: 3,
+            ..read(1, 10, 0, 4)
+        };
+        let m = refused(bad, ErrorKind::OutOfBounds, 3..7);
+        assert!(m.contains("local region 7") && m.contains("\"rx\""), "{m}");
+    }
+
+    #[test]
+    fn local_range_past_the_end_is_out_of_bounds() {
+        let bad = ReadDesc {
+            local_offset: 45,
+            ..read(1, 10, 0, 6)
+        };
+        let m = refused(bad, ErrorKind::OutOfBounds, 45..51);
+        assert!(
+            m.contains("local region 5") && m.contains("(50 bytes)"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn local_overflow_at_u64_max_is_out_of_bounds() {
+        let bad = ReadDesc {
+            local_region: 6,
+            local_offset: u64::MAX,
+            ..read(1, 10, 0, 1)
+        };
+        let m = refused(bad, ErrorKind::OutOfBounds, u64::MAX..u64::MAX);
+        assert!(m.contains("local region 6"), "{m}");
+    }
+
+    #[test]
+    fn the_first_bad_read_is_named() {
+        let e = check(vec![
+            read(1, 10, 0, 1),
+            read(1, 10, 200, 1),
+            read(9, 10, 0, 1),
+        ])
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+        assert!(e.message().starts_with("read 1:"), "{e}");
+    }
+
+    #[test]
+    fn consecutive_reads_of_one_region_are_looked_up_once() {
+        let (remotes, locals) = (Cell::new(0), Cell::new(0));
+        let batch = ReadBatch {
+            reads: vec![
+                read(1, 10, 0, 1),
+                read(1, 10, 1, 1),
+                read(1, 11, 0, 1),
+                read(1, 10, 2, 1),
+            ],
+        };
+        validate_batch(
+            "test",
+            "rx",
+            &batch,
+            |o, g| {
+                remotes.set(remotes.get() + 1);
+                remote(o, g)
+            },
+            |g| {
+                locals.set(locals.get() + 1);
+                local(g)
+            },
+        )
+        .unwrap();
+        assert_eq!((remotes.get(), locals.get()), (3, 1));
+    }
+
+    #[test]
+    fn lookup_failures_after_validation_are_internal() {
+        let r = read(3, 10, 8, 8);
+        let e = validated_lookup_failed("test", 4, &r, "peer");
+        assert_eq!(e.kind(), ErrorKind::Internal);
+        assert_eq!(e.context().owner, Some(3));
+        assert_eq!(e.context().range, Some(8..16));
+        assert!(e.message().starts_with("read 4: peer"), "{e}");
+    }
+}

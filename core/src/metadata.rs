@@ -1,0 +1,225 @@
+//! The header every backend's peer metadata starts with, encoded and decoded once:
+//! [`MetaHeader`]. Backends write their own payload (regions, keys, addresses) after it.
+//!
+//! Layout (little endian): magic (4 bytes, one per backend), version `u8` (of the backend's
+//! whole format), agent name (`u16` length + 1..=`u16::MAX` bytes of UTF-8), endpoint
+//! incarnation `u64` ([`crate::Transport::incarnation`]). Decoding treats the bytes as
+//! untrusted: magic and version are checked before anything else is read, every length is
+//! checked against the input before it is used, and failures are a typed [`HeaderError`].
+
+use std::fmt;
+
+use bytes::BufMut;
+
+use crate::encoding::{ByteReader, Truncated};
+
+/// The shared head of a backend's peer metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaHeader {
+    /// Identifies the backend's format (`RSLB`, `RSUX`, `RSNX`).
+    pub magic: [u8; 4],
+    /// Version of the backend's whole format.
+    pub version: u8,
+    /// The exporting endpoint's agent name (1..=`u16::MAX` bytes; endpoints refuse others when
+    /// they are created).
+    pub agent: String,
+    /// The exporting endpoint's incarnation.
+    pub incarnation: u64,
+}
+
+/// Why a header could not be decoded; backends keep it as the source of their `Decode` error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderError {
+    /// The input does not start with the expected magic.
+    Magic {
+        /// The magic the decoder expected.
+        expected: [u8; 4],
+    },
+    /// Another version of the format.
+    Version {
+        /// The version the input carries.
+        found: u8,
+        /// The version this build reads.
+        supported: u8,
+    },
+    /// The input ends inside the header.
+    Truncated(Truncated),
+    /// The agent name is empty or not UTF-8.
+    Name,
+}
+
+impl fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HeaderError::Magic { expected } => write!(
+                f,
+                "bad magic (not {} metadata)",
+                String::from_utf8_lossy(expected)
+            ),
+            HeaderError::Version { found, supported } => write!(
+                f,
+                "unsupported metadata version {found} (this build reads {supported})"
+            ),
+            HeaderError::Truncated(t) => t.fmt(f),
+            HeaderError::Name => f.write_str("agent name is empty or not UTF-8"),
+        }
+    }
+}
+
+impl std::error::Error for HeaderError {}
+
+impl From<Truncated> for HeaderError {
+    fn from(t: Truncated) -> Self {
+        HeaderError::Truncated(t)
+    }
+}
+
+impl MetaHeader {
+    /// Bytes [`MetaHeader::encode_into`] writes.
+    pub fn encoded_len(&self) -> usize {
+        4 + 1 + 2 + self.agent.len() + 8
+    }
+
+    /// Appends the header to `out`. The agent name must be at most `u16::MAX` bytes (endpoints
+    /// check it when they are created); a longer one is cut to that length, never wrapped.
+    pub fn encode_into(&self, out: &mut impl BufMut) {
+        let name = self.agent.as_bytes();
+        let name = &name[..name.len().min(u16::MAX as usize)];
+        out.put_slice(&self.magic);
+        out.put_u8(self.version);
+        out.put_u16_le(name.len() as u16);
+        out.put_slice(name);
+        out.put_u64_le(self.incarnation);
+    }
+
+    /// Reads a header of format `magic`, version `version` from `r`, leaving `r` at the
+    /// backend's payload.
+    pub fn decode(
+        r: &mut ByteReader<'_>,
+        magic: [u8; 4],
+        version: u8,
+    ) -> Result<Self, HeaderError> {
+        let bad_magic = HeaderError::Magic { expected: magic };
+        if r.take(4).map_err(|_| bad_magic.clone())? != magic {
+            return Err(bad_magic);
+        }
+        let found = r.u8()?;
+        if found != version {
+            return Err(HeaderError::Version {
+                found,
+                supported: version,
+            });
+        }
+        let len = r.u16()? as usize;
+        let agent = std::str::from_utf8(r.take(len)?).map_err(|_| HeaderError::Name)?;
+        if agent.is_empty() {
+            return Err(HeaderError::Name);
+        }
+        let agent = agent.to_owned();
+        let incarnation = r.u64()?;
+        Ok(MetaHeader {
+            magic,
+            version,
+            agent,
+            incarnation,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAGIC: [u8; 4] = *b"RSTT";
+
+    fn sample() -> MetaHeader {
+        MetaHeader {
+            magic: MAGIC,
+            version: 3,
+            agent: "publisher-ä".into(),
+            incarnation: 0x0123_4567_89ab_cdef,
+        }
+    }
+
+    fn encoded() -> Vec<u8> {
+        let mut v = Vec::new();
+        sample().encode_into(&mut v);
+        v
+    }
+
+    fn decode(bytes: &[u8]) -> Result<MetaHeader, HeaderError> {
+        MetaHeader::decode(&mut ByteReader::new(bytes), MAGIC, 3)
+    }
+
+    #[test]
+    fn round_trips_and_stops_at_the_payload() {
+        let mut v = encoded();
+        assert_eq!(v.len(), sample().encoded_len());
+        v.extend_from_slice(b"payload");
+        let mut r = ByteReader::new(&v);
+        let h = MetaHeader::decode(&mut r, MAGIC, 3).unwrap();
+        assert_eq!(h, sample());
+        assert_eq!(r.take(r.left()).unwrap(), b"payload");
+    }
+
+    #[test]
+    fn the_layout_is_magic_version_name_incarnation() {
+        let v = encoded();
+        let n = "publisher-ä".len();
+        assert_eq!(&v[..4], b"RSTT");
+        assert_eq!(v[4], 3);
+        assert_eq!(u16::from_le_bytes([v[5], v[6]]) as usize, n);
+        assert_eq!(&v[7..7 + n], "publisher-ä".as_bytes());
+        assert_eq!(v[7 + n..], 0x0123_4567_89ab_cdefu64.to_le_bytes());
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        let v = encoded();
+        for cut in 0..v.len() {
+            assert!(decode(&v[..cut]).is_err(), "cut at {cut}");
+        }
+        assert_eq!(decode(&v[..3]), Err(HeaderError::Magic { expected: MAGIC }));
+        assert!(matches!(
+            decode(&v[..v.len() - 1]),
+            Err(HeaderError::Truncated(_))
+        ));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let mut v = encoded();
+        v[0] = b'X';
+        assert_eq!(decode(&v), Err(HeaderError::Magic { expected: MAGIC }));
+        let mut v = encoded();
+        v[4] = 99;
+        let e = decode(&v).unwrap_err();
+        assert_eq!(
+            e,
+            HeaderError::Version {
+                found: 99,
+                supported: 3
+            }
+        );
+        assert!(e.to_string().contains("version 99"), "{e}");
+        let mut v = encoded();
+        v[7] = 0xff;
+        assert_eq!(decode(&v), Err(HeaderError::Name));
+        // An empty name is refused even though the rest is well formed.
+        let mut h = sample();
+        h.agent.clear();
+        let mut v = Vec::new();
+        h.encode_into(&mut v);
+        assert_eq!(decode(&v), Err(HeaderError::Name));
+        // A huge name length with few bytes present fails cleanly.
+        let mut v = encoded();
+        v[5..7].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert!(matches!(decode(&v), Err(HeaderError::Truncated(_))));
+    }
+
+    #[test]
+    fn magic_errors_name_the_expected_format() {
+        let e = decode(b"RSLBxxxx").unwrap_err();
+        assert!(e.to_string().contains("not RSTT metadata"), "{e}");
+    }
+}
