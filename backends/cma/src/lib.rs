@@ -53,6 +53,13 @@ pub fn probe() -> Result<()> {
 #[derive(Debug, Clone, Default)]
 pub struct CmaFactory;
 
+impl CmaFactory {
+    /// A factory; each endpoint it creates is its own set of copy threads in this process.
+    pub fn new() -> Self {
+        CmaFactory
+    }
+}
+
 impl TransportFactory for CmaFactory {
     fn kind(&self) -> &'static str {
         SCHEME
