@@ -346,3 +346,43 @@ fn probe_passes_here_and_decode_metadata_is_canonical() {
         ErrorKind::Decode
     );
 }
+
+#[tokio::test]
+async fn prepare_refuses_zero_length_and_local_ranges_outside_with_owner_and_range() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let src = tx
+        .register(Arc::new(HostBuffer::zeroed(4096)))
+        .await
+        .unwrap();
+    let dst = rx
+        .register(Arc::new(HostBuffer::zeroed(4096)))
+        .await
+        .unwrap();
+    rx.load_peer(2, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let read = |local_region: u64, local_offset: u64, len: u64| ReadDesc {
+        owner: 2,
+        remote_region: src.id(),
+        remote_offset: 8,
+        local_region,
+        local_offset,
+        len,
+    };
+    for (r, range) in [
+        (read(dst.id(), 0, 0), 8..8),
+        (read(dst.id(), 4000, 100), 4000..4100),
+        (read(dst.id(), u64::MAX, 2), u64::MAX..u64::MAX),
+        (read(dst.id() + 1, 0, 16), 0..16),
+    ] {
+        let e = rx
+            .prepare(ReadBatch { reads: vec![r] })
+            .await
+            .expect_err("must be refused");
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{r:?}: {e}");
+        assert_eq!(e.context().owner, Some(2));
+        assert_eq!(e.context().range, Some(range), "{r:?}");
+        assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
+    }
+}
