@@ -386,3 +386,40 @@ async fn prepare_refuses_zero_length_and_local_ranges_outside_with_owner_and_ran
         assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
     }
 }
+
+#[tokio::test]
+async fn a_batch_prepared_before_its_destination_was_deregistered_is_refused_at_post() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let src = tx
+        .register(Arc::new(HostBuffer::from_bytes(&[9; 4096])))
+        .await
+        .unwrap();
+    let buf = Arc::new(HostBuffer::zeroed(4096));
+    let dst = rx.register(buf.clone()).await.unwrap();
+    rx.load_peer(4, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let p = rx
+        .prepare(ReadBatch {
+            reads: vec![ReadDesc {
+                owner: 4,
+                remote_region: src.id(),
+                remote_offset: 0,
+                local_region: dst.id(),
+                local_offset: 100,
+                len: 64,
+            }],
+        })
+        .await
+        .unwrap();
+    drop(dst);
+    let e = match rx.post(&p).await {
+        Ok(_) => panic!("posted into a deregistered region"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(4));
+    assert_eq!(e.context().range, Some(100..164));
+    assert!(buf.read().iter().all(|&b| b == 0), "nothing landed");
+}
