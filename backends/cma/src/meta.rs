@@ -1,0 +1,261 @@
+//! The metadata an endpoint exports and its peers load: who the process is (host, pid
+//! namespace, pid, start time), which endpoint in it (incarnation, agent name), and where its
+//! regions are in its address space.
+//!
+//! Layout, little endian: magic `RSCM`, version `u8`, boot id `[u8; 16]`, pid namespace inode
+//! `u64`, pid `u32`, start time `u64` (clock ticks since boot), incarnation `u64`, agent name
+//! length `u16` + UTF-8 name, region count `u32`, then `(id u64, addr u64, len u64)` per region.
+//! Decoding treats the bytes as untrusted (docs/bad-input.md): every count is checked against
+//! the bytes present before anything is allocated for it, and any defect is a typed `Decode`.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use reshard_core::encoding::{ByteReader, Truncated};
+use reshard_core::{Error, ErrorKind, Result};
+
+use crate::SCHEME;
+
+const MAGIC: &[u8; 4] = b"RSCM";
+const VERSION: u8 = 1;
+/// Bytes of one region entry.
+const REGION_BYTES: usize = 24;
+
+/// A registered region as a peer sees it: its id and where it is in the exporter's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RegionMeta {
+    pub(crate) id: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+/// What a peer needs to read an endpoint's regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Meta {
+    pub(crate) boot_id: [u8; 16],
+    pub(crate) pid_ns: u64,
+    pub(crate) pid: u32,
+    pub(crate) start_time: u64,
+    pub(crate) incarnation: u64,
+    pub(crate) agent: String,
+    /// Ascending by id, ids distinct.
+    pub(crate) regions: Vec<RegionMeta>,
+}
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum MetaError {
+    #[error("not cma metadata (bad magic)")]
+    Magic,
+    #[error("unsupported cma metadata version {0} (this build reads {VERSION})")]
+    Version(u8),
+    #[error(transparent)]
+    Truncated(#[from] Truncated),
+    #[error("pid 0 names no process")]
+    Pid,
+    #[error("agent name is empty or not UTF-8")]
+    Name,
+    #[error("{0} trailing bytes after the last region")]
+    Trailing(usize),
+    #[error("region {0} listed twice")]
+    DuplicateRegion(u64),
+    #[error("region {id} at {addr:#x} + {len} bytes is not an address range")]
+    Range { id: u64, addr: u64, len: u64 },
+}
+
+impl Meta {
+    pub(crate) fn encode(&self) -> Bytes {
+        let name = self.agent.as_bytes();
+        let mut b = BytesMut::with_capacity(
+            4 + 1 + 16 + 8 + 4 + 8 + 8 + 2 + name.len() + 4 + REGION_BYTES * self.regions.len(),
+        );
+        b.put_slice(MAGIC);
+        b.put_u8(VERSION);
+        b.put_slice(&self.boot_id);
+        b.put_u64_le(self.pid_ns);
+        b.put_u32_le(self.pid);
+        b.put_u64_le(self.start_time);
+        b.put_u64_le(self.incarnation);
+        // Agent names are limited to u16::MAX bytes when the endpoint is created.
+        b.put_u16_le(name.len() as u16);
+        b.put_slice(name);
+        b.put_u32_le(self.regions.len() as u32);
+        for r in &self.regions {
+            b.put_u64_le(r.id);
+            b.put_u64_le(r.addr);
+            b.put_u64_le(r.len);
+        }
+        b.freeze()
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Meta> {
+        Self::try_decode(bytes).map_err(|e| {
+            Error::new(ErrorKind::Decode, format!("invalid cma peer metadata: {e}"))
+                .with_backend(SCHEME)
+                .with_source(e)
+        })
+    }
+
+    fn try_decode(bytes: &[u8]) -> Result<Meta, MetaError> {
+        let mut r = ByteReader::new(bytes);
+        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
+            return Err(MetaError::Magic);
+        }
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(MetaError::Version(version));
+        }
+        let boot_id = r.array()?;
+        let pid_ns = r.u64()?;
+        let pid = r.u32()?;
+        if pid == 0 || pid > i32::MAX as u32 {
+            return Err(MetaError::Pid);
+        }
+        let start_time = r.u64()?;
+        let incarnation = r.u64()?;
+        let name_len = r.u16()? as usize;
+        let agent = std::str::from_utf8(r.take(name_len)?)
+            .ok()
+            .filter(|s| !s.is_empty())
+            .ok_or(MetaError::Name)?
+            .to_owned();
+        let count = r.u32()? as usize;
+        let need = count.saturating_mul(REGION_BYTES);
+        r.ensure(need)?;
+        if need < r.left() {
+            return Err(MetaError::Trailing(r.left() - need));
+        }
+        let mut regions = Vec::with_capacity(count);
+        for _ in 0..count {
+            let (id, addr, len) = (r.u64()?, r.u64()?, r.u64()?);
+            if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
+                return Err(MetaError::Range { id, addr, len });
+            }
+            regions.push(RegionMeta { id, addr, len });
+        }
+        regions.sort_unstable_by_key(|r| r.id);
+        if let Some(w) = regions.windows(2).find(|w| w[0].id == w[1].id) {
+            return Err(MetaError::DuplicateRegion(w[0].id));
+        }
+        Ok(Meta {
+            boot_id,
+            pid_ns,
+            pid,
+            start_time,
+            incarnation,
+            agent,
+            regions,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Meta {
+        Meta {
+            boot_id: [7; 16],
+            pid_ns: 4026531836,
+            pid: 4242,
+            start_time: 123_456,
+            incarnation: 99,
+            agent: "publisher-ä".into(),
+            regions: vec![
+                RegionMeta {
+                    id: 1,
+                    addr: 0x7f00_0000_0000,
+                    len: 4096,
+                },
+                RegionMeta {
+                    id: 2,
+                    addr: 0,
+                    len: 0,
+                },
+                RegionMeta {
+                    id: 9,
+                    addr: 0x1000,
+                    len: u64::MAX - 0x1000,
+                },
+            ],
+        }
+    }
+
+    fn decode_err(bytes: &[u8]) -> MetaError {
+        let e = Meta::decode(bytes).expect_err("must not decode");
+        assert_eq!(e.kind(), ErrorKind::Decode);
+        assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
+        Meta::try_decode(bytes).unwrap_err()
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        assert_eq!(Meta::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_a_decode_error() {
+        let full = sample().encode();
+        for n in 0..full.len() {
+            decode_err(&full[..n]);
+        }
+        let mut longer = full.to_vec();
+        longer.push(0);
+        assert_eq!(decode_err(&longer), MetaError::Trailing(1));
+    }
+
+    #[test]
+    fn bad_magic_version_pid_and_name_are_named() {
+        let full = sample().encode().to_vec();
+        let mut v = full.clone();
+        v[0] = b'X';
+        assert_eq!(decode_err(&v), MetaError::Magic);
+        let mut v = full.clone();
+        v[4] = 2;
+        assert_eq!(decode_err(&v), MetaError::Version(2));
+        let mut v = full.clone();
+        v[29..33].copy_from_slice(&0u32.to_le_bytes());
+        assert_eq!(decode_err(&v), MetaError::Pid);
+        let mut v = full.clone();
+        v[29..33].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode_err(&v), MetaError::Pid);
+        // The name's first byte (after its u16 length at 49) made invalid UTF-8.
+        let mut v = full;
+        v[51] = 0xff;
+        assert_eq!(decode_err(&v), MetaError::Name);
+    }
+
+    #[test]
+    fn a_huge_region_count_is_refused_before_allocating() {
+        let m = Meta {
+            regions: vec![],
+            ..sample()
+        };
+        let mut v = m.encode().to_vec();
+        let at = v.len() - 4;
+        v[at..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(decode_err(&v), MetaError::Truncated(_)));
+    }
+
+    #[test]
+    fn duplicate_regions_and_wrapping_ranges_are_refused() {
+        let mut m = sample();
+        m.regions[1].id = 1;
+        assert_eq!(
+            decode_err(&m.encode()),
+            MetaError::DuplicateRegion(1),
+            "duplicates found after sorting"
+        );
+        let mut m = sample();
+        m.regions[2].len = u64::MAX;
+        assert!(matches!(
+            decode_err(&m.encode()),
+            MetaError::Range { id: 9, .. }
+        ));
+        let mut m = sample();
+        m.regions[0].addr = 0;
+        assert!(matches!(
+            decode_err(&m.encode()),
+            MetaError::Range { id: 1, .. }
+        ));
+    }
+}

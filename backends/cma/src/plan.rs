@@ -1,0 +1,340 @@
+//! Translating a validated batch into system calls: each call reads from one process, moves at
+//! most `piece_bytes`, and has at most `iovecs_per_call` iovecs on each side.
+//!
+//! `process_vm_readv` takes a list of remote ranges and a list of local ranges and copies the
+//! concatenation of the first into the concatenation of the second, so the two lists need not
+//! pair up: consecutive reads whose remote (or local) bytes are contiguous share one iovec on
+//! that side. Many small reads of one owner thus become one call, which is where this backend
+//! gets its speed; a read longer than what is left in a call continues in the next one.
+
+use std::ops::Range;
+
+use crate::sys::Span;
+
+/// One contiguous part of a read inside one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seg {
+    /// Index of the read in the batch.
+    pub(crate) read: u32,
+    /// Address in the peer process.
+    pub(crate) remote: u64,
+    /// Address in this process.
+    pub(crate) local: u64,
+    pub(crate) len: u64,
+    /// This segment ends its read: the call that moves it completes the read.
+    pub(crate) last: bool,
+}
+
+/// One `process_vm_readv`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Call {
+    /// Index of the peer (process) read from, in the prepared state.
+    pub(crate) peer: u32,
+    /// Its segments, in stream order, as a range of [`Calls::segs`].
+    pub(crate) segs: Range<usize>,
+    pub(crate) bytes: u64,
+}
+
+/// A read to translate: peer index, read index, remote and local address, length.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Wanted {
+    pub(crate) peer: u32,
+    pub(crate) read: u32,
+    pub(crate) remote: u64,
+    pub(crate) local: u64,
+    pub(crate) len: u64,
+}
+
+/// A batch as system calls.
+#[derive(Debug, Default)]
+pub(crate) struct Calls {
+    pub(crate) segs: Vec<Seg>,
+    pub(crate) calls: Vec<Call>,
+}
+
+/// True when two reads write overlapping bytes of this process. Such a batch (the
+/// benchmark-only no-dedup arm reads identical replicas into one place) runs its calls one
+/// after the other in batch order, since concurrent writes to the same bytes are a data race.
+pub(crate) fn destinations_overlap(wanted: &[Wanted]) -> bool {
+    let mut spans: Vec<(u64, u64)> = wanted.iter().map(|w| (w.local, w.local + w.len)).collect();
+    spans.sort_unstable();
+    // Sorted by start, a span overlaps an earlier one exactly when it starts before the
+    // furthest end seen so far (a long span can hide behind shorter ones).
+    let mut end = 0u64;
+    for (s, e) in spans {
+        if s < end {
+            return true;
+        }
+        end = end.max(e);
+    }
+    false
+}
+
+/// Packs `wanted` into calls. With `keep_order` the calls follow the batch order exactly (only
+/// consecutive reads of one peer share a call); without it reads are grouped by peer first
+/// (stable, so batch order holds within a peer), which lets more of them share calls.
+pub(crate) fn translate(
+    wanted: &[Wanted],
+    keep_order: bool,
+    piece_bytes: u64,
+    iovecs: usize,
+) -> Calls {
+    let mut order: Vec<usize> = (0..wanted.len()).collect();
+    if !keep_order {
+        order.sort_by_key(|&i| wanted[i].peer);
+    }
+    let mut b = Builder {
+        piece_bytes,
+        iovecs,
+        out: Calls::default(),
+        open: None,
+    };
+    for i in order {
+        b.push(&wanted[i]);
+    }
+    b.flush();
+    b.out
+}
+
+/// The call being filled.
+struct Open {
+    peer: u32,
+    start: usize,
+    bytes: u64,
+    remote: Vec<Span>,
+    local: Vec<Span>,
+}
+
+struct Builder {
+    piece_bytes: u64,
+    iovecs: usize,
+    out: Calls,
+    open: Option<Open>,
+}
+
+/// Whether appending bytes at `addr` to `spans` takes a new iovec.
+fn needs_new(spans: &[Span], addr: u64) -> bool {
+    spans.last().is_none_or(|s| s.addr + s.len != addr)
+}
+
+/// Appends `len` bytes at `addr` to `spans`, extending the last span when contiguous.
+fn append(spans: &mut Vec<Span>, addr: u64, len: u64) {
+    match spans.last_mut() {
+        Some(s) if s.addr + s.len == addr => s.len += len,
+        _ => spans.push(Span { addr, len }),
+    }
+}
+
+impl Builder {
+    fn flush(&mut self) {
+        if let Some(o) = self.open.take() {
+            self.out.calls.push(Call {
+                peer: o.peer,
+                segs: o.start..self.out.segs.len(),
+                bytes: o.bytes,
+            });
+        }
+    }
+
+    fn push(&mut self, w: &Wanted) {
+        let mut off = 0u64;
+        while off < w.len {
+            if self.open.as_ref().is_some_and(|o| o.peer != w.peer) {
+                self.flush();
+            }
+            let start = self.out.segs.len();
+            let o = self.open.get_or_insert_with(|| Open {
+                peer: w.peer,
+                start,
+                bytes: 0,
+                remote: Vec::new(),
+                local: Vec::new(),
+            });
+            let (remote, local) = (w.remote + off, w.local + off);
+            let room = self.piece_bytes - o.bytes;
+            let over = |spans: &[Span], addr| {
+                spans.len() + usize::from(needs_new(spans, addr)) > self.iovecs
+            };
+            if room == 0 || over(&o.remote, remote) || over(&o.local, local) {
+                self.flush();
+                continue;
+            }
+            let take = (w.len - off).min(room);
+            append(&mut o.remote, remote, take);
+            append(&mut o.local, local, take);
+            o.bytes += take;
+            off += take;
+            self.out.segs.push(Seg {
+                read: w.read,
+                remote,
+                local,
+                len: take,
+                last: off == w.len,
+            });
+        }
+    }
+}
+
+/// The iovecs of `segs` after their first `skip` bytes, coalesced as the builder counted them
+/// (so never more than the call's limit).
+pub(crate) fn spans(segs: &[Seg], skip: u64) -> (Vec<Span>, Vec<Span>) {
+    let mut remote = Vec::new();
+    let mut local = Vec::new();
+    let mut skip = skip;
+    for s in segs {
+        if skip >= s.len {
+            skip -= s.len;
+            continue;
+        }
+        append(&mut remote, s.remote + skip, s.len - skip);
+        append(&mut local, s.local + skip, s.len - skip);
+        skip = 0;
+    }
+    (remote, local)
+}
+
+/// The segment holding byte `at` of the call's stream (the last one if `at` is past the end).
+pub(crate) fn seg_at(segs: &[Seg], at: u64) -> Option<&Seg> {
+    let mut acc = 0u64;
+    for s in segs {
+        acc += s.len;
+        if at < acc {
+            return Some(s);
+        }
+    }
+    segs.last()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(peer: u32, read: u32, remote: u64, local: u64, len: u64) -> Wanted {
+        Wanted {
+            peer,
+            read,
+            remote,
+            local,
+            len,
+        }
+    }
+
+    /// Every byte of every read is in exactly one segment, in order, and every call keeps its
+    /// limits; returns the calls.
+    fn check(wanted: &[Wanted], keep_order: bool, piece: u64, iov: usize) -> Calls {
+        let c = translate(wanted, keep_order, piece, iov);
+        for call in &c.calls {
+            let segs = &c.segs[call.segs.clone()];
+            assert!(!segs.is_empty());
+            assert_eq!(call.bytes, segs.iter().map(|s| s.len).sum::<u64>());
+            assert!(call.bytes <= piece);
+            let (r, l) = spans(segs, 0);
+            assert!(r.len() <= iov && l.len() <= iov, "{r:?} {l:?}");
+            for s in segs {
+                assert_eq!(wanted[s.read as usize].peer, call.peer);
+            }
+        }
+        for (i, x) in wanted.iter().enumerate() {
+            let mine: Vec<&Seg> = c.segs.iter().filter(|s| s.read == i as u32).collect();
+            let mut off = 0;
+            for (k, s) in mine.iter().enumerate() {
+                assert_eq!((s.remote, s.local), (x.remote + off, x.local + off));
+                off += s.len;
+                assert_eq!(s.last, k + 1 == mine.len());
+            }
+            assert_eq!(off, x.len, "read {i} covered once");
+        }
+        c
+    }
+
+    #[test]
+    fn small_reads_of_one_peer_share_calls_and_big_ones_are_cut() {
+        let mut v: Vec<Wanted> = (0..3000)
+            .map(|i| {
+                w(
+                    0,
+                    i,
+                    0x10_0000 + 64 * i as u64 * 2,
+                    0x90_0000 + 64 * i as u64,
+                    64,
+                )
+            })
+            .collect();
+        v.push(w(0, 3000, 0x1000_0000, 0x2000_0000, 10 << 20));
+        let c = check(&v, false, 4 << 20, 1024);
+        // 3000 scattered remote reads need 3 calls of <= 1024 remote iovecs (the local side
+        // is contiguous); the 10 MiB read fills the rest of the third and continues in two
+        // more calls of at most 4 MiB.
+        assert_eq!(c.calls.len(), 5, "{:?}", c.calls);
+        assert_eq!(c.calls[2].segs.len(), 3000 - 2048 + 1);
+        let one = check(&v, false, 4 << 20, 1);
+        assert!(one.calls.len() >= 3000);
+    }
+
+    #[test]
+    fn contiguous_reads_coalesce_into_one_iovec() {
+        let v: Vec<Wanted> = (0..5000)
+            .map(|i| w(0, i, 0x1000 + 8 * i as u64, 0x100_0000 + 8 * i as u64, 8))
+            .collect();
+        let c = check(&v, false, 8 << 20, 1);
+        assert_eq!(c.calls.len(), 1);
+    }
+
+    #[test]
+    fn peers_are_grouped_unless_order_is_kept() {
+        let v = [
+            w(0, 0, 0x1000, 0x9000, 16),
+            w(1, 1, 0x1000, 0x9010, 16),
+            w(0, 2, 0x1010, 0x9020, 16),
+        ];
+        assert_eq!(check(&v, false, 4096, 8).calls.len(), 2);
+        let kept = check(&v, true, 4096, 8);
+        assert_eq!(kept.calls.len(), 3);
+        let reads: Vec<u32> = kept.segs.iter().map(|s| s.read).collect();
+        assert_eq!(reads, [0, 1, 2]);
+    }
+
+    #[test]
+    fn overlap_detection_sees_hidden_spans() {
+        assert!(!destinations_overlap(&[
+            w(0, 0, 0, 0x1000, 8),
+            w(0, 1, 0, 0x1008, 8)
+        ]));
+        assert!(destinations_overlap(&[
+            w(0, 0, 0, 0x1000, 100),
+            w(0, 1, 0, 0x1010, 5),
+            w(0, 2, 0, 0x1050, 5)
+        ]));
+        assert!(destinations_overlap(&[
+            w(0, 0, 0, 0x1000, 9),
+            w(1, 1, 0, 0x1008, 8)
+        ]));
+        assert!(!destinations_overlap(&[]));
+    }
+
+    #[test]
+    fn spans_after_a_short_read_and_the_segment_at_a_byte() {
+        let segs = [
+            Seg {
+                read: 0,
+                remote: 100,
+                local: 1000,
+                len: 10,
+                last: true,
+            },
+            Seg {
+                read: 1,
+                remote: 500,
+                local: 1010,
+                len: 10,
+                last: true,
+            },
+        ];
+        let (r, l) = spans(&segs, 13);
+        assert_eq!(r, [Span { addr: 503, len: 7 }]);
+        assert_eq!(l, [Span { addr: 1013, len: 7 }]);
+        assert_eq!(seg_at(&segs, 9).unwrap().read, 0);
+        assert_eq!(seg_at(&segs, 10).unwrap().read, 1);
+        assert_eq!(seg_at(&segs, 99).unwrap().read, 1);
+    }
+}

@@ -1,0 +1,425 @@
+//! Unit tests of peer loading (dead and reused pids, other hosts), kernel refusals and
+//! ordering, with metadata crafted inside the crate.
+
+use std::sync::Arc;
+
+use reshard_core::{
+    ErrorKind, HostBuffer, MemoryBlock, MemoryKind, ReadBatch, ReadDesc, Transport,
+};
+
+use crate::meta::{Meta, RegionMeta};
+use crate::{CmaOptions, CmaTransport, SCHEME};
+
+fn endpoint(agent: &str) -> CmaTransport {
+    CmaTransport::new(agent, CmaOptions::default()).expect("endpoint")
+}
+
+async fn own_meta(t: &CmaTransport) -> Meta {
+    Meta::decode(&t.export_metadata().await.unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn a_dead_pid_is_peer_unknown_naming_owner_and_pid() {
+    let rx = endpoint("rx");
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let start_time = crate::sys::start_time(pid as i32).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let meta = Meta {
+        pid,
+        start_time,
+        regions: vec![],
+        ..own_meta(&rx).await
+    };
+    let e = rx.load_peer(5, meta.encode()).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PeerUnknown, "{e}");
+    assert_eq!(e.context().owner, Some(5));
+    assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
+    assert!(e.message().contains(&pid.to_string()), "{e}");
+    assert_eq!(rx.peer_incarnation(5), None);
+}
+
+#[tokio::test]
+async fn a_reused_pid_is_refused_by_its_start_time() {
+    let rx = endpoint("rx");
+    let honest = own_meta(&rx).await;
+    rx.load_peer(1, honest.encode()).await.unwrap();
+    let epoch = rx.epoch();
+    let reused = Meta {
+        start_time: honest.start_time + 1,
+        incarnation: 77,
+        ..honest
+    };
+    let e = rx.load_peer(2, reused.encode()).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PeerUnknown, "{e}");
+    assert_eq!(e.context().owner, Some(2));
+    assert!(e.message().contains("now belongs"), "{e}");
+    assert_eq!(rx.peer_incarnation(2), None);
+    assert_eq!(rx.epoch(), epoch, "a refused peer changes nothing");
+}
+
+#[tokio::test]
+async fn metadata_from_another_host_or_pid_namespace_is_unsupported() {
+    let rx = endpoint("rx");
+    let honest = own_meta(&rx).await;
+    let mut other_host = honest.clone();
+    other_host.boot_id[0] ^= 1;
+    let mut other_ns = honest.clone();
+    other_ns.pid_ns += 1;
+    for (m, what) in [(other_host, "host"), (other_ns, "namespace")] {
+        let e = rx.load_peer(3, m.encode()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        assert_eq!(e.context().owner, Some(3));
+        assert!(e.message().contains(what), "{e}");
+    }
+}
+
+/// Anonymous memory the test maps and then protects, to make addresses the kernel refuses.
+#[derive(Debug)]
+struct Mapped {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapped {
+    fn new(len: usize) -> Self {
+        // SAFETY: a fresh private anonymous mapping.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Mapped {
+            addr: p as usize,
+            len,
+        }
+    }
+
+    /// Makes `len` bytes at `off` unreadable (`PROT_NONE`): the kernel faults reading them,
+    /// as it would on freed memory, and, unlike `munmap`, no other allocation can move in.
+    fn protect(&self, off: usize, len: usize) {
+        // SAFETY: a part of the mapping made in `new`; nothing of it is referenced.
+        let r = unsafe { libc::mprotect((self.addr + off) as *mut _, len, libc::PROT_NONE) };
+        assert_eq!(r, 0);
+    }
+}
+
+// SAFETY: a private mapping at a fixed address, never unmapped; the test only protects it.
+unsafe impl MemoryBlock for Mapped {
+    fn addr(&self) -> usize {
+        self.addr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Dram
+    }
+}
+
+#[tokio::test]
+async fn unreadable_source_memory_is_typed_at_load_and_at_the_read() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let page = 4096;
+    let mem = Arc::new(Mapped::new(4 * page));
+    let src = tx.register(mem.clone()).await.unwrap();
+    let dst = rx
+        .register(Arc::new(HostBuffer::zeroed(4 * page)))
+        .await
+        .unwrap();
+    let meta = tx.export_metadata().await.unwrap();
+    rx.load_peer(7, meta.clone()).await.unwrap();
+    let read = |off: u64, len: u64| ReadDesc {
+        owner: 7,
+        remote_region: src.id(),
+        remote_offset: off,
+        local_region: dst.id(),
+        local_offset: off,
+        len,
+    };
+    let p = rx
+        .prepare(ReadBatch {
+            reads: vec![read(0, 100), read(page as u64, 3 * page as u64)],
+        })
+        .await
+        .unwrap();
+    rx.post(&p).await.unwrap().wait().await.unwrap();
+    // The publisher frees the memory after exporting: the read faults in the kernel.
+    mem.protect(0, 4 * page);
+    let e = rx.post(&p).await.unwrap().wait().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(7));
+    assert_eq!(e.context().range, Some(0..100));
+    assert!(!e.is_retryable());
+    // Loading the same metadata now refuses the region at load.
+    let e = rx.load_peer(8, meta).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+    assert_eq!(e.context().owner, Some(8));
+    assert_eq!(e.context().range, Some(0..1));
+}
+
+#[tokio::test]
+async fn a_fault_part_way_through_a_call_names_the_read_it_hit() {
+    let tx = endpoint("tx");
+    let rx = CmaTransport::new(
+        "rx",
+        CmaOptions {
+            workers: 1,
+            ..CmaOptions::default()
+        },
+    )
+    .unwrap();
+    let page = 4096u64;
+    let mem = Arc::new(Mapped::new(4 * page as usize));
+    let src = tx.register(mem.clone()).await.unwrap();
+    let dst = rx
+        .register(Arc::new(HostBuffer::zeroed(4 * page as usize)))
+        .await
+        .unwrap();
+    rx.load_peer(7, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    // Three reads in one call; only the third page becomes unreadable.
+    let reads = [(0, 10), (page, 10), (2 * page + 100, 50)]
+        .map(|(off, len)| ReadDesc {
+            owner: 7,
+            remote_region: src.id(),
+            remote_offset: off,
+            local_region: dst.id(),
+            local_offset: off,
+            len,
+        })
+        .to_vec();
+    let p = rx.prepare(ReadBatch { reads }).await.unwrap();
+    mem.protect(2 * page as usize, page as usize);
+    let e = rx.post(&p).await.unwrap().wait().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().range, Some(2 * page + 100..2 * page + 150));
+}
+
+#[tokio::test]
+async fn overlapping_destinations_land_in_batch_order_across_calls() {
+    let tx = endpoint("tx");
+    // One-iovec calls of 4 KiB: every read below is its own call (or several).
+    let rx = CmaTransport::new(
+        "rx",
+        CmaOptions {
+            workers: 4,
+            piece_bytes: 4096,
+            iovecs_per_call: 1,
+            ..CmaOptions::default()
+        },
+    )
+    .unwrap();
+    let n = 64usize;
+    let len = 10_000usize;
+    let mut srcs = Vec::new();
+    for k in 0..n {
+        let bytes = vec![k as u8 + 1; len];
+        srcs.push(
+            tx.register(Arc::new(HostBuffer::from_bytes(&bytes)))
+                .await
+                .unwrap(),
+        );
+    }
+    let dst_buf = Arc::new(HostBuffer::zeroed(len));
+    let dst = rx.register(dst_buf.clone()).await.unwrap();
+    rx.load_peer(0, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let reads = srcs
+        .iter()
+        .map(|s| ReadDesc {
+            owner: 0,
+            remote_region: s.id(),
+            remote_offset: 0,
+            local_region: dst.id(),
+            local_offset: 0,
+            len: len as u64,
+        })
+        .collect();
+    let p = rx.prepare(ReadBatch { reads }).await.unwrap();
+    for _ in 0..5 {
+        dst_buf.write().fill(0);
+        let r = rx.post(&p).await.unwrap().wait().await.unwrap();
+        assert_eq!(r.reads, n as u64);
+        assert!(
+            dst_buf.read().iter().all(|&b| b == n as u8),
+            "the last read of the batch wins"
+        );
+    }
+}
+
+#[tokio::test]
+async fn registration_is_host_only_with_ids_from_one_and_epochs_move() {
+    let t = endpoint("t");
+    let e0 = t.epoch();
+    let a = t.register(Arc::new(HostBuffer::zeroed(8))).await.unwrap();
+    let b = t.register(Arc::new(HostBuffer::zeroed(8))).await.unwrap();
+    assert_eq!((a.id(), b.id()), (1, 2));
+    assert!(t.epoch() > e0);
+    let e1 = t.epoch();
+    drop(a);
+    assert!(t.epoch() > e1);
+    #[derive(Debug)]
+    struct Device;
+    // SAFETY: never dereferenced: registration refuses it.
+    unsafe impl MemoryBlock for Device {
+        fn addr(&self) -> usize {
+            0x1000
+        }
+        fn len(&self) -> usize {
+            8
+        }
+        fn kind(&self) -> MemoryKind {
+            MemoryKind::Vram { device: 0 }
+        }
+    }
+    let e = t.register(Arc::new(Device)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+}
+
+#[tokio::test]
+async fn the_factory_reads_options_and_workers_override_them() {
+    use reshard_core::config::TransportConfig;
+    use reshard_core::registry::Registry;
+    let mut reg = Registry::new();
+    crate::register(&mut reg);
+    assert_eq!(reg.schemes(), [SCHEME]);
+    let cfg = TransportConfig {
+        kind: SCHEME.into(),
+        workers: Some(3),
+        options: Some(serde_json::json!({"workers": 9, "piece_bytes": 65536})),
+    };
+    let t = reg.create("f", &cfg).unwrap();
+    let dbg = format!("{t:?}");
+    assert!(
+        dbg.contains("workers: 3") && dbg.contains("piece_bytes: 65536"),
+        "{dbg}"
+    );
+    let bad = TransportConfig {
+        options: Some(serde_json::json!({"pieces": 1})),
+        ..cfg
+    };
+    assert_eq!(reg.create("f", &bad).unwrap_err().kind(), ErrorKind::Config);
+}
+
+#[test]
+fn probe_passes_here_and_decode_metadata_is_canonical() {
+    crate::probe().unwrap();
+    let m = Meta {
+        boot_id: [1; 16],
+        pid_ns: 1,
+        pid: 1,
+        start_time: 1,
+        incarnation: 1,
+        agent: "a".into(),
+        regions: vec![
+            RegionMeta {
+                id: 2,
+                addr: 0x2000,
+                len: 1,
+            },
+            RegionMeta {
+                id: 1,
+                addr: 0x1000,
+                len: 1,
+            },
+        ],
+    };
+    let canon = crate::decode_metadata(&m.encode()).unwrap();
+    assert_eq!(crate::decode_metadata(&canon).unwrap(), canon);
+    assert_ne!(canon, m.encode(), "regions come back sorted by id");
+    assert_eq!(
+        crate::decode_metadata(b"RSCM").unwrap_err().kind(),
+        ErrorKind::Decode
+    );
+}
+
+#[tokio::test]
+async fn prepare_refuses_zero_length_and_local_ranges_outside_with_owner_and_range() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let src = tx
+        .register(Arc::new(HostBuffer::zeroed(4096)))
+        .await
+        .unwrap();
+    let dst = rx
+        .register(Arc::new(HostBuffer::zeroed(4096)))
+        .await
+        .unwrap();
+    rx.load_peer(2, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let read = |local_region: u64, local_offset: u64, len: u64| ReadDesc {
+        owner: 2,
+        remote_region: src.id(),
+        remote_offset: 8,
+        local_region,
+        local_offset,
+        len,
+    };
+    for (r, range) in [
+        (read(dst.id(), 0, 0), 8..8),
+        (read(dst.id(), 4000, 100), 4000..4100),
+        (read(dst.id(), u64::MAX, 2), u64::MAX..u64::MAX),
+        (read(dst.id() + 1, 0, 16), 0..16),
+    ] {
+        let e = rx
+            .prepare(ReadBatch { reads: vec![r] })
+            .await
+            .expect_err("must be refused");
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{r:?}: {e}");
+        assert_eq!(e.context().owner, Some(2));
+        assert_eq!(e.context().range, Some(range), "{r:?}");
+        assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
+    }
+}
+
+#[tokio::test]
+async fn a_batch_prepared_before_its_destination_was_deregistered_is_refused_at_post() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let src = tx
+        .register(Arc::new(HostBuffer::from_bytes(&[9; 4096])))
+        .await
+        .unwrap();
+    let buf = Arc::new(HostBuffer::zeroed(4096));
+    let dst = rx.register(buf.clone()).await.unwrap();
+    rx.load_peer(4, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let p = rx
+        .prepare(ReadBatch {
+            reads: vec![ReadDesc {
+                owner: 4,
+                remote_region: src.id(),
+                remote_offset: 0,
+                local_region: dst.id(),
+                local_offset: 100,
+                len: 64,
+            }],
+        })
+        .await
+        .unwrap();
+    drop(dst);
+    let e = match rx.post(&p).await {
+        Ok(_) => panic!("posted into a deregistered region"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(4));
+    assert_eq!(e.context().range, Some(100..164));
+    assert!(buf.read().iter().all(|&b| b == 0), "nothing landed");
+}

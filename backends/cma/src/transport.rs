@@ -1,0 +1,766 @@
+//! [`CmaTransport`]: one endpoint, implementing the core contract with `process_vm_readv`.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
+use rayon::ThreadPool;
+use reshard_core::{
+    new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
+    OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use crate::meta::{Meta, RegionMeta};
+use crate::plan::{self, Calls, Wanted};
+use crate::run::{self, CmaInFlight, Run};
+use crate::sys::{self, Pidfd, Span};
+use crate::{CmaOptions, SCHEME};
+
+/// The host and process this endpoint runs in, as its metadata states them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Host {
+    boot_id: [u8; 16],
+    pid_ns: u64,
+    pid: u32,
+    start_time: u64,
+}
+
+impl Host {
+    fn here() -> Result<Host> {
+        let pid = std::process::id();
+        let fail = |what: &str, e: std::io::Error| {
+            Error::new(
+                ErrorKind::Unsupported,
+                format!("cma needs {what} to identify this process and host: {e}"),
+            )
+            .with_backend(SCHEME)
+            .with_source(e)
+        };
+        Ok(Host {
+            boot_id: sys::boot_id().map_err(|e| fail("/proc/sys/kernel/random/boot_id", e))?,
+            pid_ns: sys::pid_namespace().map_err(|e| fail("/proc/self/ns/pid", e))?,
+            pid,
+            start_time: sys::start_time(pid as i32).map_err(|e| fail("/proc/<pid>/stat", e))?,
+        })
+    }
+}
+
+/// What registrations and the transport share: the regions and the epoch.
+struct Local {
+    regions: RwLock<BTreeMap<u64, Arc<dyn MemoryBlock>>>,
+    next_region: AtomicU64,
+    epoch: AtomicU64,
+}
+
+impl Local {
+    fn bump(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// A loaded peer: the process its metadata names, held by a pidfd where the kernel has them.
+pub(crate) struct Peer {
+    pub(crate) pid: i32,
+    pub(crate) agent: String,
+    start_time: u64,
+    incarnation: u64,
+    pidfd: Option<Pidfd>,
+    /// By region id.
+    regions: HashMap<u64, RegionMeta>,
+}
+
+impl Peer {
+    /// True while the process the metadata named is alive (so its pid is still its own).
+    pub(crate) fn is_same_process(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => !fd.exited(),
+            None => sys::start_time(self.pid).is_ok_and(|t| t == self.start_time),
+        }
+    }
+}
+
+/// The cma state of a [`PreparedBatch`].
+pub(crate) struct Prepared {
+    /// Incarnation of the endpoint that prepared it.
+    endpoint: u64,
+    epoch: u64,
+    /// Owners and the peers their reads were resolved against, indexed by `Call::peer`.
+    pub(crate) peers: Vec<(OwnerId, Arc<Peer>)>,
+    /// Destination regions and their blocks (kept alive while the batch exists).
+    dsts: Vec<(u64, Arc<dyn MemoryBlock>)>,
+    pub(crate) calls: Calls,
+    /// Jobs a post starts: 1 when destinations overlap (calls run in batch order).
+    lanes: usize,
+}
+
+/// A cma endpoint: registers host memory, exports where it is, and reads peers' memory with
+/// `process_vm_readv` on a pool of `workers` copy threads (started at the first post).
+pub struct CmaTransport {
+    agent: String,
+    options: CmaOptions,
+    incarnation: u64,
+    host: Host,
+    local: Arc<Local>,
+    peers: RwLock<HashMap<OwnerId, Arc<Peer>>>,
+    pool: Mutex<Option<Arc<ThreadPool>>>,
+    /// Posted batches, so dropping the endpoint ends them (rule 4).
+    live: Mutex<Vec<Weak<Run>>>,
+    log: RwLock<Option<Arc<ExecutionLog>>>,
+    #[cfg(feature = "fault-injection")]
+    skip_read: Mutex<Option<usize>>,
+}
+
+fn span(off: u64, len: u64) -> Range<u64> {
+    off..off.saturating_add(len)
+}
+
+fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
+    Error::new(ErrorKind::OutOfBounds, msg)
+        .with_owner(owner)
+        .with_range(range)
+        .with_backend(SCHEME)
+}
+
+fn same_block(a: &Arc<dyn MemoryBlock>, b: &Arc<dyn MemoryBlock>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+}
+
+impl CmaTransport {
+    /// Creates endpoint `agent` (1..=65535 bytes) in this process.
+    pub fn new(agent: &str, options: CmaOptions) -> Result<Self> {
+        options.validate()?;
+        if agent.is_empty() || agent.len() > u16::MAX as usize {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("cma agent names must be 1..={} bytes", u16::MAX),
+            )
+            .with_backend(SCHEME));
+        }
+        let host = Host::here()?;
+        if options.allow_any_reader {
+            sys::allow_any_ptracer().map_err(|e| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    "prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) failed (allow_any_reader)",
+                )
+                .with_backend(SCHEME)
+                .with_source(e)
+            })?;
+        }
+        Ok(CmaTransport {
+            agent: agent.to_owned(),
+            options,
+            incarnation: new_incarnation(),
+            host,
+            local: Arc::new(Local {
+                regions: RwLock::new(BTreeMap::new()),
+                next_region: AtomicU64::new(1),
+                epoch: AtomicU64::new(1),
+            }),
+            peers: RwLock::new(HashMap::new()),
+            pool: Mutex::new(None),
+            live: Mutex::new(Vec::new()),
+            log: RwLock::new(None),
+            #[cfg(feature = "fault-injection")]
+            skip_read: Mutex::new(None),
+        })
+    }
+
+    /// The options this endpoint runs with.
+    pub fn options(&self) -> &CmaOptions {
+        &self.options
+    }
+
+    /// Test-only fault injection (feature `fault-injection`, off by default): while set to
+    /// `Some(i)`, every `post` leaves read `i` of its batch out (it is neither read nor
+    /// counted in the [`reshard_core::WireReport`], nor recorded in the execution log), as a
+    /// backend that loses a read would. Reads are numbered in batch order.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_skip_read(&self, read: Option<usize>) {
+        *self.skip_read.lock() = read;
+    }
+
+    fn pool(&self) -> Result<Arc<ThreadPool>> {
+        let mut slot = self.pool.lock();
+        if let Some(p) = &*slot {
+            return Ok(Arc::clone(p));
+        }
+        let name = self.agent.clone();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(self.options.workers)
+            .thread_name(move |i| format!("cma-{name}-{i}"))
+            .build()
+            .map_err(|e| {
+                Error::new(ErrorKind::Transport, "could not start cma copy threads")
+                    .with_backend(SCHEME)
+                    .with_source(e)
+            })?;
+        let pool = Arc::new(pool);
+        *slot = Some(Arc::clone(&pool));
+        Ok(pool)
+    }
+
+    /// Checks every read against the loaded peers and local registrations and translates the
+    /// batch into calls.
+    fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
+        if u32::try_from(batch.reads.len()).is_err() {
+            return Err(
+                Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
+                    .with_backend(SCHEME),
+            );
+        }
+        // The epoch is read before the look-ups: a change racing with them makes the batch
+        // look stale at post (re-checked), never fresh.
+        let epoch = self.epoch();
+        let peers = self.peers.read();
+        let local = self.local.regions.read();
+        let mut used_peers: Vec<(OwnerId, Arc<Peer>)> = Vec::new();
+        let mut peer_ix: HashMap<OwnerId, u32> = HashMap::new();
+        let mut dsts: Vec<(u64, Arc<dyn MemoryBlock>)> = Vec::new();
+        let mut dst_ix: HashMap<u64, usize> = HashMap::new();
+        let mut wanted = Vec::with_capacity(batch.reads.len());
+        for (i, r) in batch.reads.iter().enumerate() {
+            let remote = span(r.remote_offset, r.len);
+            if r.len == 0 {
+                return Err(oob(r.owner, remote, format!("read {i} has zero length")));
+            }
+            let p = match peer_ix.get(&r.owner) {
+                Some(&p) => p,
+                None => {
+                    let peer = peers.get(&r.owner).ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::PeerUnknown,
+                            format!(
+                                "read {i} names owner {} whose metadata was never loaded",
+                                r.owner
+                            ),
+                        )
+                        .with_owner(r.owner)
+                        .with_range(remote.clone())
+                        .with_backend(SCHEME)
+                    })?;
+                    used_peers.push((r.owner, Arc::clone(peer)));
+                    let p = (used_peers.len() - 1) as u32;
+                    peer_ix.insert(r.owner, p);
+                    p
+                }
+            };
+            let peer = &used_peers[p as usize].1;
+            let region = peer.regions.get(&r.remote_region).ok_or_else(|| {
+                oob(
+                    r.owner,
+                    remote.clone(),
+                    format!(
+                        "read {i}: owner {} has no region {}",
+                        r.owner, r.remote_region
+                    ),
+                )
+            })?;
+            if r.remote_offset
+                .checked_add(r.len)
+                .is_none_or(|e| e > region.len)
+            {
+                return Err(oob(
+                    r.owner,
+                    remote.clone(),
+                    format!(
+                        "read {i}: bytes {}..{} outside region {} of owner {} ({} bytes)",
+                        remote.start, remote.end, r.remote_region, r.owner, region.len
+                    ),
+                ));
+            }
+            let lrange = span(r.local_offset, r.len);
+            let d = match dst_ix.get(&r.local_region) {
+                Some(&d) => d,
+                None => {
+                    let block = local.get(&r.local_region).ok_or_else(|| {
+                        oob(
+                            r.owner,
+                            lrange.clone(),
+                            format!(
+                                "read {i}: local region {} is not registered on agent {:?}",
+                                r.local_region, self.agent
+                            ),
+                        )
+                    })?;
+                    dsts.push((r.local_region, Arc::clone(block)));
+                    dst_ix.insert(r.local_region, dsts.len() - 1);
+                    dsts.len() - 1
+                }
+            };
+            let block = &dsts[d].1;
+            let llen = block.len() as u64;
+            if r.local_offset.checked_add(r.len).is_none_or(|e| e > llen) {
+                return Err(oob(
+                    r.owner,
+                    lrange.clone(),
+                    format!(
+                        "read {i}: local bytes {}..{} outside local region {} ({llen} bytes)",
+                        lrange.start, lrange.end, r.local_region
+                    ),
+                ));
+            }
+            wanted.push(Wanted {
+                peer: p,
+                read: i as u32,
+                // In range: region.addr + region.len does not overflow (checked at decode).
+                remote: region.addr + r.remote_offset,
+                local: block.addr() as u64 + r.local_offset,
+                len: r.len,
+            });
+        }
+        let overlap = plan::destinations_overlap(&wanted);
+        let calls = plan::translate(
+            &wanted,
+            overlap,
+            self.options.piece_bytes,
+            self.options.iovecs_per_call,
+        );
+        Ok(Prepared {
+            endpoint: self.incarnation,
+            epoch,
+            peers: used_peers,
+            dsts,
+            calls,
+            lanes: if overlap { 1 } else { self.options.workers },
+        })
+    }
+
+    /// At post, when the epoch moved since prepare: every peer and destination the batch was
+    /// resolved against must still be the one loaded or registered under its name.
+    fn still_valid(&self, prepared: &PreparedBatch, st: &Prepared) -> Result<()> {
+        let reads = &prepared.batch().reads;
+        let first = |pred: &dyn Fn(&ReadDesc) -> bool| reads.iter().find(|r| pred(r));
+        let peers = self.peers.read();
+        for (owner, peer) in &st.peers {
+            if !peers.get(owner).is_some_and(|p| Arc::ptr_eq(p, peer)) {
+                let r = first(&|r| r.owner == *owner);
+                let mut e = Error::new(
+                    ErrorKind::Transport,
+                    format!(
+                        "the metadata of owner {owner} was replaced or dropped after this batch \
+                         was prepared; prepare it again"
+                    ),
+                )
+                .with_owner(*owner)
+                .with_backend(SCHEME);
+                if let Some(r) = r {
+                    e = e.with_range(span(r.remote_offset, r.len));
+                }
+                return Err(e);
+            }
+        }
+        let local = self.local.regions.read();
+        for (region, block) in &st.dsts {
+            if !local.get(region).is_some_and(|b| same_block(b, block)) {
+                let r = first(&|r| r.local_region == *region);
+                let mut e = Error::new(
+                    ErrorKind::Transport,
+                    format!("local region {region} was deregistered after this batch was prepared"),
+                )
+                .with_backend(SCHEME);
+                if let Some(r) = r {
+                    e = e
+                        .with_owner(r.owner)
+                        .with_range(span(r.local_offset, r.len));
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records every read of a post as its calls will execute it: the owner is one under which
+    /// the peer process actually read from is loaded (the batch's own owner when that is
+    /// still so), and regions and offsets are resolved back from the addresses the calls use,
+    /// in that peer's regions and this endpoint's registrations. A read cut into several
+    /// segments is recorded once, whole; a skipped read (fault injection) not at all.
+    fn record(&self, log: &ExecutionLog, st: &Prepared, skip: Option<u32>) {
+        // Per read: (peer index, first remote address, first local address, bytes).
+        let mut ext: BTreeMap<u32, (u32, u64, u64, u64)> = BTreeMap::new();
+        for call in &st.calls.calls {
+            for s in &st.calls.segs[call.segs.clone()] {
+                if Some(s.read) == skip {
+                    continue;
+                }
+                let e = ext
+                    .entry(s.read)
+                    .or_insert((call.peer, s.remote, s.local, 0));
+                e.1 = e.1.min(s.remote);
+                e.2 = e.2.min(s.local);
+                e.3 += s.len;
+            }
+        }
+        let peers = self.peers.read();
+        let local = self.local.regions.read();
+        let mut out = Vec::with_capacity(ext.len());
+        for (_, (p, ra, la, len)) in ext {
+            let (owner, used) = &st.peers[p as usize];
+            let same = |q: &Arc<Peer>| {
+                q.pid == used.pid
+                    && q.start_time == used.start_time
+                    && q.incarnation == used.incarnation
+            };
+            let owner = if peers.get(owner).is_some_and(same) {
+                *owner
+            } else {
+                peers
+                    .iter()
+                    .filter(|(_, q)| same(q))
+                    .map(|(&o, _)| o)
+                    .min()
+                    .unwrap_or(*owner)
+            };
+            let (remote_region, remote_offset) = used
+                .regions
+                .values()
+                .filter(|r| ra >= r.addr && ra.saturating_add(len) <= r.addr + r.len)
+                .min_by_key(|r| r.id)
+                .map_or((0, ra), |r| (r.id, ra - r.addr));
+            let (local_region, local_offset) = local
+                .iter()
+                .find(|(_, b)| {
+                    let base = b.addr() as u64;
+                    la >= base && la.saturating_add(len) <= base + b.len() as u64
+                })
+                .map_or((0, la), |(&id, b)| (id, la - b.addr() as u64));
+            out.push(ReadDesc {
+                owner,
+                remote_region,
+                remote_offset,
+                local_region,
+                local_offset,
+                len,
+            });
+        }
+        log.record(out);
+    }
+
+    /// Reads the first and last byte of every non-empty region of a peer being loaded: the
+    /// kernel's refusals (permissions, unmapped memory) show at `load_peer`, naming the owner,
+    /// rather than at the first post.
+    fn probe_regions(&self, owner: OwnerId, peer: &Peer) -> Result<()> {
+        let probes: Vec<(u64, u64)> = peer
+            .regions
+            .values()
+            .filter(|r| r.len > 0)
+            .flat_map(|r| [(r.id, r.addr), (r.id, r.addr + r.len - 1)])
+            .collect();
+        for chunk in probes.chunks(sys::IOV_MAX) {
+            let mut scratch = vec![0u8; chunk.len()];
+            let base = scratch.as_mut_ptr() as u64;
+            let local = [Span {
+                addr: base,
+                len: chunk.len() as u64,
+            }];
+            let remote: Vec<Span> = chunk
+                .iter()
+                .map(|&(_, a)| Span { addr: a, len: 1 })
+                .collect();
+            // SAFETY: `scratch` is a local buffer of exactly the bytes asked for; no reference
+            // to it is used until the call returns.
+            let r = unsafe { sys::read_from(peer.pid, &local, &remote) };
+            // A fault on the first iovec is EFAULT; on a later one, a short count.
+            let faulted = match &r {
+                Ok(n) if *n < chunk.len() => Some(*n),
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => Some(0),
+                _ => None,
+            };
+            if let Some(n) = faulted {
+                let (id, addr) = chunk[n];
+                let reg = peer.regions[&id];
+                let off = addr - reg.addr;
+                return Err(oob(
+                    owner,
+                    off..off + 1,
+                    format!(
+                        "region {id} of owner {owner} (agent {:?}) is not mapped in process {} \
+                         at byte {off}",
+                        peer.agent, peer.pid
+                    ),
+                ));
+            }
+            if let Err(e) = r {
+                {
+                    let kind = match e.raw_os_error() {
+                        Some(libc::EPERM) => ErrorKind::Unsupported,
+                        Some(libc::ESRCH) => ErrorKind::PeerUnknown,
+                        _ => ErrorKind::Transport,
+                    };
+                    let msg = match kind {
+                        ErrorKind::Unsupported => run::permission_denied(owner, peer),
+                        _ => format!(
+                            "cannot read process {} of owner {owner} (agent {:?})",
+                            peer.pid, peer.agent
+                        ),
+                    };
+                    return Err(Error::new(kind, msg)
+                        .with_owner(owner)
+                        .with_backend(SCHEME)
+                        .with_source(e));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CmaTransport {
+    fn drop(&mut self) {
+        // Every waiter wakes with an error (rule 4); the calls already running finish, and the
+        // handles' drops or waits wait them out.
+        for run in self.live.get_mut().drain(..).filter_map(|w| w.upgrade()) {
+            run.close(|| {
+                Error::new(
+                    ErrorKind::Aborted,
+                    format!("cma endpoint {:?} was dropped", self.agent),
+                )
+                .with_backend(SCHEME)
+                .set_retryable(true)
+            });
+        }
+    }
+}
+
+impl fmt::Debug for CmaTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CmaTransport")
+            .field("agent", &self.agent)
+            .field("pid", &self.host.pid)
+            .field("options", &self.options)
+            .field("regions", &self.local.regions.read().len())
+            .field("peers", &self.peers.read().len())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Transport for CmaTransport {
+    fn name(&self) -> &'static str {
+        SCHEME
+    }
+
+    fn agent(&self) -> &str {
+        &self.agent
+    }
+
+    fn capabilities(&self) -> Capability {
+        Capability {
+            one_sided_read: true,
+            one_sided_write: false,
+            vram: false,
+            cross_process: true,
+            max_reads_per_post: None,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.local.epoch.load(Ordering::Acquire)
+    }
+
+    fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.peers.read().get(&owner).map(|p| p.incarnation)
+    }
+
+    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
+        let kind = block.kind();
+        if let MemoryKind::Vram { .. } = kind {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "cma reads host memory only (process_vm_readv); cannot register {kind} \
+                     (use nixl)"
+                ),
+            )
+            .with_backend(SCHEME));
+        }
+        let (addr, len) = (block.addr(), block.len());
+        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!("block {addr:#x}+{len} is not a valid address range"),
+            )
+            .with_backend(SCHEME));
+        }
+        let id = self.local.next_region.fetch_add(1, Ordering::Relaxed);
+        self.local.regions.write().insert(id, block);
+        self.local.bump();
+        let local = Arc::downgrade(&self.local);
+        Ok(Registration::new(id, len as u64, kind, move || {
+            if let Some(l) = local.upgrade() {
+                // The block's last reference may be a posted batch's, which releases it when
+                // the batch ends (rule 2); drop ours outside the lock.
+                let removed = l.regions.write().remove(&id);
+                if removed.is_some() {
+                    l.bump();
+                }
+                drop(removed);
+            }
+        }))
+    }
+
+    async fn export_metadata(&self) -> Result<Bytes> {
+        let regions = self
+            .local
+            .regions
+            .read()
+            .iter()
+            .map(|(&id, b)| RegionMeta {
+                id,
+                addr: b.addr() as u64,
+                len: b.len() as u64,
+            })
+            .collect();
+        Ok(Meta {
+            boot_id: self.host.boot_id,
+            pid_ns: self.host.pid_ns,
+            pid: self.host.pid,
+            start_time: self.host.start_time,
+            incarnation: self.incarnation,
+            agent: self.agent.clone(),
+            regions,
+        }
+        .encode())
+    }
+
+    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
+        let meta = Meta::decode(&metadata).map_err(|e| e.with_owner(owner))?;
+        let refuse = |kind: ErrorKind, msg: String| {
+            Error::new(kind, msg).with_owner(owner).with_backend(SCHEME)
+        };
+        if meta.boot_id != self.host.boot_id {
+            return Err(refuse(
+                ErrorKind::Unsupported,
+                format!(
+                    "metadata of agent {:?} comes from another host (or another boot): cma \
+                     reads processes on this host only; use ucx or nixl across hosts",
+                    meta.agent
+                ),
+            ));
+        }
+        if meta.pid_ns != self.host.pid_ns {
+            return Err(refuse(
+                ErrorKind::Unsupported,
+                format!(
+                    "metadata of agent {:?} comes from another pid namespace (another \
+                     container?): its pid {} does not name a process here",
+                    meta.agent, meta.pid
+                ),
+            ));
+        }
+        let pid = meta.pid as i32;
+        let gone = |why: String| {
+            refuse(
+                ErrorKind::PeerUnknown,
+                format!(
+                    "process {pid} of agent {:?}, which exported this metadata, {why}",
+                    meta.agent
+                ),
+            )
+        };
+        // The pidfd is opened first and the start time read after: if they match, the pidfd
+        // holds the process the metadata names, and later reads can tell whether the pid is
+        // still its own.
+        let pidfd = match Pidfd::open(pid) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                return Err(gone("is gone".into()).with_source(e))
+            }
+            Err(e) => return Err(gone("cannot be opened".into()).with_source(e)),
+        };
+        if pidfd.as_ref().is_some_and(Pidfd::exited) || sys::state(pid) == Some('Z') {
+            return Err(gone("has exited".into()));
+        }
+        match sys::start_time(pid) {
+            Ok(t) if t == meta.start_time => {}
+            Ok(t) => {
+                return Err(gone(format!(
+                    "is gone: pid {pid} now belongs to a process started at tick {t}, the \
+                     metadata's started at tick {}",
+                    meta.start_time
+                )))
+            }
+            Err(e) => return Err(gone("is gone".into()).with_source(e)),
+        }
+        let peer = Peer {
+            pid,
+            agent: meta.agent,
+            start_time: meta.start_time,
+            incarnation: meta.incarnation,
+            pidfd,
+            regions: meta.regions.into_iter().map(|r| (r.id, r)).collect(),
+        };
+        self.probe_regions(owner, &peer)?;
+        // The owner rank is the identity offers use; the process behind it may change (a
+        // publisher restarted). The new metadata replaces the old and the epoch bump makes
+        // every prepared batch be rebuilt.
+        self.peers.write().insert(owner, Arc::new(peer));
+        self.local.bump();
+        tracing::debug!(agent = %self.agent, owner, pid, "cma peer loaded");
+        Ok(())
+    }
+
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        let st = self.translate(&batch)?;
+        tracing::debug!(
+            agent = %self.agent,
+            reads = batch.reads.len(),
+            bytes = batch.bytes(),
+            calls = st.calls.calls.len(),
+            lanes = st.lanes,
+            "cma prepare"
+        );
+        Ok(PreparedBatch::new(Arc::new(batch), SCHEME, Arc::new(st)))
+    }
+
+    async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        let st = prepared
+            .state::<Arc<Prepared>>()
+            .filter(|st| st.endpoint == self.incarnation)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "batch was prepared by {} (another backend or endpoint), not by cma \
+                         endpoint {:?}",
+                        prepared.backend(),
+                        self.agent
+                    ),
+                )
+                .with_backend(SCHEME)
+            })?;
+        if st.epoch != self.epoch() {
+            self.still_valid(prepared, st)?;
+        }
+        let pool = self.pool()?;
+        #[cfg(feature = "fault-injection")]
+        let skip = (*self.skip_read.lock()).and_then(|i| u32::try_from(i).ok());
+        #[cfg(not(feature = "fault-injection"))]
+        let skip: Option<u32> = None;
+        if let Some(log) = self.log.read().as_ref() {
+            self.record(log, st, skip);
+        }
+        let run = Arc::new(Run::new(Arc::clone(st), Arc::clone(prepared.batch()), skip));
+        {
+            let mut live = self.live.lock();
+            live.retain(|w| w.strong_count() > 0);
+            live.push(Arc::downgrade(&run));
+        }
+        let timeout = Duration::from_millis(self.options.timeout_ms);
+        Ok(Box::new(CmaInFlight::start(run, pool, st.lanes, timeout)))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.write() = log;
+        true
+    }
+}

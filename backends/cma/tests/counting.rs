@@ -1,0 +1,47 @@
+//! Counted completions, the execution log and typed unknown-peer errors, through the public
+//! API (the skipped read comes from the `fault-injection` feature, which only this crate's
+//! dev-dependency on itself enables). The shared checks are the conformance crate's
+//! `counting` module.
+
+use std::sync::Arc;
+
+use reshard_backend_cma::{CmaOptions, CmaTransport};
+use reshard_conformance::counting::{at, Counting, SkipAt, SkipRead};
+use reshard_conformance::Harness;
+use reshard_core::Transport;
+
+/// Calls of at most 256 KiB and 4 iovecs per side: the five reads below share calls, and the
+/// 1 MiB read is cut into four.
+fn options() -> CmaOptions {
+    CmaOptions {
+        workers: 2,
+        piece_bytes: 256 << 10,
+        iovecs_per_call: 4,
+        ..CmaOptions::default()
+    }
+}
+
+fn counting() -> Counting {
+    let harness = Harness::new("cma", |agent| {
+        Ok(Arc::new(CmaTransport::new(agent, options())?) as Arc<dyn Transport>)
+    });
+    let endpoint = |agent: &str| {
+        let t = Arc::new(CmaTransport::new(agent, options())?);
+        let skip = t.clone();
+        let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
+        Ok((t as Arc<dyn Transport>, skip))
+    };
+    Counting {
+        reads: vec![
+            at(0, 100, 0, 0, 1000),
+            at(1, 0, 0, 4096, 3000),
+            at(2, 7, 1, 0, 5000),
+            at(3, 20_000, 1, 8192, 7000),
+            at(0, 30_000, 1, 20_000, 300_000),
+        ],
+        split_read: Some(at(1, 0, 0, 0, 1 << 20)),
+        ..Counting::new(harness, endpoint, SkipAt::Post)
+    }
+}
+
+reshard_conformance::counting_tests!(counting(), requires = reshard_backend_cma::probe());
