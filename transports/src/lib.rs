@@ -8,6 +8,7 @@ use reshard_core::registry::Registry;
 pub fn registry() -> Registry {
     let mut r = Registry::new();
     reshard_backend_loopback::register(&mut r);
+    reshard_backend_cma::register(&mut r);
     #[cfg(feature = "ucx")]
     reshard_backend_ucx::register(&mut r);
     #[cfg(feature = "nixl")]
