@@ -46,6 +46,12 @@
 //! [`ShardTable::validate`] refuses, or an offer whose tensor index is out of range. Errors carry
 //! the publisher rank and tensor name once they are known.
 
+mod json;
+mod reader;
+
+pub use json::{table_from_json, table_to_json};
+pub use reader::{ByteReader, Truncated};
+
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -546,160 +552,6 @@ impl<'a> Reader<'a> {
                 .fail_at(at, format!("{field} is not valid UTF-8"))
                 .with_source(e)),
         }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// JSON
-
-#[derive(Serialize)]
-struct JsonOut<'a> {
-    schema_version: u16,
-    table: &'a ShardTable,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonIn {
-    schema_version: u64,
-    table: serde_json::Value,
-}
-
-/// Pretty JSON for people: `{"schema_version": 2, "table": {...}}`.
-pub fn table_to_json(t: &ShardTable) -> String {
-    serde_json::to_string_pretty(&JsonOut {
-        schema_version: SCHEMA_VERSION,
-        table: t,
-    })
-    // Cannot fail: every map key is a string and no Serialize impl of the model returns errors.
-    .expect("a shard table always serializes to JSON")
-}
-
-/// Parses the JSON of [`table_to_json`] from untrusted text, with the same checks as
-/// [`decode_table`]: another schema version or malformed JSON is [`ErrorKind::Decode`], a table
-/// that fails [`ShardTable::validate`] is [`ErrorKind::InvalidTable`].
-pub fn table_from_json(s: &str) -> Result<ShardTable> {
-    let json_err = |what: &str, e: serde_json::Error| {
-        Error::new(ErrorKind::Decode, format!("{what}: {e}")).with_source(e)
-    };
-    let env: JsonIn = serde_json::from_str(s).map_err(|e| json_err("bad shard-table JSON", e))?;
-    if env.schema_version != u64::from(SCHEMA_VERSION) {
-        return Err(Error::new(
-            ErrorKind::Decode,
-            format!(
-                "shard-table schema version {} found, this build supports version \
-                 {SCHEMA_VERSION} only",
-                env.schema_version
-            ),
-        ));
-    }
-    let table: ShardTable =
-        serde_json::from_value(env.table).map_err(|e| json_err("bad shard table in JSON", e))?;
-    let owner = table.publisher.rank;
-    if let Some(t) = table.tensors.iter().find(|t| t.name.len() > MAX_NAME_LEN) {
-        return Err(Error::new(
-            ErrorKind::Decode,
-            format!(
-                "tensor name is {} bytes long, the limit is {MAX_NAME_LEN}",
-                t.name.len()
-            ),
-        )
-        .with_owner(owner));
-    }
-    table.validate().map_err(|e| e.with_owner(owner))?;
-    Ok(table)
-}
-
-/// A cursor over untrusted little-endian bytes for backends' metadata decoders: every read is
-/// bounds-checked and a short input is a [`Truncated`] error, never a panic.
-#[derive(Debug, Clone)]
-pub struct ByteReader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-/// A read ran past the end of the input: where it started and how many bytes were missing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Truncated {
-    /// Offset of the read that failed.
-    pub at: usize,
-    /// Bytes missing.
-    pub needed: usize,
-}
-
-impl fmt::Display for Truncated {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "truncated: needed {} more bytes at offset {}",
-            self.needed, self.at
-        )
-    }
-}
-
-impl std::error::Error for Truncated {}
-
-impl<'a> ByteReader<'a> {
-    /// A reader at the start of `bytes`.
-    pub fn new(bytes: &'a [u8]) -> Self {
-        ByteReader { bytes, at: 0 }
-    }
-
-    /// Offset of the next byte.
-    pub fn at(&self) -> usize {
-        self.at
-    }
-
-    /// Bytes not read yet.
-    pub fn left(&self) -> usize {
-        self.bytes.len() - self.at
-    }
-
-    /// Fails unless at least `n` more bytes are present (check counts before allocating).
-    pub fn ensure(&self, n: usize) -> std::result::Result<(), Truncated> {
-        let left = self.left();
-        if n > left {
-            return Err(Truncated {
-                at: self.at,
-                needed: n - left,
-            });
-        }
-        Ok(())
-    }
-
-    /// The next `n` bytes.
-    pub fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], Truncated> {
-        self.ensure(n)?;
-        let s = &self.bytes[self.at..self.at + n];
-        self.at += n;
-        Ok(s)
-    }
-
-    /// The next `N` bytes as an array.
-    pub fn array<const N: usize>(&mut self) -> std::result::Result<[u8; N], Truncated> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    /// A byte.
-    pub fn u8(&mut self) -> std::result::Result<u8, Truncated> {
-        Ok(self.array::<1>()?[0])
-    }
-
-    /// A little-endian u16.
-    pub fn u16(&mut self) -> std::result::Result<u16, Truncated> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-
-    /// A little-endian u32.
-    pub fn u32(&mut self) -> std::result::Result<u32, Truncated> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-
-    /// A little-endian u64.
-    pub fn u64(&mut self) -> std::result::Result<u64, Truncated> {
-        Ok(u64::from_le_bytes(self.array()?))
     }
 }
 
