@@ -3,9 +3,9 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use reshard_core::{DType, Result, Transport};
+use reshard_core::{Result, Transport};
 use reshard_planner::layouts::receiver_layout;
-use reshard_planner::presets::{ModelConfig, MoeConfig};
+use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::{Receiver, ReceiverOptions};
 use reshard_testkit::remote::DEFAULT_TIMEOUT;
@@ -153,41 +153,12 @@ impl Harness {
     }
 }
 
-/// A small dense GQA model (Llama-shaped) with `kv_heads` KV heads.
+/// A small dense GQA model (Llama-shaped) with `kv_heads` KV heads: [`reshard_testkit::models`].
 pub fn tiny_dense(kv_heads: u64) -> ModelConfig {
-    ModelConfig {
-        name: format!("tiny-dense-kv{kv_heads}"),
-        layers: 2,
-        hidden: 128,
-        heads: 8,
-        kv_heads,
-        head_dim: 16,
-        intermediate: 256,
-        moe: None,
-        vocab: 512,
-        tied_embeddings: false,
-        qk_norm: false,
-        dtype: DType::Bf16,
-    }
+    reshard_testkit::models::tiny_dense(kv_heads)
 }
 
-/// A small MoE model (Qwen3-MoE-shaped): 16 experts, q/k norms, untied head.
+/// The small MoE model with 16 experts: [`reshard_testkit::models::tiny_moe`].
 pub fn tiny_moe() -> ModelConfig {
-    ModelConfig {
-        name: "tiny-moe".into(),
-        layers: 2,
-        hidden: 128,
-        heads: 8,
-        kv_heads: 4,
-        head_dim: 16,
-        intermediate: 0,
-        moe: Some(MoeConfig {
-            experts: 16,
-            expert_intermediate: 96,
-        }),
-        vocab: 256,
-        tied_embeddings: false,
-        qk_norm: true,
-        dtype: DType::Bf16,
-    }
+    reshard_testkit::models::tiny_moe(16)
 }

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod content;
+pub mod models;
 pub mod publishers;
 pub mod remote;
 pub mod synthetic;
