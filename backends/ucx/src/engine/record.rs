@@ -1,0 +1,93 @@
+//! Recording posted reads in the execution log, as the handles handed to UCX resolve.
+
+use std::rc::Rc;
+
+use reshard_core::{OwnerId, ReadDesc};
+
+use super::execute::Running;
+use super::peers::Peer;
+use super::Engine;
+
+impl Engine {
+    /// Records read of `piece` in the batch's execution log when `piece` is the read's first
+    /// piece, as the handles handed to UCX resolve: the owner whose currently loaded endpoint
+    /// is the one the get uses, the remote region (of that peer's metadata) whose key is the get's key
+    /// and whose range holds the get's remote address (for a direct copy: whose mapping, by
+    /// `ucp_rkey_ptr`, holds the copy's source pointer), and the local registration holding
+    /// the destination pointer. A read cut into several pieces is recorded once, as the extent
+    /// its pieces cover. What cannot be resolved is recorded as region 0 with the raw address.
+    pub(super) fn record(&self, run: &Running, piece: u32) {
+        let Some(log) = run.log.as_ref() else {
+            return;
+        };
+        let p = piece as usize;
+        let read = run.res.op_read[p];
+        if p > 0 && run.res.op_read[p - 1] == read {
+            return;
+        }
+        let op = &run.res.ops[p];
+        let len: u64 = run.res.op_read[p..]
+            .iter()
+            .take_while(|&&r| r == read)
+            .zip(&run.res.ops[p..])
+            .map(|(_, o)| o.len as u64)
+            .sum();
+        let asked = &run.batch.reads[read as usize];
+        // The endpoints loaded for each owner (not the batch's own owner -> peer table, which
+        // is what resolution could have got wrong).
+        let mut used: Vec<(OwnerId, &Rc<Peer>)> = self
+            .peers
+            .iter()
+            .filter(|(_, peer)| peer.ep.handle() == op.ep)
+            .map(|(&o, peer)| (o, peer))
+            .collect();
+        used.sort_unstable_by_key(|&(o, _)| (o != asked.owner, o));
+        let (owner, remote) = match used.first() {
+            Some(&(owner, peer)) => {
+                let mut hits: Vec<(u64, u64)> = peer
+                    .regions
+                    .iter()
+                    .filter_map(|(&id, reg)| {
+                        let key = reg.rkey.as_ref()?;
+                        if key.handle() != op.rkey {
+                            return None;
+                        }
+                        if op.direct.is_null() {
+                            let end = op.remote_addr.checked_add(len)?;
+                            (op.remote_addr >= reg.base && end <= reg.base + reg.len)
+                                .then(|| (id, op.remote_addr - reg.base))
+                        } else {
+                            let base = key.local_ptr(reg.base)? as usize;
+                            let src = op.direct as usize;
+                            let end = src.checked_add(len as usize)?;
+                            (src >= base && end <= base + reg.len as usize)
+                                .then(|| (id, (src - base) as u64))
+                        }
+                    })
+                    .collect();
+                hits.sort_unstable_by_key(|&(id, _)| (id != asked.remote_region, id));
+                (owner, hits.first().copied())
+            }
+            None => (asked.owner, None),
+        };
+        let (remote_region, remote_offset) = remote.unwrap_or((0, op.remote_addr));
+        let dst = op.local as usize;
+        let mut locals: Vec<(u64, u64)> = run
+            .res
+            ._regions
+            .iter()
+            .filter(|r| dst >= r.addr && dst + len as usize <= r.addr + r.len as usize)
+            .map(|r| (r.id, (dst - r.addr) as u64))
+            .collect();
+        locals.sort_unstable_by_key(|&(id, _)| (id != asked.local_region, id));
+        let (local_region, local_offset) = locals.first().copied().unwrap_or((0, dst as u64));
+        log.record([ReadDesc {
+            owner,
+            remote_region,
+            remote_offset,
+            local_region,
+            local_offset,
+            len,
+        }]);
+    }
+}
