@@ -10,8 +10,8 @@
 #[allow(dead_code, unreachable_pub)]
 mod ucx_meta;
 
-/// What `meta.rs` names in its errors as `crate::BACKEND`.
-const BACKEND: &str = "ucx";
+/// What `meta.rs` names in its errors as `crate::SCHEME`.
+const SCHEME: &str = "ucx";
 
 /// Decodes UCX peer metadata from untrusted bytes and returns its canonical encoding (regions
 /// ascending by id); any defect is a typed `Decode` error, never a panic.

@@ -52,7 +52,7 @@ impl Default for UcxOptions {
 impl UcxOptions {
     /// Parses the `[backends.ucx]` section of `config` and checks it.
     pub fn from_transport_config(config: &TransportConfig) -> Result<Self> {
-        let o: UcxOptions = backend_options(config).map_err(|e| e.with_backend(crate::BACKEND))?;
+        let o: UcxOptions = backend_options(config).map_err(|e| e.with_backend(crate::SCHEME))?;
         o.validate()?;
         Ok(o)
     }
@@ -68,7 +68,7 @@ impl UcxOptions {
 
     /// Checks value ranges.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: &str| Err(Error::new(ErrorKind::Config, m).with_backend(crate::BACKEND));
+        let bad = |m: &str| Err(Error::new(ErrorKind::Config, m).with_backend(crate::SCHEME));
         if self.reads_in_flight == 0 {
             return bad("backends.ucx.reads_in_flight must be at least 1");
         }

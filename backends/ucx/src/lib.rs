@@ -20,7 +20,7 @@ pub use raw::{UcxStatusError, LIBUCP};
 pub use transport::UcxTransport;
 
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
-pub const BACKEND: &str = "ucx";
+pub const SCHEME: &str = "ucx";
 
 /// Whether UCX is usable on this machine: loads libucp (once per process) and checks its
 /// version; `Unavailable`, saying how to install it, when it cannot.
@@ -51,7 +51,7 @@ pub fn register(registry: &mut Registry) {
 
 impl TransportFactory for UcxFactory {
     fn scheme(&self) -> &'static str {
-        BACKEND
+        SCHEME
     }
 
     fn probe(&self) -> Result<()> {

@@ -115,7 +115,7 @@ impl EndpointMeta {
     pub(crate) fn decode(bytes: &[u8]) -> Result<EndpointMeta> {
         Self::try_decode(bytes).map_err(|e| {
             Error::new(ErrorKind::Decode, format!("invalid ucx peer metadata: {e}"))
-                .with_backend(crate::BACKEND)
+                .with_backend(crate::SCHEME)
                 .with_source(e)
         })
     }

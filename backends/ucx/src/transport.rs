@@ -20,7 +20,7 @@ use crate::config::UcxOptions;
 use crate::engine::{self, BatchSignal, Cmd, EngineOptions, LogSlot, Mailbox};
 use crate::meta::EndpointMeta;
 use crate::raw::{self, Context, ContextOptions};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// Distinguishes endpoints of this process, so a batch prepared by one is refused by another.
 static NEXT_UID: AtomicU64 = AtomicU64::new(1);
@@ -68,7 +68,7 @@ fn stopped(agent: &str) -> Error {
         ErrorKind::Transport,
         format!("the ucx progress thread of agent {agent:?} has stopped"),
     )
-    .with_backend(BACKEND)
+    .with_backend(SCHEME)
 }
 
 impl UcxTransport {
@@ -81,7 +81,7 @@ impl UcxTransport {
                 ErrorKind::Config,
                 format!("ucx agent names must be 1..={} bytes", u16::MAX),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let epoch = Arc::new(AtomicU64::new(1));
         let log = LogSlot::default();
@@ -217,7 +217,7 @@ impl fmt::Debug for UcxTransport {
 #[async_trait]
 impl Transport for UcxTransport {
     fn name(&self) -> &'static str {
-        BACKEND
+        SCHEME
     }
 
     fn agent(&self) -> &str {
@@ -306,7 +306,7 @@ impl Transport for UcxTransport {
             id,
             mailbox: self.mailbox.clone(),
         };
-        Ok(PreparedBatch::new(batch, BACKEND, token))
+        Ok(PreparedBatch::new(batch, SCHEME, token))
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
@@ -323,7 +323,7 @@ impl Transport for UcxTransport {
                         self.agent
                     ),
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
             })?;
         let batch = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done_tx, done_rx) = oneshot::channel();
@@ -375,7 +375,7 @@ impl InFlight for UcxInFlight {
     async fn wait(mut self: Box<Self>) -> Result<WireReport> {
         let Some(rx) = self.done.as_mut() else {
             return Err(
-                Error::new(ErrorKind::Internal, "batch already waited for").with_backend(BACKEND)
+                Error::new(ErrorKind::Internal, "batch already waited for").with_backend(SCHEME)
             );
         };
         // Cancel-safe: `rx` stays in `self` until it answered.

@@ -15,7 +15,7 @@ use super::peers::Peer;
 use super::Engine;
 #[cfg(test)]
 use super::TEST_IGNORE_FORCE_CLOSE;
-use crate::BACKEND;
+use crate::SCHEME;
 
 impl Engine {
     /// Ends `batch` as abort does (see [`Cmd::Cancel`](super::Cmd::Cancel)).
@@ -90,7 +90,7 @@ impl Engine {
                         ),
                     )
                     .with_owner(owner)
-                    .with_backend(BACKEND)
+                    .with_backend(SCHEME)
                     .set_retryable(true),
                 );
             }
@@ -146,7 +146,7 @@ impl Engine {
                 }
             ),
         )
-        .with_backend(BACKEND);
+        .with_backend(SCHEME);
         if let Some(r) = first {
             e = e
                 .with_owner(r.owner)
@@ -175,7 +175,7 @@ impl Engine {
                 run.outstanding
             ),
         )
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
         .set_retryable(true);
         if let Some(r) = r {
             e = e

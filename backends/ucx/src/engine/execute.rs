@@ -14,7 +14,7 @@ use super::mailbox::BatchSignal;
 use super::resolve::Resolved;
 use super::{Engine, Reply, DIRECT_BYTES};
 use crate::raw::{self, Request, Started, UcxStatusError};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A posted batch being executed.
 pub(super) struct Running {
@@ -128,7 +128,7 @@ impl Engine {
                     ErrorKind::Internal,
                     "prepared batch is unknown to this ucx endpoint",
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
             })?;
             (Arc::clone(&entry.batch), entry.resolved.clone())
         };
@@ -166,7 +166,7 @@ impl Engine {
                     )
                     .with_owner(r.owner)
                     .with_range(span(r.remote_offset, r.len))
-                    .with_backend(BACKEND)
+                    .with_backend(SCHEME)
                     .set_quarantined());
                 }
             }
@@ -440,7 +440,7 @@ impl Engine {
             let result = match (run.error.take(), run.cancelled) {
                 (Some(e), _) => Err(e),
                 (None, true) => {
-                    Err(Error::new(ErrorKind::Aborted, "ucx batch aborted").with_backend(BACKEND))
+                    Err(Error::new(ErrorKind::Aborted, "ucx batch aborted").with_backend(SCHEME))
                 }
                 (None, false) => Ok(run.counted),
             };

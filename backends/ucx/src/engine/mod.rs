@@ -35,7 +35,7 @@ use tokio::sync::oneshot;
 
 use crate::meta::EndpointMeta;
 use crate::raw::{self, Context, Ucx, UcxStatusError, Worker};
-use crate::BACKEND;
+use crate::SCHEME;
 
 mod abort;
 mod event_loop;
@@ -139,7 +139,7 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
     )
     .map_err(|e| {
         Error::new(ErrorKind::Transport, "cannot create the progress eventfd")
-            .with_backend(BACKEND)
+            .with_backend(SCHEME)
             .with_source(std::io::Error::from(e))
     })?;
     let wake = Arc::new(wake);
@@ -165,7 +165,7 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
         })
         .map_err(|e| {
             Error::new(ErrorKind::Transport, "cannot start the ucx progress thread")
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
                 .with_source(e)
         })?;
     match init_rx.recv() {
@@ -184,7 +184,7 @@ pub(crate) fn start(agent: &str, opts: EngineOptions, epoch: Arc<AtomicU64>) -> 
                 ErrorKind::Internal,
                 "ucx progress thread died while starting",
             )
-            .with_backend(BACKEND))
+            .with_backend(SCHEME))
         }
     }
 }

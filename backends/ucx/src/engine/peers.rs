@@ -10,7 +10,7 @@ use reshard_core::{Error, ErrorKind, OwnerId, Result};
 use super::{ucx_err, Engine, Reply, CONNECT_MIN};
 use crate::meta::EndpointMeta;
 use crate::raw::{self, Endpoint, RKey, Request, UcxStatusError};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A loaded peer: its endpoint and unpacked keys (each key holds the endpoint, so keys are
 /// destroyed before it closes).
@@ -173,7 +173,7 @@ impl Engine {
                     ),
                 )
                 .with_owner(c.owner)
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
                 .set_retryable(true)
             } else if st == raw::sys::UCS_OK {
                 let Connecting {

@@ -12,7 +12,7 @@ use super::{ucx_err, Engine};
 use crate::alloc::Allocation;
 use crate::meta::{EndpointMeta, RegionMeta};
 use crate::raw::{self, MemHandle, Request};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A local registration: its mapping and the block (kept alive while UCX may touch it).
 ///
@@ -68,14 +68,14 @@ impl Engine {
                      use host memory or the nixl transport"
                 ),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
             return Err(Error::new(
                 ErrorKind::OutOfBounds,
                 format!("block {addr:#x}+{len} is not a valid address range"),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let (mem, rkey) = if len == 0 {
             (None, Vec::new())

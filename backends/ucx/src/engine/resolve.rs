@@ -15,7 +15,7 @@ use super::{Engine, MAX_PIECE};
 use crate::maps::Maps;
 use crate::plan::{issue_plan, IssuePlan};
 use crate::raw::{self, GetOp, RKey};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A batch translated to raw reads: valid while the objects in `peers` and `regions` live,
 /// which the `Rc`s guarantee.
@@ -46,7 +46,7 @@ fn oob(owner: OwnerId, range: std::ops::Range<u64>, msg: String) -> Error {
     Error::new(ErrorKind::OutOfBounds, msg)
         .with_owner(owner)
         .with_range(range)
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
 }
 
 impl Engine {
@@ -131,7 +131,7 @@ impl Engine {
         )
         .with_owner(owner)
         .with_range(range)
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
     }
 
     /// Checks every read against loaded peers and local registrations and resolves it to the
@@ -140,11 +140,11 @@ impl Engine {
         if u32::try_from(batch.reads.len()).is_err() {
             return Err(
                 Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
             );
         }
         contract::validate_batch(
-            BACKEND,
+            SCHEME,
             &self.agent,
             batch,
             |owner, region| match self.peers.get(&owner) {
@@ -160,7 +160,7 @@ impl Engine {
         // Every look-up below succeeds (validated just now, on this thread); failing anyway is
         // an internal error, never a panic.
         let missing = |i: usize, r: &ReadDesc, what: &str| {
-            contract::validated_lookup_failed(BACKEND, i, r, what)
+            contract::validated_lookup_failed(SCHEME, i, r, what)
         };
         let mut ops = Vec::with_capacity(batch.reads.len());
         let mut op_read = Vec::with_capacity(batch.reads.len());
@@ -271,7 +271,7 @@ impl Engine {
                 ErrorKind::Unsupported,
                 "more than 2^32 read pieces in one batch",
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let plan = issue_plan(&pieces);
         let read_pieces = if ops.len() > batch.reads.len() {

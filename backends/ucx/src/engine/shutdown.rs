@@ -7,7 +7,7 @@ use reshard_core::{Error, ErrorKind};
 
 use super::{Engine, CONNECT_MIN, DRAIN_MAX, DRAIN_SILENCE, PROGRESS_ROUNDS};
 use crate::raw;
-use crate::BACKEND;
+use crate::SCHEME;
 
 impl Engine {
     /// Ends every running batch as abort does, waits (bounded by the no-progress timer) for
@@ -19,7 +19,7 @@ impl Engine {
                 ErrorKind::Aborted,
                 format!("the ucx transport of agent {agent:?} was dropped"),
             )
-            .with_backend(BACKEND)
+            .with_backend(SCHEME)
         };
         for d in std::mem::take(&mut self.deferred) {
             let _ = d.ack.send(Err(stopped(&self.agent)));

@@ -38,7 +38,7 @@ impl UcpConfig {
                     ErrorKind::Config,
                     format!("UCX option {name} contains a NUL byte"),
                 )
-                .with_backend(crate::BACKEND))
+                .with_backend(crate::SCHEME))
             }
         };
         // SAFETY: `h` is a live config; both strings are NUL-terminated and outlive the call.
@@ -52,7 +52,7 @@ impl UcpConfig {
                 ErrorKind::Config,
                 format!("UCX rejected {name}={value:?}: {e}"),
             )
-            .with_backend(crate::BACKEND)
+            .with_backend(crate::SCHEME)
             .with_source(e)
         })
     }
@@ -153,7 +153,7 @@ impl Context {
                         opts.tls, opts.net_devices
                     ),
                 )
-                .with_backend(crate::BACKEND)
+                .with_backend(crate::SCHEME)
                 .with_source(e)
             } else {
                 Error::from(e)

@@ -92,7 +92,7 @@ pub(crate) fn lib() -> Result<&'static Ucx, Error> {
                 "UCX is not usable here: {why}; install libucx-dev: bash scripts/install-deps.sh"
             ),
         )
-        .with_backend(crate::BACKEND)),
+        .with_backend(crate::SCHEME)),
     }
 }
 

@@ -101,7 +101,7 @@ impl From<UcxStatusError> for Error {
             e.kind(),
             format!("{} failed with {}", e.operation, e.name()),
         )
-        .with_backend(crate::BACKEND)
+        .with_backend(crate::SCHEME)
         .set_retryable(e.is_retryable())
         .with_source(e)
     }
