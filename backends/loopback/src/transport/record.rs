@@ -1,0 +1,115 @@
+//! `record`: what a post writes to the execution log, computed back from the addresses the
+//! copy jobs use.
+
+use reshard_core::{ExecutionLog, ReadDesc};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{LoopbackTransport, Peer, Prepared};
+use crate::copy::Live;
+use crate::fabric::Region;
+
+/// Finds the region of `regions` whose registered block holds `addr..addr + len`: its id and
+/// the offset of `addr` in it. When several do (one memory registered twice), `prefer` wins if
+/// it is one of them, else the lowest id.
+fn region_at(
+    regions: &HashMap<u64, Region>,
+    addr: u64,
+    len: u64,
+    prefer: u64,
+) -> Option<(u64, u64)> {
+    let holds = |r: &Region| {
+        let base = r.block.addr() as u64;
+        addr >= base && addr.saturating_add(len) <= base.saturating_add(r.len)
+    };
+    if let Some(r) = regions.get(&prefer).filter(|r| holds(r)) {
+        return Some((prefer, addr - r.block.addr() as u64));
+    }
+    regions
+        .iter()
+        .filter(|(_, r)| holds(r))
+        .min_by_key(|(&id, _)| id)
+        .map(|(&id, r)| (id, addr - r.block.addr() as u64))
+}
+
+/// A read as the copy jobs execute it: source and destination indices, first source and
+/// destination addresses, and bytes.
+type Extent = (u32, u32, u64, u64, u64);
+
+impl LoopbackTransport {
+    /// Records every read of a post as the copy jobs will execute it: the owner is the one
+    /// whose loaded peer is the agent the source block was resolved from, and regions and
+    /// offsets are computed back from the source and destination addresses the jobs copy
+    /// between (the block address resolved at post plus the piece's offset), looked up in the
+    /// source agent's and this agent's registrations. Reads split between workers are recorded
+    /// once, as the whole extent their pieces cover. A skipped read (fault injection) is not.
+    pub(super) fn record(
+        &self,
+        log: &ExecutionLog,
+        st: &Prepared,
+        srcs: &[Live],
+        dsts: &[Live],
+        skip: Option<u32>,
+    ) {
+        // Per read: (src index, dst index, first source address, first destination address, len).
+        let n = st
+            .work
+            .iter()
+            .flatten()
+            .map(|p| p.read as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut ext: Vec<Option<Extent>> = vec![None; n];
+        for p in st.work.iter().flatten() {
+            if Some(p.read) == skip {
+                continue;
+            }
+            let sa = srcs[p.src as usize].addr as u64 + p.src_off;
+            let da = dsts[p.dst as usize].addr as u64 + p.dst_off;
+            let e = ext[p.read as usize].get_or_insert((p.src, p.dst, sa, da, 0));
+            e.2 = e.2.min(sa);
+            e.3 = e.3.min(da);
+            e.4 += p.len;
+        }
+        let peers = self.peers.read();
+        let mut out = Vec::with_capacity(n);
+        for (s, d, sa, da, len) in ext.into_iter().flatten() {
+            let src = &st.srcs[s as usize];
+            let used = src.agent.upgrade();
+            let is_used = |p: &Arc<Peer>| {
+                used.as_ref()
+                    .is_some_and(|a| std::ptr::eq(p.agent.as_ptr(), Arc::as_ptr(a)))
+            };
+            let owner = if peers.get(&src.owner).is_some_and(is_used) {
+                src.owner
+            } else {
+                peers
+                    .iter()
+                    .filter(|(_, p)| is_used(p))
+                    .map(|(&o, _)| o)
+                    .min()
+                    .unwrap_or(src.owner)
+            };
+            let (remote_region, remote_offset) = used
+                .as_ref()
+                .and_then(|a| region_at(&a.regions.read(), sa, len, src.region))
+                .unwrap_or((0, sa));
+            let (local_region, local_offset) = region_at(
+                &self.agent.regions.read(),
+                da,
+                len,
+                st.dsts[d as usize].region,
+            )
+            .unwrap_or((0, da));
+            out.push(ReadDesc {
+                owner,
+                remote_region,
+                remote_offset,
+                local_region,
+                local_offset,
+                len,
+            });
+        }
+        log.record(out);
+    }
+}

@@ -1,0 +1,238 @@
+//! The [`Transport`] impl of [`LoopbackTransport`].
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use reshard_core::{
+    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
+    PreparedBatch, ReadBatch, Registration, Result, Transport,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::{oob, LoopbackTransport, Peer, Prepared};
+use crate::copy::{self, PostCtx};
+use crate::fabric::Region;
+use crate::meta::AgentMeta;
+use crate::BACKEND;
+
+#[async_trait]
+impl Transport for LoopbackTransport {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn agent(&self) -> &str {
+        &self.agent.name
+    }
+
+    fn capabilities(&self) -> Capability {
+        Capability {
+            one_sided_read: true,
+            one_sided_write: false,
+            vram: false,
+            cross_process: false,
+            max_reads_per_post: None,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.agent.epoch.load(Ordering::Acquire)
+    }
+
+    fn incarnation(&self) -> u64 {
+        // Agent uids are never reused within a fabric (which is one process), and start at 1.
+        self.agent.uid
+    }
+
+    fn peer_incarnation(&self, owner: OwnerId) -> Option<u64> {
+        self.peers.read().get(&owner).map(|p| p.uid)
+    }
+
+    async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
+        let kind = block.kind();
+        if let MemoryKind::Vram { .. } = kind {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("loopback moves host memory only; cannot register {kind} (use nixl)"),
+            )
+            .with_backend(BACKEND));
+        }
+        let (addr, len) = (block.addr(), block.len());
+        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!("block {addr:#x}+{len} is not a valid address range"),
+            )
+            .with_backend(BACKEND));
+        }
+        let id = self.agent.next_region.fetch_add(1, Ordering::Relaxed);
+        let len = len as u64;
+        self.agent.regions.write().insert(id, Region { block, len });
+        self.agent.bump_epoch();
+        tracing::debug!(agent = %self.agent.name, region = id, len, "loopback register");
+        let agent = Arc::downgrade(&self.agent);
+        Ok(Registration::new(id, len, kind, move || {
+            if let Some(a) = agent.upgrade() {
+                // Drop the block outside the lock: its own Drop may do anything.
+                let removed = a.regions.write().remove(&id);
+                if removed.is_some() {
+                    a.bump_epoch();
+                }
+                drop(removed);
+            }
+        }))
+    }
+
+    async fn export_metadata(&self) -> Result<Bytes> {
+        let mut regions: Vec<(u64, u64)> = self
+            .agent
+            .regions
+            .read()
+            .iter()
+            .map(|(&id, r)| (id, r.len))
+            .collect();
+        regions.sort_unstable();
+        Ok(AgentMeta {
+            fabric: self.fabric.id(),
+            agent_uid: self.agent.uid,
+            agent: self.agent.name.clone(),
+            regions,
+        }
+        .encode())
+    }
+
+    async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
+        let meta = AgentMeta::decode(&metadata).map_err(|e| e.with_owner(owner))?;
+        if meta.fabric != self.fabric.id() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "metadata of agent {:?} comes from another loopback fabric (another process \
+                     or LoopbackFabric); cross-process transfers need the ucx or nixl transport",
+                    meta.agent
+                ),
+            )
+            .with_owner(owner)
+            .with_backend(BACKEND));
+        }
+        let agent = self
+            .fabric
+            .inner
+            .agents
+            .lock()
+            .get(&meta.agent)
+            .filter(|a| a.uid == meta.agent_uid)
+            .map(Arc::downgrade)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::PeerUnknown,
+                    format!(
+                        "agent {:?} that exported this metadata is no longer on the fabric",
+                        meta.agent
+                    ),
+                )
+                .with_owner(owner)
+                .with_backend(BACKEND)
+            })?;
+        // The metadata's region lengths are the publisher's claim; the fabric has the real
+        // registrations. A region advertised larger than the block registered under its id
+        // is refused before any read can be prepared against it. (A region no longer
+        // registered is not: stale metadata fails the post that would read it.)
+        if let Some(a) = agent.upgrade() {
+            let real = a.regions.read();
+            for &(id, len) in &meta.regions {
+                if let Some(r) = real.get(&id).filter(|r| len > r.len) {
+                    return Err(oob(
+                        owner,
+                        r.len..len,
+                        format!(
+                            "metadata of agent {:?} advertises region {id} as {len} bytes, but \
+                             it registered {} bytes",
+                            meta.agent, r.len
+                        ),
+                    ));
+                }
+            }
+        }
+        let peer = Peer {
+            uid: meta.agent_uid,
+            agent,
+            regions: meta.regions.into_iter().collect(),
+        };
+        // The owner rank is the identity offers use; the agent behind it may change (a
+        // publisher restarted, possibly under another name). The new metadata replaces the old
+        // and the epoch bump makes every prepared batch re-resolve against it.
+        let old = self.peers.write().insert(owner, Arc::new(peer));
+        if let Some(old_agent) = old.and_then(|p| p.agent.upgrade()) {
+            if old_agent.name != meta.agent {
+                tracing::info!(
+                    agent = %self.agent.name,
+                    owner,
+                    old = %old_agent.name,
+                    new = %meta.agent,
+                    "loopback peer replaced by another agent"
+                );
+            }
+        }
+        self.agent.bump_epoch();
+        tracing::debug!(agent = %self.agent.name, owner, peer = %meta.agent, "loopback peer");
+        Ok(())
+    }
+
+    async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        let st = self.translate(&batch)?;
+        tracing::debug!(
+            agent = %self.agent.name,
+            reads = batch.reads.len(),
+            bytes = batch.bytes(),
+            lists = st.work.len(),
+            "loopback prepare"
+        );
+        Ok(PreparedBatch::new(Arc::new(batch), BACKEND, Arc::new(st)))
+    }
+
+    async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        let st = prepared
+            .state::<Arc<Prepared>>()
+            .filter(|st| st.agent_uid == self.agent.uid)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "batch was prepared by {} (another backend or loopback agent), not by \
+                         loopback agent {:?}",
+                        prepared.backend(),
+                        self.agent.name
+                    ),
+                )
+                .with_backend(BACKEND)
+            })?;
+        let (srcs, dsts) = self.resolve(prepared, st)?;
+        let pool = self.pool()?;
+        #[cfg(feature = "fault-injection")]
+        let skip = (*self.skip_read.lock()).and_then(|i| u32::try_from(i).ok());
+        #[cfg(not(feature = "fault-injection"))]
+        let skip: Option<u32> = None;
+        if let Some(log) = self.log.read().as_ref() {
+            self.record(log, st, &srcs, &dsts, skip);
+        }
+        let ctx = PostCtx {
+            prepared: Arc::clone(st),
+            srcs,
+            dsts,
+            abort: Arc::new(AtomicBool::new(false)),
+            gate: Arc::default(),
+            #[cfg(feature = "fault-injection")]
+            skip_read: skip,
+            #[cfg(test)]
+            faults: self.faults.clone(),
+        };
+        tracing::trace!(agent = %self.agent.name, jobs = st.work.len(), "loopback post");
+        Ok(Box::new(copy::start(&pool, ctx)))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.write() = log;
+        true
+    }
+}

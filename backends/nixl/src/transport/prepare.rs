@@ -1,0 +1,378 @@
+//! `prepare`: validates a batch through the core contract, resolves its reads against the
+//! regions and peers, and translates them into NIXL descriptor lists and requests.
+
+use parking_lot::Mutex;
+use reshard_core::contract::{self, span, RemoteLookup};
+use reshard_core::{
+    Error, ErrorKind, MemoryKind, OwnerId, PreparedBatch, ReadBatch, ReadDesc, Result,
+};
+use std::collections::BTreeMap;
+use std::ops::Range;
+#[cfg(feature = "fault-injection")]
+use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, AtomicU8};
+use std::sync::Arc;
+
+use super::peers::Peer;
+use super::prepared::{Group, NixlObjects, Prepared, RemoteList, IDLE};
+use super::regions::{space, LocalMem};
+use super::{oob, NixlTransport};
+use crate::BACKEND;
+
+/// A read resolved against the regions at prepare time.
+struct Resolved {
+    owner: OwnerId,
+    remote_addr: u64,
+    remote_kind: MemoryKind,
+    local_addr: u64,
+    local_kind: MemoryKind,
+    len: u64,
+    remote_range: Range<u64>,
+    /// (address space, start address, end address) of the destination, for overlap
+    /// detection.
+    dst: (u64, u64, u64),
+}
+
+/// Splits reads (in batch order) into consecutive segments whose destinations are pairwise
+/// disjoint: running segments one after another applies overlapping reads in batch order.
+/// Destinations are local *address* ranges (with their address space), not region offsets:
+/// the same memory registered twice is two regions but one destination.
+fn segments(dsts: &[(u64, u64, u64)]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0usize;
+    // Disjoint intervals of the current segment: (space, start) -> end.
+    let mut seen: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+    for (i, &(space, s, e)) in dsts.iter().enumerate() {
+        let before = seen
+            .range(..=(space, s))
+            .next_back()
+            .is_some_and(|(&(r, _), &end)| r == space && end > s);
+        let after = seen
+            .range((space, s)..)
+            .next()
+            .is_some_and(|(&(r, st), _)| r == space && st < e);
+        if before || after {
+            out.push(start..i);
+            start = i;
+            seen.clear();
+        }
+        seen.insert((space, s), e);
+    }
+    if start < dsts.len() {
+        out.push(start..dsts.len());
+    }
+    out
+}
+
+impl NixlTransport {
+    /// [`reshard_core::Transport::prepare`].
+    // Moved verbatim out of the `#[async_trait]` impl, whose expansion kept clippy from
+    // looking at these local tuple types.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn prepare_batch(&self, batch: ReadBatch) -> Result<PreparedBatch> {
+        let s = &self.shared;
+        if i32::try_from(batch.reads.len()).is_err() {
+            return Err(
+                Error::new(ErrorKind::Unsupported, "more than 2^31 reads in one batch")
+                    .with_backend(BACKEND),
+            );
+        }
+        let mut resolved = Vec::with_capacity(batch.reads.len());
+        let mut locals: BTreeMap<u64, (u64, Arc<LocalMem>, (u64, u64, u64))> = BTreeMap::new();
+        let mut peers: BTreeMap<OwnerId, (u64, String, Arc<Peer>)> = BTreeMap::new();
+        #[cfg(feature = "fault-injection")]
+        let skip = usize::try_from(s.skip_read.load(Ordering::Relaxed)).ok();
+        #[cfg(not(feature = "fault-injection"))]
+        let skip: Option<usize> = None;
+        // Held until the batch is registered in `batches`: no peer reload can invalidate the
+        // metadata its lists and requests are made from in between.
+        let mut st = s.state.lock();
+        contract::validate_batch(
+            BACKEND,
+            &s.name,
+            &batch,
+            |owner, region| match st.peers.get(&owner) {
+                None => RemoteLookup::NoPeer,
+                Some(p) => p
+                    .regions
+                    .get(&region)
+                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            },
+            |region| st.regions.get(&region).map(|l| l.len),
+        )?;
+        {
+            // Every look-up below succeeds (validated under this same lock); failing anyway
+            // is an internal error, never a panic.
+            let missing = |i: usize, r: &ReadDesc, what: &str| {
+                contract::validated_lookup_failed(BACKEND, i, r, what)
+            };
+            for (i, r) in batch.reads.iter().enumerate() {
+                let remote = span(r.remote_offset, r.len);
+                let peer = st
+                    .peers
+                    .get(&r.owner)
+                    .ok_or_else(|| missing(i, r, "peer"))?;
+                let region = peer
+                    .regions
+                    .get(&r.remote_region)
+                    .ok_or_else(|| missing(i, r, "remote region"))?;
+                let local = st
+                    .regions
+                    .get(&r.local_region)
+                    .ok_or_else(|| missing(i, r, "local region"))?;
+                locals.entry(r.local_region).or_insert_with(|| {
+                    (
+                        local.generation,
+                        Arc::clone(&local.mem),
+                        (space(local.kind), local.addr, local.addr + local.len),
+                    )
+                });
+                peers
+                    .entry(r.owner)
+                    .or_insert_with(|| (peer.generation, peer.nixl_name.clone(), Arc::clone(peer)));
+                resolved.push(Resolved {
+                    owner: r.owner,
+                    remote_addr: region.addr + r.remote_offset,
+                    remote_kind: region.kind,
+                    local_addr: local.addr + r.local_offset,
+                    local_kind: local.kind,
+                    len: r.len,
+                    remote_range: remote,
+                    dst: (
+                        space(local.kind),
+                        local.addr + r.local_offset,
+                        local.addr + r.local_offset + r.len,
+                    ),
+                });
+            }
+        }
+        // Local lists: one per local memory kind; remote lists: one per (owner, kind). Index
+        // of each read inside its lists.
+        let mut local_keys: Vec<MemoryKind> = Vec::new();
+        let mut remote_keys: Vec<(OwnerId, MemoryKind)> = Vec::new();
+        let mut local_descs: Vec<Vec<(u64, u64)>> = Vec::new();
+        let mut remote_descs: Vec<Vec<(u64, u64)>> = Vec::new();
+        // Per read, its pieces: (local list, local index, remote list, remote index, length).
+        let piece = s.request_bytes;
+        let mut at: Vec<Vec<(usize, i32, usize, i32, u64)>> = Vec::with_capacity(resolved.len());
+        for r in &resolved {
+            let l = match local_keys.iter().position(|k| *k == r.local_kind) {
+                Some(l) => l,
+                None => {
+                    local_keys.push(r.local_kind);
+                    local_descs.push(Vec::new());
+                    local_keys.len() - 1
+                }
+            };
+            let key = (r.owner, r.remote_kind);
+            let m = match remote_keys.iter().position(|k| *k == key) {
+                Some(m) => m,
+                None => {
+                    remote_keys.push(key);
+                    remote_descs.push(Vec::new());
+                    remote_keys.len() - 1
+                }
+            };
+            let mut pieces = Vec::with_capacity(r.len.div_ceil(piece) as usize);
+            let mut off = 0;
+            while off < r.len {
+                let n = piece.min(r.len - off);
+                local_descs[l].push((r.local_addr + off, n));
+                remote_descs[m].push((r.remote_addr + off, n));
+                pieces.push((
+                    l,
+                    local_descs[l].len() as i32 - 1,
+                    m,
+                    remote_descs[m].len() as i32 - 1,
+                    n,
+                ));
+                off += n;
+            }
+            at.push(pieces);
+        }
+        if local_descs
+            .iter()
+            .chain(&remote_descs)
+            .any(|d| i32::try_from(d.len()).is_err())
+        {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "more than 2^31 NIXL descriptors in one list (reads split at request_bytes)",
+            )
+            .with_backend(BACKEND));
+        }
+        let local_lists = local_keys
+            .iter()
+            .zip(&local_descs)
+            .map(|(&k, d)| s.agent.prep_dlist("", k, d))
+            .collect::<Result<Vec<_>>>()?;
+        let remote_lists = remote_keys
+            .iter()
+            .zip(&remote_descs)
+            .map(|(&(owner, k), d)| {
+                let name = &peers[&owner].1;
+                s.agent.prep_dlist(name, k, d).map_err(|e| {
+                    // NIXL checks every remote descriptor against the registrations in the
+                    // peer's NIXL metadata. Name the first read it refuses (trying each alone:
+                    // the error path only) as out of bounds: the peer's envelope advertised
+                    // bytes it did not register.
+                    let bad = resolved.iter().find(|r| {
+                        r.owner == owner
+                            && r.remote_kind == k
+                            && s.agent
+                                .prep_dlist(name, k, &[(r.remote_addr, r.len)])
+                                .is_err()
+                    });
+                    match bad {
+                        Some(r) => oob(
+                            owner,
+                            r.remote_range.clone(),
+                            format!(
+                                "NIXL refuses remote bytes {}..{} of owner {owner}: they are not \
+                                 inside memory its agent registered ({e})",
+                                r.remote_range.start, r.remote_range.end
+                            ),
+                        )
+                        .with_source(e),
+                        None => e.with_owner(owner),
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let dsts: Vec<_> = resolved.iter().map(|r| r.dst).collect();
+        let cuts = segments(&dsts);
+        let mut segs = Vec::with_capacity(cuts.len());
+        for cut in &cuts {
+            let mut groups: Vec<Group> = Vec::new();
+            for i in cut.clone() {
+                if skip == Some(i) {
+                    // Fault injection: this read is never handed to a request.
+                    continue;
+                }
+                let r = &resolved[i];
+                let last = at[i].len() - 1;
+                for (k, &(l, li, m, mi, n)) in at[i].iter().enumerate() {
+                    let read_len = if k == 0 { r.len } else { 0 };
+                    let ends = u64::from(k == last);
+                    // The newest request of these lists, while it has room: NIXL reports
+                    // progress only per request, so requests are capped at `request_bytes`
+                    // to give the no-progress timer (and abort) steps to see.
+                    match groups.iter_mut().rev().find(|g| {
+                        g.local_list == l
+                            && g.remote_list == m
+                            && g.bytes.saturating_add(n) <= piece
+                    }) {
+                        Some(g) => {
+                            g.local_ix.push(li);
+                            g.remote_ix.push(mi);
+                            g.read_len.push(read_len);
+                            g.ends += ends;
+                            g.bytes += n;
+                        }
+                        None => groups.push(Group {
+                            owner: r.owner,
+                            local_list: l,
+                            remote_list: m,
+                            local_ix: vec![li],
+                            remote_ix: vec![mi],
+                            read_len: vec![read_len],
+                            ends,
+                            range: r.remote_range.clone(),
+                            bytes: n,
+                        }),
+                    }
+                }
+            }
+            segs.push(groups);
+        }
+        let remote_info = remote_keys
+            .iter()
+            .zip(remote_descs)
+            .map(|(&(owner, _), descs)| {
+                let (_, name, peer) = &peers[&owner];
+                let mut owners: Vec<OwnerId> = st
+                    .peers
+                    .iter()
+                    .filter(|(_, p)| p.nixl_name == *name)
+                    .map(|(&o, _)| o)
+                    .collect();
+                owners.sort_unstable();
+                RemoteList {
+                    owner,
+                    owners,
+                    peer: Arc::clone(peer),
+                    descs,
+                }
+            })
+            .collect();
+        let local_table = locals
+            .iter()
+            .map(|(&id, (_, _, (sp, a, e)))| (id, *sp, *a, *e))
+            .collect();
+        let mut remote_agents: Vec<String> = peers.values().map(|(_, n, _)| n.clone()).collect();
+        remote_agents.sort_unstable();
+        remote_agents.dedup();
+        let prepared = Prepared {
+            nixl: Mutex::new(None),
+            segments: segs,
+            local_ranges: locals.values().map(|l| l.2).collect(),
+            locals: locals
+                .into_iter()
+                .map(|(id, (g, m, _))| (id, g, m))
+                .collect(),
+            peers: peers.into_iter().map(|(o, (g, _, _))| (o, g)).collect(),
+            remote_agents,
+            local_spaces: local_keys.iter().map(|&k| space(k)).collect(),
+            local_descs,
+            local_table,
+            remote_info,
+            planned: (batch.reads.len() as u64, batch.bytes()),
+            phase: AtomicU8::new(IDLE),
+            builds: AtomicU64::new(0),
+            posts: AtomicU64::new(0),
+            shared: Arc::clone(&self.shared),
+        };
+        let mut objects = NixlObjects {
+            requests: None,
+            local_lists,
+            remote_lists,
+        };
+        objects.requests = Some(prepared.make_requests(&objects)?);
+        *prepared.nixl.lock() = Some(objects);
+        let prepared = Arc::new(prepared);
+        st.batches.retain(|w| w.strong_count() > 0);
+        st.batches.push(Arc::downgrade(&prepared));
+        drop(st);
+        tracing::debug!(
+            agent = %s.name,
+            reads = prepared.planned.0,
+            bytes = prepared.planned.1,
+            segments = prepared.segments.len(),
+            requests = prepared.segments.iter().map(Vec::len).sum::<usize>(),
+            "nixl prepare"
+        );
+        Ok(PreparedBatch::new(Arc::new(batch), BACKEND, prepared))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segments;
+
+    #[test]
+    fn disjoint_destinations_are_one_segment() {
+        let d = [(1, 0, 8), (1, 8, 16), (2, 0, 8), (1, 16, 24)];
+        assert_eq!(segments(&d), vec![0..4]);
+        assert!(segments(&[]).is_empty());
+    }
+
+    #[test]
+    fn overlaps_start_a_new_segment_in_batch_order() {
+        // Read 2 overlaps read 0; read 3 overlaps read 2; read 4 is disjoint from 3.
+        let d = [(1, 0, 8), (1, 8, 16), (1, 4, 12), (1, 6, 10), (2, 0, 4)];
+        assert_eq!(segments(&d), vec![0..2, 2..3, 3..5]);
+        // Identical replicas into one place: one segment each.
+        let d = [(1, 0, 8), (1, 0, 8), (1, 0, 8)];
+        assert_eq!(segments(&d), vec![0..1, 1..2, 2..3]);
+    }
+}
