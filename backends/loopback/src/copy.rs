@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 
 use crate::transport::Prepared;
 use crate::work::Piece;
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// Bytes copied between two looks at the abort flag.
 pub(crate) const COPY_CHUNK: u64 = 1 << 20;
@@ -115,7 +115,7 @@ pub(crate) fn start(pool: &Arc<ThreadPool>, ctx: PostCtx) -> LoopbackInFlight {
 
 fn piece_error(ctx: &PostCtx, p: &Piece, kind: ErrorKind, msg: String) -> Error {
     let mut e = Error::new(kind, msg)
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
         .with_range(p.src_off..p.src_off + p.len);
     if let Some(o) = ctx.srcs[p.src as usize].owner {
         e = e.with_owner(o);
@@ -238,7 +238,7 @@ impl LoopbackInFlight {
                     ErrorKind::Transport,
                     "loopback copy job ended without reporting",
                 )
-                .with_backend(BACKEND)),
+                .with_backend(SCHEME)),
             };
             if let Err(e) = r {
                 // Stop the other jobs early: the batch has failed.

@@ -18,7 +18,7 @@ pub use fabric::LoopbackFabric;
 pub use transport::LoopbackTransport;
 
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
-pub const BACKEND: &str = "loopback";
+pub const SCHEME: &str = "loopback";
 
 /// Decodes loopback peer metadata (what [`Transport::load_peer`] is given) from untrusted bytes
 /// and returns its canonical encoding (regions ascending by id); any defect is a typed
@@ -58,7 +58,7 @@ pub fn register(registry: &mut Registry) {
 
 impl TransportFactory for LoopbackFactory {
     fn scheme(&self) -> &'static str {
-        BACKEND
+        SCHEME
     }
 
     fn create(&self, agent: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {

@@ -62,7 +62,7 @@ impl AgentMeta {
                 ErrorKind::Decode,
                 format!("invalid loopback peer metadata: {e}"),
             )
-            .with_backend(crate::BACKEND)
+            .with_backend(crate::SCHEME)
             .with_source(e)
         })
     }

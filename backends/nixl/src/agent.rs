@@ -9,7 +9,7 @@ use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::options::NixlOptions;
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// NIXL's name for a status, as far as `nixl-sys` keeps it apart.
 pub(crate) fn status_name(e: &NixlError) -> &'static str {
@@ -42,7 +42,7 @@ pub(crate) fn nixl_error(what: &str, e: NixlError) -> Error {
         ErrorKind::Transport,
         format!("NIXL {what} failed: {}", status_name(&e)),
     )
-    .with_backend(BACKEND)
+    .with_backend(SCHEME)
     .with_source(e)
 }
 
@@ -121,7 +121,7 @@ impl NixlAgent {
                     names.join(", ")
                 ),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let (_mems, defaults) = agent
             .get_plugin_params(&options.backend)
@@ -143,7 +143,7 @@ impl NixlAgent {
                         known.join(", ")
                     ),
                 )
-                .with_backend(BACKEND));
+                .with_backend(SCHEME));
             }
             params
                 .set(k, v)

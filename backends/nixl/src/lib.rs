@@ -17,7 +17,7 @@ pub use options::NixlOptions;
 pub use transport::{NixlTransport, PreparedStats};
 
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
-pub const BACKEND: &str = "nixl";
+pub const SCHEME: &str = "nixl";
 
 /// Decodes nixl peer metadata (what `load_peer` is given) from untrusted bytes, checksum
 /// included, and returns its canonical encoding (regions ascending by id); any defect is a
@@ -40,7 +40,7 @@ pub fn probe() -> Result<()> {
             .map_err(|e| (e.kind(), e.message().to_string()))
     });
     r.clone()
-        .map_err(|(kind, msg)| reshard_core::Error::new(kind, msg).with_backend(BACKEND))
+        .map_err(|(kind, msg)| reshard_core::Error::new(kind, msg).with_backend(SCHEME))
 }
 
 /// Creates NIXL endpoints for the transport registry from `[backends.nixl]` options.
@@ -61,7 +61,7 @@ pub fn register(registry: &mut Registry) {
 
 impl TransportFactory for NixlFactory {
     fn scheme(&self) -> &'static str {
-        BACKEND
+        SCHEME
     }
 
     fn probe(&self) -> Result<()> {

@@ -128,7 +128,7 @@ impl AgentMeta {
                 ErrorKind::Decode,
                 format!("invalid nixl peer metadata: {e}"),
             )
-            .with_backend(crate::BACKEND)
+            .with_backend(crate::SCHEME)
             .with_source(e)
         })
     }

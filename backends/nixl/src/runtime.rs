@@ -13,7 +13,7 @@ use reshard_core::{Error, ErrorKind, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// Environment variable naming the NIXL runtime folder (a `nixl-cu12` wheel unpacked with
 /// `pip install --target`, or an install prefix with `lib/`).
@@ -64,7 +64,7 @@ fn unavailable(why: String) -> Error {
         ErrorKind::Unavailable,
         format!("the NIXL runtime is not available: {why}; {INSTALL_HINT}"),
     )
-    .with_backend(BACKEND)
+    .with_backend(SCHEME)
 }
 
 /// The loaded runtime: where it came from, and the library handles kept open for the process.
@@ -105,7 +105,7 @@ pub(crate) fn ensure(plugin_dir: Option<&Path>) -> Result<&'static Runtime> {
             }
             Ok(rt)
         }
-        Err((kind, msg)) => Err(Error::new(*kind, msg.clone()).with_backend(BACKEND)),
+        Err((kind, msg)) => Err(Error::new(*kind, msg.clone()).with_backend(SCHEME)),
     }
 }
 
@@ -116,7 +116,7 @@ fn check_plugin_dir(want: &Path, used: Option<&Path>) -> Result<()> {
             ErrorKind::Config,
             format!("plugin_dir {} is not a folder", want.display()),
         )
-        .with_backend(BACKEND));
+        .with_backend(SCHEME));
     }
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
@@ -139,7 +139,7 @@ fn check_plugin_dir(want: &Path, used: Option<&Path>) -> Result<()> {
             want.display()
         ),
     )
-    .with_backend(BACKEND))
+    .with_backend(SCHEME))
 }
 
 /// Where the runtime was loaded from, once it has been loaded successfully.

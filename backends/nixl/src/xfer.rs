@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::agent::{plugin_failed, status_name};
 use crate::quarantine;
 use crate::transport::{Prepared, IDLE, QUARANTINED};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// Polls answered by yielding before the poller starts sleeping.
 const SPIN_POLLS: u32 = 64;
@@ -117,7 +117,7 @@ impl NixlInFlight {
                     ErrorKind::Transport,
                     "this prepared batch was released (a peer was reloaded); prepare again",
                 )
-                .with_backend(BACKEND)),
+                .with_backend(SCHEME)),
             }
         };
         if let Err(e) = made {
@@ -164,7 +164,7 @@ impl NixlInFlight {
         let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
             return Err(
                 Error::new(ErrorKind::Internal, "nixl requests missing at post")
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
             );
         };
         let log = self.p.shared.log.lock().clone();
@@ -208,7 +208,7 @@ impl NixlInFlight {
                         )
                         .with_owner(group.owner)
                         .with_range(group.range.clone())
-                        .with_backend(BACKEND)
+                        .with_backend(SCHEME)
                         .with_source(e)
                         .set_retryable(true));
                         break 'owners;
@@ -236,7 +236,7 @@ impl NixlInFlight {
             // Cannot happen while the batch is busy (nothing else releases its requests).
             return Some(
                 Error::new(ErrorKind::Internal, "nixl requests missing while in flight")
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
             );
         };
         let mut first = None;
@@ -265,7 +265,7 @@ impl NixlInFlight {
                             )
                             .with_owner(group.owner)
                             .with_range(group.range.clone())
-                            .with_backend(BACKEND)
+                            .with_backend(SCHEME)
                             .with_source(e)
                             .set_retryable(true),
                         );
@@ -473,7 +473,7 @@ impl NixlInFlight {
             ErrorKind::Aborted,
             "the nixl transport was dropped while this batch was in flight",
         )
-        .with_backend(BACKEND);
+        .with_backend(SCHEME);
         if self.drain().await {
             self.idle();
             e
@@ -492,7 +492,7 @@ impl NixlInFlight {
                 self.p.shared.timeout.as_millis()
             ),
         )
-        .with_backend(BACKEND);
+        .with_backend(SCHEME);
         if let Some(g) = g {
             e = e.with_owner(g.owner).with_range(g.range.clone());
         }
@@ -511,7 +511,7 @@ impl Prepared {
 
 /// `e` with the quarantine note `what` appended, marked quarantined (never retryable).
 fn requalify(e: Error, what: &str) -> Error {
-    let mut q = Error::new(e.kind(), format!("{}; {what}", e.message())).with_backend(BACKEND);
+    let mut q = Error::new(e.kind(), format!("{}; {what}", e.message())).with_backend(SCHEME);
     if let Some(o) = e.context().owner {
         q = q.with_owner(o);
     }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use reshard_backend_nixl::{probe, NixlOptions, NixlTransport, BACKEND};
+use reshard_backend_nixl::{probe, NixlOptions, NixlTransport, SCHEME};
 use reshard_conformance::counting::{at, read, Counting, SkipAt, SkipRead};
 use reshard_conformance::Harness;
 use reshard_core::{ErrorKind, HostBuffer, MemoryBlock, ReadBatch, Transport};
@@ -15,7 +15,7 @@ use reshard_core::{ErrorKind, HostBuffer, MemoryBlock, ReadBatch, Transport};
 const MIB: u64 = 1 << 20;
 
 fn available() -> bool {
-    reshard_conformance::backend_available(BACKEND, probe())
+    reshard_conformance::backend_available(SCHEME, probe())
 }
 
 fn endpoint(name: &str) -> NixlTransport {

@@ -9,7 +9,7 @@
 //! and polls them, which progresses its UCX worker). The test thereby decides when each
 //! publisher's bytes may land.
 
-use reshard_backend_nixl::{probe, NixlOptions, NixlTransport, BACKEND};
+use reshard_backend_nixl::{probe, NixlOptions, NixlTransport, SCHEME};
 use reshard_core::{
     ErrorKind, HostBuffer, MemoryBlock, PreparedBatch, ReadBatch, ReadDesc, Registration, Transport,
 };
@@ -29,7 +29,7 @@ const CANARY: u8 = 0xCD;
 const WATCH: Duration = Duration::from_millis(400);
 
 fn available() -> bool {
-    reshard_conformance::backend_available(BACKEND, probe())
+    reshard_conformance::backend_available(SCHEME, probe())
 }
 
 /// Runs `name` in a child process (TCP only) and asserts it passed; in the child, runs `body`.

@@ -3,7 +3,7 @@
 //! and options. The in-flight scenarios (timeouts, quarantine) are in `in_flight.rs`.
 
 use bytes::Bytes;
-use reshard_backend_nixl::{probe, NixlFactory, NixlOptions, NixlTransport, BACKEND};
+use reshard_backend_nixl::{probe, NixlFactory, NixlOptions, NixlTransport, SCHEME};
 use reshard_core::config::TransportConfig;
 use reshard_core::registry::TransportFactory;
 use reshard_core::{
@@ -12,7 +12,7 @@ use reshard_core::{
 use std::sync::Arc;
 
 fn available() -> bool {
-    reshard_conformance::backend_available(BACKEND, probe())
+    reshard_conformance::backend_available(SCHEME, probe())
 }
 
 fn endpoint(name: &str) -> NixlTransport {

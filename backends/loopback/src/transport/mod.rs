@@ -26,7 +26,7 @@ use std::ops::Range;
 use std::sync::{Arc, Weak};
 
 use crate::fabric::{AgentState, LoopbackFabric};
-use crate::BACKEND;
+use crate::SCHEME;
 
 #[cfg(test)]
 pub(crate) use faults::Faults;
@@ -63,7 +63,7 @@ fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
     Error::new(ErrorKind::OutOfBounds, msg)
         .with_owner(owner)
         .with_range(range)
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
 }
 
 impl LoopbackTransport {
@@ -73,7 +73,7 @@ impl LoopbackTransport {
         if workers == 0 {
             return Err(
                 Error::new(ErrorKind::Config, "loopback needs at least 1 worker")
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
             );
         }
         if agent.is_empty() || agent.len() > u16::MAX as usize {
@@ -81,7 +81,7 @@ impl LoopbackTransport {
                 ErrorKind::Config,
                 format!("loopback agent names must be 1..={} bytes", u16::MAX),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let state = Arc::new(AgentState::new(agent));
         {
@@ -91,7 +91,7 @@ impl LoopbackTransport {
                     ErrorKind::Config,
                     format!("agent {agent:?} already exists on this loopback fabric"),
                 )
-                .with_backend(BACKEND));
+                .with_backend(SCHEME));
             }
             agents.insert(agent.to_owned(), Arc::clone(&state));
         }
@@ -145,7 +145,7 @@ impl LoopbackTransport {
                     ErrorKind::Transport,
                     "could not start loopback copy threads",
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
                 .with_source(e)
             })?;
         let pool = Arc::new(pool);

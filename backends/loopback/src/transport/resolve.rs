@@ -8,7 +8,7 @@ use std::ops::Range;
 use super::{oob, LoopbackTransport, Prepared};
 use crate::copy::Live;
 use crate::fabric::Region;
-use crate::BACKEND;
+use crate::SCHEME;
 
 impl LoopbackTransport {
     /// Resolves every region of a prepared batch to its live block, re-checking bounds.
@@ -23,7 +23,7 @@ impl LoopbackTransport {
             Error::new(ErrorKind::Transport, what)
                 .with_owner(owner)
                 .with_range(span(r.remote_offset, r.len))
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
                 .set_retryable(false)
         };
         // Reads the block's address once and re-checks what prepare assumed about it: the
@@ -95,7 +95,7 @@ impl LoopbackTransport {
                     )
                     .with_owner(owner)
                     .with_range(span(r.local_offset, r.len))
-                    .with_backend(BACKEND)
+                    .with_backend(SCHEME)
                     .set_retryable(false)
                 })?;
                 let r = &reads[d.first_read];

@@ -13,12 +13,12 @@ use super::{oob, LoopbackTransport, Peer, Prepared};
 use crate::copy::{self, PostCtx};
 use crate::fabric::Region;
 use crate::meta::AgentMeta;
-use crate::BACKEND;
+use crate::SCHEME;
 
 #[async_trait]
 impl Transport for LoopbackTransport {
     fn name(&self) -> &'static str {
-        BACKEND
+        SCHEME
     }
 
     fn agent(&self) -> &str {
@@ -55,7 +55,7 @@ impl Transport for LoopbackTransport {
                 ErrorKind::Unsupported,
                 format!("loopback moves host memory only; cannot register {kind} (use nixl)"),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let (addr, len) = (block.addr(), block.len());
         if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
@@ -63,7 +63,7 @@ impl Transport for LoopbackTransport {
                 ErrorKind::OutOfBounds,
                 format!("block {addr:#x}+{len} is not a valid address range"),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let id = self.agent.next_region.fetch_add(1, Ordering::Relaxed);
         let len = len as u64;
@@ -113,7 +113,7 @@ impl Transport for LoopbackTransport {
                 ),
             )
             .with_owner(owner)
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let agent = self
             .fabric
@@ -132,7 +132,7 @@ impl Transport for LoopbackTransport {
                     ),
                 )
                 .with_owner(owner)
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
             })?;
         // The metadata's region lengths are the publisher's claim; the fabric has the real
         // registrations. A region advertised larger than the block registered under its id
@@ -188,7 +188,7 @@ impl Transport for LoopbackTransport {
             lists = st.work.len(),
             "loopback prepare"
         );
-        Ok(PreparedBatch::new(Arc::new(batch), BACKEND, Arc::new(st)))
+        Ok(PreparedBatch::new(Arc::new(batch), SCHEME, Arc::new(st)))
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
@@ -205,7 +205,7 @@ impl Transport for LoopbackTransport {
                         self.agent.name
                     ),
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
             })?;
         let (srcs, dsts) = self.resolve(prepared, st)?;
         let pool = self.pool()?;

@@ -9,7 +9,7 @@ use std::sync::Weak;
 use super::LoopbackTransport;
 use crate::fabric::AgentState;
 use crate::work::{self, Piece};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A source region as prepare resolved it (re-resolved to the live block at every post).
 pub(super) struct SrcRef {
@@ -47,13 +47,13 @@ impl LoopbackTransport {
         if u32::try_from(batch.reads.len()).is_err() {
             return Err(
                 Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
             );
         }
         let peers = self.peers.read();
         let local = self.agent.regions.read();
         contract::validate_batch(
-            BACKEND,
+            SCHEME,
             &self.agent.name,
             batch,
             |owner, region| match peers.get(&owner) {
@@ -68,7 +68,7 @@ impl LoopbackTransport {
         // Every look-up below succeeds (the batch was validated under these same locks);
         // failing anyway is an internal error, never a panic.
         let missing = |i: usize, r: &ReadDesc, what: &str| {
-            contract::validated_lookup_failed(BACKEND, i, r, what)
+            contract::validated_lookup_failed(SCHEME, i, r, what)
         };
         let mut srcs: Vec<SrcRef> = Vec::new();
         let mut src_ix: HashMap<(OwnerId, u64), u32> = HashMap::new();

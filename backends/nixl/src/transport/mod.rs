@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use crate::agent::NixlAgent;
 use crate::options::NixlOptions;
-use crate::{quarantine, runtime, BACKEND};
+use crate::{quarantine, runtime, SCHEME};
 
 use peers::Peer;
 pub(crate) use prepared::{Prepared, IDLE, QUARANTINED};
@@ -89,7 +89,7 @@ fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
     Error::new(ErrorKind::OutOfBounds, msg)
         .with_owner(owner)
         .with_range(range)
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
 }
 
 /// A name no other NIXL agent (in this or another process or host) is likely to carry, so a
@@ -110,14 +110,14 @@ impl NixlTransport {
                 ErrorKind::Config,
                 "nixl agent names must be 1..=1024 bytes without NUL",
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         if options.timeout_ms == 0 {
             return Err(Error::new(
                 ErrorKind::Config,
                 "backends.nixl.timeout_ms must be at least 1",
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         if options.request_bytes < 1 << 20 || options.requests_in_flight == 0 {
             return Err(Error::new(
@@ -128,7 +128,7 @@ impl NixlTransport {
                     options.request_bytes, options.requests_in_flight
                 ),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         runtime::ensure(options.plugin_dir.as_deref())?;
         static NEXT_UID: AtomicU64 = AtomicU64::new(1);

@@ -12,7 +12,7 @@ use super::regions::space;
 use super::{oob, NixlTransport, State};
 use crate::agent::NixlAgent;
 use crate::meta::{incarnation_of, AgentMeta, RegionMeta};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A loaded peer: its NIXL name, the regions its metadata lists, and the exact bytes loaded.
 pub(super) struct Peer {
@@ -36,7 +36,7 @@ impl NixlTransport {
                 "an endpoint cannot load its own metadata as a peer",
             )
             .with_owner(owner)
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let mut st = s.state.lock();
         if st.peers.get(&owner).is_some_and(|p| p.raw == metadata) {
@@ -76,7 +76,7 @@ impl NixlTransport {
                         ),
                     )
                     .with_owner(owner)
-                    .with_backend(BACKEND));
+                    .with_backend(SCHEME));
                 }
                 // The envelope's regions are the peer's claim; NIXL's own metadata holds the
                 // descriptors it registered. A region advertised beyond them is refused here,
@@ -157,7 +157,7 @@ fn retire_users(st: &mut State, nixl_name: &str, owner: OwnerId) -> Result<()> {
             ),
         )
         .with_owner(owner)
-        .with_backend(BACKEND)
+        .with_backend(SCHEME)
         .set_retryable(true));
     }
     for p in users {

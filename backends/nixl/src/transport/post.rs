@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::prepared::{Prepared, BUSY, IDLE, QUARANTINED, RETIRED};
 use super::NixlTransport;
 use crate::xfer::NixlInFlight;
-use crate::{quarantine, BACKEND};
+use crate::{quarantine, SCHEME};
 
 impl NixlTransport {
     /// [`reshard_core::Transport::post`].
@@ -25,7 +25,7 @@ impl NixlTransport {
                         self.shared.name
                     ),
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
             })?;
         {
             // Under the state lock: a peer reload never sees a batch leave IDLE meanwhile.
@@ -36,7 +36,7 @@ impl NixlTransport {
                         ErrorKind::Transport,
                         "this prepared batch is still in flight; wait for or abort it first",
                     )
-                    .with_backend(BACKEND)
+                    .with_backend(SCHEME)
                     .set_retryable(true))
                 }
                 QUARANTINED => {
@@ -49,7 +49,7 @@ impl NixlTransport {
                             p.local_regions()
                         ),
                     )
-                    .with_backend(BACKEND)
+                    .with_backend(SCHEME)
                     .set_quarantined())
                 }
                 RETIRED => {
@@ -58,7 +58,7 @@ impl NixlTransport {
                         "the metadata of a peer of this batch was reloaded after prepare; \
                          prepare again",
                     )
-                    .with_backend(BACKEND))
+                    .with_backend(SCHEME))
                 }
                 _ => {}
             }
@@ -77,7 +77,7 @@ impl NixlTransport {
                         ranges.join(", ")
                     ),
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
                 .set_quarantined());
             }
             if p.phase
@@ -88,7 +88,7 @@ impl NixlTransport {
                     ErrorKind::Transport,
                     "this prepared batch is being posted concurrently",
                 )
-                .with_backend(BACKEND)
+                .with_backend(SCHEME)
                 .set_retryable(true));
             }
         }

@@ -17,7 +17,7 @@ use super::peers::Peer;
 use super::prepared::{Group, NixlObjects, Prepared, RemoteList, IDLE};
 use super::regions::{space, LocalMem};
 use super::{oob, NixlTransport};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A read resolved against the regions at prepare time.
 struct Resolved {
@@ -74,7 +74,7 @@ impl NixlTransport {
         if i32::try_from(batch.reads.len()).is_err() {
             return Err(
                 Error::new(ErrorKind::Unsupported, "more than 2^31 reads in one batch")
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
             );
         }
         let mut resolved = Vec::with_capacity(batch.reads.len());
@@ -88,7 +88,7 @@ impl NixlTransport {
         // metadata its lists and requests are made from in between.
         let mut st = s.state.lock();
         contract::validate_batch(
-            BACKEND,
+            SCHEME,
             &s.name,
             &batch,
             |owner, region| match st.peers.get(&owner) {
@@ -104,7 +104,7 @@ impl NixlTransport {
             // Every look-up below succeeds (validated under this same lock); failing anyway
             // is an internal error, never a panic.
             let missing = |i: usize, r: &ReadDesc, what: &str| {
-                contract::validated_lookup_failed(BACKEND, i, r, what)
+                contract::validated_lookup_failed(SCHEME, i, r, what)
             };
             for (i, r) in batch.reads.iter().enumerate() {
                 let remote = span(r.remote_offset, r.len);
@@ -199,7 +199,7 @@ impl NixlTransport {
                 ErrorKind::Unsupported,
                 "more than 2^31 NIXL descriptors in one list (reads split at request_bytes)",
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         let local_lists = local_keys
             .iter()
@@ -351,7 +351,7 @@ impl NixlTransport {
             requests = prepared.segments.iter().map(Vec::len).sum::<usize>(),
             "nixl prepare"
         );
-        Ok(PreparedBatch::new(Arc::new(batch), BACKEND, prepared))
+        Ok(PreparedBatch::new(Arc::new(batch), SCHEME, prepared))
     }
 }
 

@@ -11,7 +11,7 @@ use super::peers::Peer;
 use super::regions::LocalMem;
 use super::{Shared, State};
 use crate::agent::{Prepped, Request};
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// One NIXL request's worth of reads: one owner, one local and one remote memory kind.
 ///
@@ -225,7 +225,7 @@ impl Prepared {
                     ErrorKind::Transport,
                     format!("local region {id} was deregistered after prepare; prepare again"),
                 )
-                .with_backend(BACKEND));
+                .with_backend(SCHEME));
             }
         }
         for &(owner, generation) in &self.peers {
@@ -235,7 +235,7 @@ impl Prepared {
                     format!("metadata of owner {owner} changed after prepare; prepare again"),
                 )
                 .with_owner(owner)
-                .with_backend(BACKEND));
+                .with_backend(SCHEME));
             }
         }
         Ok(())

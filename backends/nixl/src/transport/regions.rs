@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::NixlTransport;
 use crate::agent::Reg;
-use crate::BACKEND;
+use crate::SCHEME;
 
 /// A local registered region.
 pub(super) struct Local {
@@ -60,7 +60,7 @@ impl NixlTransport {
                         "block is on GPU {device} but this endpoint uses GPU {mine} (device_id)"
                     ),
                 )
-                .with_backend(BACKEND));
+                .with_backend(SCHEME));
             }
         }
         let (addr, len) = (block.addr(), block.len());
@@ -69,7 +69,7 @@ impl NixlTransport {
                 ErrorKind::OutOfBounds,
                 format!("block {addr:#x}+{len} is not a valid address range"),
             )
-            .with_backend(BACKEND));
+            .with_backend(SCHEME));
         }
         // Zero-length blocks get an id (ids stay aligned across backends) but nothing to
         // register: no read can touch them.
@@ -83,7 +83,7 @@ impl NixlTransport {
                         ErrorKind::Unsupported,
                         format!("NIXL could not register {kind} memory (no usable GPU?): {e}"),
                     )
-                    .with_backend(BACKEND),
+                    .with_backend(SCHEME),
                 }
             })?)
         };

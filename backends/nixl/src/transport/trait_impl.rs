@@ -12,12 +12,12 @@ use std::sync::Arc;
 
 use super::NixlTransport;
 use crate::meta::{incarnation_of, AgentMeta, RegionMeta};
-use crate::BACKEND;
+use crate::SCHEME;
 
 #[async_trait]
 impl Transport for NixlTransport {
     fn name(&self) -> &'static str {
-        BACKEND
+        SCHEME
     }
 
     fn agent(&self) -> &str {
