@@ -21,6 +21,7 @@ use reshard_core::{
 use reshard_planner::plan::{plan, PlanOptions};
 
 use crate::copy;
+use crate::layers::{self, Layer, RetryLayer, TimeoutLayer};
 
 /// How a receiver plans, verifies and installs.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,10 +44,12 @@ pub struct ReceiverOptions {
     pub cache_descriptors: bool,
     /// Times a wire leg failing with a retryable error is posted again (reads only write the
     /// bank that is not live, so repeating them is safe).
+    /// (the receiver's [`RetryLayer`]).
     pub retries: u32,
     /// Backoff before the first retry, doubled for each further one.
     pub retry_backoff: Duration,
-    /// Bound on one wire leg with its retries; past it the leg fails with `Timeout`.
+    /// Bound on one wire leg with its retries; past it the leg fails with `Timeout` and
+    /// [`ErrorDetail::WireLegTimedOut`] (the receiver's [`TimeoutLayer`], outside the retry).
     pub wire_timeout: Option<Duration>,
 }
 
@@ -92,6 +95,22 @@ impl ReceiverOptions {
         PlanOptions {
             allow_overlap: !self.dedup,
             ..self.plan
+        }
+    }
+
+    /// The wire-leg policies as transport layers, outermost first: `Timeout(Retry(t))`.
+    ///
+    /// The retry layer is always there (with 0 retries it only passes through), so batches
+    /// prepared under one policy stay valid under another and a policy change keeps the
+    /// cached descriptors; the timeout layer forwards `prepare` and is there only when set.
+    fn wire_stack(&self, transport: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        let retry = RetryLayer {
+            retries: self.retries,
+            backoff: self.retry_backoff,
+        };
+        match self.wire_timeout {
+            Some(limit) => layers::stack(transport, &[&TimeoutLayer { limit }, &retry]),
+            None => retry.layer(transport),
         }
     }
 
@@ -260,6 +279,9 @@ struct Prepared {
 /// One receiver rank: its transport endpoint, wanted layout, cached plan and live weights.
 pub struct Receiver {
     transport: Arc<dyn Transport>,
+    /// `transport` wrapped in the wire-leg policies of `opts` ([`ReceiverOptions::wire_stack`]):
+    /// every registration, descriptor build and post goes through it.
+    stack: Arc<dyn Transport>,
     layout: WantedLayout,
     opts: ReceiverOptions,
     prepared: Option<Prepared>,
@@ -279,6 +301,7 @@ impl Receiver {
     ) -> Result<Self> {
         layout.validate()?;
         Ok(Receiver {
+            stack: opts.wire_stack(transport.clone()),
             transport,
             layout,
             opts,
@@ -296,7 +319,7 @@ impl Receiver {
         &self.layout
     }
 
-    /// The transport endpoint.
+    /// The transport endpoint, as given (without the wire-leg policy layers).
     pub fn transport(&self) -> &Arc<dyn Transport> {
         &self.transport
     }
@@ -313,11 +336,13 @@ impl Receiver {
             self.prepared = None;
         }
         self.opts = opts;
+        self.stack = self.opts.wire_stack(self.transport.clone());
     }
 
     /// Switches transport: every registration and descriptor is rebuilt. Live weights stay.
     pub fn set_transport(&mut self, transport: Arc<dyn Transport>) {
         self.prepared = None;
+        self.stack = self.opts.wire_stack(transport.clone());
         self.transport = transport;
     }
 
@@ -430,7 +455,7 @@ impl Receiver {
 
         // After merge (which refuses malformed sets of tables, such as two tables of one rank)
         // and before anything is planned or posted.
-        check_incarnations(tables, self.transport.as_ref())?;
+        check_incarnations(tables, self.stack.as_ref())?;
 
         let reuse = matches!(&self.prepared, Some(p) if p.geometry == geometry && p.arm == arm);
         let mut new_plan = None;
@@ -458,7 +483,7 @@ impl Receiver {
         }
         st.register = watch.lap();
 
-        let transport = self.transport.clone();
+        let transport = self.stack.clone();
         let cache = self.opts.cache_descriptors;
         let prep = self
             .prepared
@@ -501,7 +526,7 @@ impl Receiver {
             descriptors_rebuilt,
         } = self.front(tables, t0).await?;
         let mut tick = |slot: &mut f64| *slot = watch.lap();
-        let transport = self.transport.clone();
+        let transport = self.stack.clone();
         let prep = self
             .prepared
             .as_mut()
@@ -512,11 +537,11 @@ impl Receiver {
             .as_ref()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         let wire_t0 = Instant::now();
-        let wire = match wire_leg(transport.as_ref(), &cached.batch, &self.opts).await {
+        let wire = match wire_leg(transport.as_ref(), &cached.batch).await {
             Ok(w) => w,
-            Err((e, cut_short)) => {
+            Err(e) => {
                 let e = name_tensor(e, &prep.plan);
-                if e.is_quarantined() || cut_short {
+                if e.is_quarantined() || layers::is_cut_short(&e) {
                     // Bytes of this batch may still land in the bank and staging it targeted
                     // (docs/in-flight-safety.md, rule 3), or the wait was cut short by the
                     // wire-leg timeout: never post into those buffers again. Dropping them
@@ -638,7 +663,7 @@ impl Receiver {
         for p in &plan.params {
             let buf = Arc::new(HostBuffer::zeroed(to_usize(p.bytes)?.max(1)));
             regs.push(
-                self.transport
+                self.stack
                     .register(buf.clone() as Arc<dyn MemoryBlock>)
                     .await?,
             );
@@ -658,7 +683,7 @@ impl Receiver {
         for s in &plan.staging {
             let buf = Arc::new(HostBuffer::zeroed(to_usize(s.bytes)?.max(1)));
             staging_regs.push(
-                self.transport
+                self.stack
                     .register(buf.clone() as Arc<dyn MemoryBlock>)
                     .await?,
             );
@@ -848,49 +873,10 @@ fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> ReadBatch {
     ReadBatch { reads }
 }
 
-/// Posts the prepared batch and waits, posting again after a retryable failure (up to
-/// `opts.retries` times, with doubling backoff), all within `opts.wire_timeout` when set.
-/// The error comes with `true` when the timeout cut a wait short (its future was dropped,
-/// which ends the batch by the transport contract, but the receiver stays cautious).
-async fn wire_leg(
-    transport: &dyn Transport,
-    batch: &PreparedBatch,
-    opts: &ReceiverOptions,
-) -> std::result::Result<WireReport, (Error, bool)> {
-    let attempts = async {
-        let mut backoff = opts.retry_backoff;
-        let mut attempt = 0;
-        loop {
-            let r = match transport.post(batch).await {
-                Ok(inflight) => inflight.wait().await,
-                Err(e) => Err(e),
-            };
-            match r {
-                Err(e) if e.is_retryable() && attempt < opts.retries => {
-                    tracing::warn!(attempt, error = %e, "wire leg failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = backoff.saturating_mul(2);
-                    attempt += 1;
-                }
-                r => return r,
-            }
-        }
-    };
-    match opts.wire_timeout {
-        None => attempts.await.map_err(|e| (e, false)),
-        Some(limit) => match tokio::time::timeout(limit, attempts).await {
-            Ok(r) => r.map_err(|e| (e, false)),
-            Err(_) => Err((
-                Error::new(
-                    ErrorKind::Timeout,
-                    format!("the wire leg did not complete within {limit:?} (retries included)"),
-                )
-                .with_backend(transport.name())
-                .set_retryable(true),
-                true,
-            )),
-        },
-    }
+/// Posts the prepared batch and waits, through the receiver's stack of wire-leg policies
+/// (retries and the timeout are layers of the transport: [`crate::layers`]).
+async fn wire_leg(transport: &dyn Transport, batch: &PreparedBatch) -> Result<WireReport> {
+    transport.post(batch).await?.wait().await
 }
 
 /// Names the tensor of a failed read, found from the owner and byte range the backend reported.
