@@ -176,6 +176,15 @@ pub enum ErrorDetail {
         /// Its step.
         step_b: u64,
     },
+    /// A wire leg (post, wait and any retries inside the bound) ran past the limit of a
+    /// timeout layer, which dropped the wait part-way (kind [`ErrorKind::Timeout`], retryable).
+    ///
+    /// Dropping the wait ends the batch by the transport contract, but a receiver treats the
+    /// buffers the batch targeted as suspect: the wait was cut short rather than answered.
+    WireLegTimedOut {
+        /// The limit that was exceeded, in milliseconds.
+        limit_ms: u64,
+    },
 }
 
 /// The public error of every reshard crate (boxed, so `Result`s stay one pointer wide).

@@ -2,6 +2,8 @@
 #![forbid(unsafe_code)]
 
 pub mod copy;
+pub mod layers;
 pub mod receiver;
 
+pub use layers::{Layer, RetryLayer, TimeoutLayer};
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};

@@ -570,6 +570,31 @@ async fn a_wire_leg_past_its_timeout_fails_typed_and_installs_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wire_leg_cut_short_by_the_timeout_retires_the_buffers() {
+    let opts = ReceiverOptions {
+        wire_timeout: Some(std::time::Duration::from_millis(30)),
+        ..ReceiverOptions::default()
+    };
+    let (mut s, _) = flaky_setup(0, true, 300, opts).await;
+    let e = s.rx.update(&s.cluster.tables()).await.unwrap_err();
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Timeout, "{e}");
+    assert!(e.is_retryable(), "{e}");
+    assert!(
+        matches!(
+            e.detail(),
+            Some(reshard_core::ErrorDetail::WireLegTimedOut { limit_ms: 30 })
+        ),
+        "{e}"
+    );
+    // The wait was cut short: the next update (no bound now, same slow transport) lands in
+    // freshly allocated buffers, never in the ones the cut-short batch targeted.
+    s.rx.set_options(ReceiverOptions::default());
+    let r = s.rx.update(&s.cluster.tables()).await.expect("next update");
+    assert!(r.plan_rebuilt && r.descriptors_rebuilt, "fresh buffers");
+    assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transport_reporting_fewer_bytes_than_planned_installs_nothing() {
     // Even with digest verification off, a short byte count is refused before the swap.
     let opts = ReceiverOptions {

@@ -1,0 +1,434 @@
+//! The receiver runtime: prepare once, then refit every step (docs/design.md §5–§7).
+//!
+//! Parameters are double-buffered: every update lands in the bank that is not live, is
+//! re-sliced and verified there, and only a fully successful update swaps it in. A failed update
+//! therefore never touches the live weights.
+//!
+//! Split by concern: `options` ([`ReceiverOptions`] and the wire-leg layers it
+//! composes), `report` ([`UpdateReport`], [`StageTimes`]), `banks` (buffers, registration,
+//! staging, read batches), `checks` (steps, incarnations, coverage), `reslice`, and `verify`
+//! (wire guards, digests). This file holds the [`Receiver`] and its pipeline.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use reshard_core::{
+    dedup, keep_all, merge, table_geometry_key, DedupOptions, DedupReport, Error, ErrorKind,
+    HostBuffer, MergedTable, Plan, PreparedBatch, ReplicaGroups, Result, ShardTable, Transport,
+    WantedLayout, WireReport,
+};
+use reshard_planner::plan::plan;
+
+use crate::layers;
+
+mod banks;
+mod checks;
+mod options;
+mod report;
+mod reslice;
+mod verify;
+
+pub use options::ReceiverOptions;
+pub use report::{StageTimes, UpdateReport};
+
+use banks::{build_batch, Cached, Prepared};
+use checks::{check_incarnations, check_steps};
+use options::Arm;
+use reslice::run_reslices;
+use verify::Verdict;
+
+/// One receiver rank: its transport endpoint, wanted layout, cached plan and live weights.
+pub struct Receiver {
+    transport: Arc<dyn Transport>,
+    /// `transport` wrapped in the wire-leg policies of `opts` ([`ReceiverOptions::wire_stack`]):
+    /// every registration, descriptor build and post goes through it.
+    stack: Arc<dyn Transport>,
+    layout: WantedLayout,
+    opts: ReceiverOptions,
+    prepared: Option<Prepared>,
+    tables_cache: Option<TablesCache>,
+    live: Option<Vec<Arc<HostBuffer>>>,
+    step: Option<u64>,
+    plan_builds: u64,
+    descriptor_builds: u64,
+}
+
+impl Receiver {
+    /// A receiver for `layout` reading through `transport` (peers must be loaded into it).
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        layout: WantedLayout,
+        opts: ReceiverOptions,
+    ) -> Result<Self> {
+        layout.validate()?;
+        Ok(Receiver {
+            stack: opts.wire_stack(transport.clone()),
+            transport,
+            layout,
+            opts,
+            prepared: None,
+            tables_cache: None,
+            live: None,
+            step: None,
+            plan_builds: 0,
+            descriptor_builds: 0,
+        })
+    }
+
+    /// The wanted layout.
+    pub fn layout(&self) -> &WantedLayout {
+        &self.layout
+    }
+
+    /// The transport endpoint, as given (without the wire-leg policy layers).
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    /// Current options.
+    pub fn options(&self) -> &ReceiverOptions {
+        &self.opts
+    }
+
+    /// Changes options; a change of arm (dedup, spreading, threshold) drops the cached plan and
+    /// descriptors. Live weights stay.
+    pub fn set_options(&mut self, opts: ReceiverOptions) {
+        if opts.arm() != self.opts.arm() {
+            self.prepared = None;
+        }
+        self.opts = opts;
+        self.stack = self.opts.wire_stack(self.transport.clone());
+    }
+
+    /// Switches transport: every registration and descriptor is rebuilt. Live weights stay.
+    pub fn set_transport(&mut self, transport: Arc<dyn Transport>) {
+        self.prepared = None;
+        self.stack = self.opts.wire_stack(transport.clone());
+        self.transport = transport;
+    }
+
+    /// The live weights, one buffer per layout parameter, once an update has succeeded.
+    pub fn live_params(&self) -> Option<&[Arc<HostBuffer>]> {
+        self.live.as_deref()
+    }
+
+    /// Training step of the live weights.
+    pub fn live_step(&self) -> Option<u64> {
+        self.step
+    }
+
+    /// The cached plan, once prepared.
+    pub fn plan(&self) -> Option<&Arc<Plan>> {
+        self.prepared.as_ref().map(|p| &p.plan)
+    }
+
+    /// How many times a plan was built.
+    pub fn plan_builds(&self) -> u64 {
+        self.plan_builds
+    }
+
+    /// How many times descriptors were built.
+    pub fn descriptor_builds(&self) -> u64 {
+        self.descriptor_builds
+    }
+
+    /// Refits from encoded shard tables (decoding is the discover stage).
+    pub async fn update_encoded(&mut self, encoded: &[Vec<u8>]) -> Result<UpdateReport> {
+        let t0 = Instant::now();
+        let tables = encoded
+            .iter()
+            .map(|b| reshard_core::encoding::decode_table(b))
+            .collect::<Result<Vec<_>>>()?;
+        self.run(&tables, t0).await
+    }
+
+    /// Refits from decoded shard tables.
+    ///
+    /// Every table must be at one training step, and not older than [`Receiver::live_step`]
+    /// (the same step again is a valid re-refit): otherwise `InvalidInput` with
+    /// [`ErrorDetail::MixedSteps`](reshard_core::ErrorDetail::MixedSteps) or
+    /// [`ErrorDetail::StaleStep`](reshard_core::ErrorDetail::StaleStep) naming the publisher.
+    pub async fn update(&mut self, tables: &[ShardTable]) -> Result<UpdateReport> {
+        self.run(tables, Instant::now()).await
+    }
+
+    /// Prepares without moving any bytes: merge, dedup, plan, allocate and register buffers,
+    /// build descriptors. Later updates with the same geometry reuse all of it; calling this is
+    /// optional (the first update prepares too) but keeps set-up out of the first refit.
+    pub async fn prepare(&mut self, tables: &[ShardTable]) -> Result<StageTimes> {
+        Ok(self.front(tables, Instant::now()).await?.stages)
+    }
+
+    /// Every stage up to and including `descriptor_build`.
+    async fn front(&mut self, tables: &[ShardTable], t0: Instant) -> Result<Front> {
+        let mut st = StageTimes::default();
+        // Time spent before this call (decoding) belongs to discover too.
+        let mut watch = Stopwatch(t0);
+
+        let step = check_steps(tables, self.step)?;
+        st.discover = watch.lap();
+
+        // Stable geometry (the normal case, step after step): the previous merge and dedup hold;
+        // only the new digests need the replica check.
+        let keys: Vec<u64> = tables.iter().map(table_geometry_key).collect();
+        let arm = self.opts.arm();
+        let (table, dedup_report, geometry) = match &self.tables_cache {
+            Some(c) if c.keys == keys && c.arm == arm => {
+                st.merge = watch.lap();
+                if self.opts.dedup {
+                    c.groups.check(tables)?;
+                }
+                st.dedup = watch.lap();
+                (c.table.clone(), c.report, c.geometry)
+            }
+            _ => {
+                let merged = merge(tables)?;
+                st.merge = watch.lap();
+                let (table, report) = if self.opts.dedup {
+                    let spread = self.opts.spread_owners.then_some(self.layout.receiver_rank);
+                    dedup(
+                        &merged,
+                        DedupOptions {
+                            spread_receiver_rank: spread,
+                        },
+                    )?
+                } else {
+                    keep_all(merged)
+                };
+                let groups = if self.opts.dedup {
+                    ReplicaGroups::of(tables)
+                } else {
+                    ReplicaGroups::default()
+                };
+                st.dedup = watch.lap();
+                let table = Arc::new(table);
+                let geometry = table.geometry_fingerprint();
+                self.tables_cache = Some(TablesCache {
+                    keys,
+                    arm,
+                    table: table.clone(),
+                    report,
+                    geometry,
+                    groups,
+                });
+                (table, report, geometry)
+            }
+        };
+
+        // After merge (which refuses malformed sets of tables, such as two tables of one rank)
+        // and before anything is planned or posted.
+        check_incarnations(tables, self.stack.as_ref())?;
+
+        let reuse = matches!(&self.prepared, Some(p) if p.geometry == geometry && p.arm == arm);
+        let mut new_plan = None;
+        if !reuse {
+            let p = plan(&table, &self.layout, &self.opts.plan_options())?;
+            self.plan_builds += 1;
+            tracing::info!(
+                rank = self.layout.receiver_rank,
+                reads = p.stats.reads,
+                wire_bytes = p.stats.wire_bytes,
+                full_pulls = p.stats.full_pull_sources,
+                fingerprint = format_args!("{:016x}", p.fingerprint),
+                "plan built"
+            );
+            new_plan = Some(Arc::new(p));
+        }
+        st.plan = watch.lap();
+
+        let plan_rebuilt = new_plan.is_some();
+        if let Some(p) = new_plan {
+            self.coverage_gate(&p)?;
+            // Drop the old buffers' registrations first; live weights keep their own Arcs.
+            self.prepared = None;
+            self.prepared = Some(self.allocate(p, geometry, arm).await?);
+        }
+        st.register = watch.lap();
+
+        let transport = self.stack.clone();
+        let cache = self.opts.cache_descriptors;
+        let prep = self
+            .prepared
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "receiver has no prepared plan"))?;
+        let bank = prep.next;
+        let epoch = transport.epoch();
+        let valid = cache && matches!(&prep.descriptors[bank], Some(c) if c.epoch == epoch);
+        if !valid {
+            // Both banks at once when caching, so every later update finds its batch ready.
+            let banks: &[usize] = if cache { &[0, 1] } else { &[bank] };
+            for &b in banks {
+                let batch = build_batch(&prep.plan, &prep.banks[b], &prep.staging_ids);
+                prep.descriptors[b] = Some(Cached {
+                    batch: transport.prepare(batch).await?,
+                    epoch,
+                });
+                self.descriptor_builds += 1;
+            }
+            tracing::debug!(rank = self.layout.receiver_rank, epoch, "descriptors built");
+        }
+        st.descriptor_build = watch.lap();
+        Ok(Front {
+            stages: st,
+            watch,
+            step,
+            dedup_report,
+            plan_rebuilt,
+            descriptors_rebuilt: !valid,
+        })
+    }
+
+    async fn run(&mut self, tables: &[ShardTable], t0: Instant) -> Result<UpdateReport> {
+        let Front {
+            stages: mut st,
+            mut watch,
+            step,
+            dedup_report,
+            plan_rebuilt,
+            descriptors_rebuilt,
+        } = self.front(tables, t0).await?;
+        let mut tick = |slot: &mut f64| *slot = watch.lap();
+        let transport = self.stack.clone();
+        let prep = self
+            .prepared
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "receiver has no prepared plan"))?;
+        let bank = prep.next;
+
+        let cached = prep.descriptors[bank]
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
+        let wire_t0 = Instant::now();
+        let wire = match wire_leg(transport.as_ref(), &cached.batch).await {
+            Ok(w) => w,
+            Err(e) => {
+                let e = name_tensor(e, &prep.plan);
+                if e.is_quarantined() || layers::is_cut_short(&e) {
+                    // Bytes of this batch may still land in the bank and staging it targeted
+                    // (docs/in-flight-safety.md, rule 3), or the wait was cut short by the
+                    // wire-leg timeout: never post into those buffers again. Dropping them
+                    // here hands their registrations back to the backend (which defers the
+                    // release while reads run); the live weights keep their own Arcs, and the
+                    // next update allocates fresh buffers.
+                    tracing::warn!(error = %e, "discarding receive buffers after a wire leg that may still write");
+                    self.prepared = None;
+                }
+                return Err(e);
+            }
+        };
+        let gbytes = verify::guard_wire(
+            &wire,
+            cached.batch.batch().bytes(),
+            wire_t0,
+            self.opts.max_wire_gbps,
+            transport.name(),
+        )?;
+        tick(&mut st.wire);
+
+        run_reslices(
+            &prep.plan,
+            &prep.staging,
+            &prep.banks[bank].params,
+            self.opts.batched_reslice,
+        )?;
+        tick(&mut st.reslice);
+
+        let verdict = if self.opts.verify_digests {
+            verify::verify(&prep.plan, tables, &prep.banks[bank].params, &prep.staging)?
+        } else {
+            Verdict::default()
+        };
+        tick(&mut st.verify);
+
+        prep.next = 1 - bank;
+        self.live = Some(prep.banks[bank].params.clone());
+        self.step = Some(step);
+        tick(&mut st.install);
+
+        let e2e = t0.elapsed().as_secs_f64();
+        let plan = &prep.plan;
+        Ok(UpdateReport {
+            receiver_rank: self.layout.receiver_rank,
+            step,
+            stages: st,
+            e2e_s: e2e,
+            attribution: if e2e > 0.0 { st.sum() / e2e } else { 1.0 },
+            plan_rebuilt,
+            descriptors_rebuilt,
+            plan: plan.stats,
+            fingerprint: plan.fingerprint,
+            dedup: dedup_report,
+            wire_reads: wire.reads,
+            wire_bytes: wire.bytes,
+            wire_gbytes_per_s: gbytes,
+            checks_passed: verdict.passed,
+            checked_bytes: verdict.bytes,
+            checks_without_digest: verdict.without_digest,
+            resliced_bytes: plan
+                .reslices
+                .iter()
+                .map(|r| r.extent.iter().product::<u64>() * r.elem)
+                .sum(),
+        })
+    }
+}
+
+/// The merged, deduplicated view of the last tables, valid while every table's geometry key and
+/// the arm are unchanged.
+struct TablesCache {
+    keys: Vec<u64>,
+    arm: Arm,
+    table: Arc<MergedTable>,
+    report: DedupReport,
+    geometry: u64,
+    groups: ReplicaGroups,
+}
+
+/// What the stages before the wire leg produced.
+struct Front {
+    stages: StageTimes,
+    watch: Stopwatch,
+    step: u64,
+    dedup_report: DedupReport,
+    plan_rebuilt: bool,
+    descriptors_rebuilt: bool,
+}
+
+/// Laps of a stage clock: each lap is the time since the previous one.
+struct Stopwatch(Instant);
+
+impl Stopwatch {
+    fn lap(&mut self) -> f64 {
+        let now = Instant::now();
+        let s = (now - self.0).as_secs_f64();
+        self.0 = now;
+        s
+    }
+}
+
+/// Posts the prepared batch and waits, through the receiver's stack of wire-leg policies
+/// (retries and the timeout are layers of the transport: [`crate::layers`]).
+async fn wire_leg(transport: &dyn Transport, batch: &PreparedBatch) -> Result<WireReport> {
+    transport.post(batch).await?.wait().await
+}
+
+/// Names the tensor of a failed read, found from the owner and byte range the backend reported.
+fn name_tensor(e: Error, plan: &Plan) -> Error {
+    let Some(owner) = e.context().owner else {
+        return e;
+    };
+    let range = e.context().range.clone();
+    let hit = plan.reads.iter().find(|r| {
+        r.owner == owner
+            && range
+                .as_ref()
+                .is_none_or(|g| g.start < r.src_offset + r.len && r.src_offset < g.end)
+    });
+    match hit {
+        Some(r) => {
+            let name = plan.tensors[r.tensor as usize].clone();
+            e.with_tensor(name)
+        }
+        None => e,
+    }
+}

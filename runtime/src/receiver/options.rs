@@ -1,0 +1,125 @@
+//! [`ReceiverOptions`]: how a receiver plans, verifies and installs, read from the `[planner]`
+//! and `[receiver]` config sections; the "arm" of options a cached plan depends on; and the
+//! wire-leg policy layers the options compose.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reshard_core::config::Config;
+use reshard_core::Transport;
+use reshard_planner::plan::PlanOptions;
+
+use crate::layers::{self, Layer, RetryLayer, TimeoutLayer};
+
+/// How a receiver plans, verifies and installs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReceiverOptions {
+    /// Replica dedup (off only for the benchmark counterfactual).
+    pub dedup: bool,
+    /// Spread owners across replicas by receiver rank.
+    pub spread_owners: bool,
+    /// Planner options (full-pull threshold; overlap is allowed automatically without dedup).
+    pub plan: PlanOptions,
+    /// Check installed bytes against publisher digests.
+    pub verify_digests: bool,
+    /// Fabric ceiling in Gbit/s; a faster wire leg fails the update before install.
+    pub max_wire_gbps: Option<f64>,
+    /// Minimum fraction of parameter bytes the plan must write.
+    pub min_coverage: Option<f64>,
+    /// Re-slice full pulls in one parallel pass (false: one copy at a time, the baseline).
+    pub batched_reslice: bool,
+    /// Reuse descriptors across updates (false: rebuild every update, the baseline).
+    pub cache_descriptors: bool,
+    /// Times a wire leg failing with a retryable error is posted again (reads only write the
+    /// bank that is not live, so repeating them is safe).
+    /// (the receiver's [`RetryLayer`]).
+    pub retries: u32,
+    /// Backoff before the first retry, doubled for each further one.
+    pub retry_backoff: Duration,
+    /// Bound on one wire leg with its retries; past it the leg fails with `Timeout` and
+    /// [`ErrorDetail::WireLegTimedOut`](reshard_core::ErrorDetail::WireLegTimedOut) (the receiver's [`TimeoutLayer`], outside the retry).
+    pub wire_timeout: Option<Duration>,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> Self {
+        ReceiverOptions {
+            dedup: true,
+            spread_owners: false,
+            plan: PlanOptions::default(),
+            verify_digests: true,
+            max_wire_gbps: None,
+            min_coverage: None,
+            batched_reslice: true,
+            cache_descriptors: true,
+            retries: 0,
+            retry_backoff: Duration::from_millis(20),
+            wire_timeout: None,
+        }
+    }
+}
+
+impl ReceiverOptions {
+    /// Options from the `[planner]` and `[receiver]` config sections.
+    pub fn from_config(cfg: &Config) -> Self {
+        ReceiverOptions {
+            dedup: cfg.planner.dedup,
+            spread_owners: cfg.planner.spread_owners,
+            plan: PlanOptions {
+                full_pull_threshold: cfg.planner.full_pull_threshold,
+                ..PlanOptions::default()
+            },
+            verify_digests: cfg.receiver.verify_digests,
+            max_wire_gbps: cfg.receiver.max_wire_gbps,
+            min_coverage: cfg.receiver.min_coverage,
+            retries: cfg.receiver.retries,
+            retry_backoff: Duration::from_millis(cfg.receiver.retry_backoff_ms),
+            wire_timeout: cfg.receiver.wire_timeout_ms.map(Duration::from_millis),
+            ..ReceiverOptions::default()
+        }
+    }
+
+    pub(super) fn plan_options(&self) -> PlanOptions {
+        PlanOptions {
+            allow_overlap: !self.dedup,
+            ..self.plan
+        }
+    }
+
+    /// The wire-leg policies as transport layers, outermost first: `Timeout(Retry(t))`.
+    ///
+    /// The retry layer is always there (with 0 retries it only passes through), so batches
+    /// prepared under one policy stay valid under another and a policy change keeps the
+    /// cached descriptors; the timeout layer forwards `prepare` and is there only when set.
+    pub(super) fn wire_stack(&self, transport: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        let retry = RetryLayer {
+            retries: self.retries,
+            backoff: self.retry_backoff,
+        };
+        match self.wire_timeout {
+            Some(limit) => layers::stack(transport, &[&TimeoutLayer { limit }, &retry]),
+            None => retry.layer(transport),
+        }
+    }
+
+    /// Options that change the plan or its descriptors (the "arm").
+    pub(super) fn arm(&self) -> Arm {
+        Arm {
+            dedup: self.dedup,
+            spread_owners: self.spread_owners,
+            full_pull_threshold: self.plan.full_pull_threshold,
+        }
+    }
+}
+
+/// The receiver options a cached plan, its buffers and its descriptors were made under (the
+/// "arm" of a benchmark); any other option can change without rebuilding them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Arm {
+    /// [`ReceiverOptions::dedup`]: one replica per byte, or every replica (overlapping reads).
+    dedup: bool,
+    /// [`ReceiverOptions::spread_owners`]: which replica each byte is read from.
+    spread_owners: bool,
+    /// [`PlanOptions::full_pull_threshold`]: where strided reads become full pulls.
+    full_pull_threshold: u64,
+}
