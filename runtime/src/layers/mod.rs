@@ -15,6 +15,10 @@
 //!   [`ErrorKind::Timeout`], retryable, with [`ErrorDetail::WireLegTimedOut`] so that a caller
 //!   can tell a wait cut short from an error the backend reported.
 //!
+//! - [`PostLimitLayer`]: a batch longer than the inner transport's
+//!   [`Capability::max_reads_per_post`](reshard_core::Capability) is prepared and posted in
+//!   parts (see its module).
+//!
 //! Order matters: `Timeout(Retry(t))`, built with `stack(t, &[&timeout, &retry])`, bounds the
 //! batch with every retry included (what the receiver composes from
 //! [`ReceiverOptions`](crate::ReceiverOptions)); `Retry(Timeout(t))` would bound each attempt
@@ -32,6 +36,10 @@ use reshard_core::{
     WireReport,
 };
 use tokio::time::Instant;
+
+mod post_limit;
+
+pub use post_limit::{PostLimit, PostLimitLayer};
 
 /// Wraps a transport in a policy, giving a transport (the tower `Layer` idea, for
 /// `Arc<dyn Transport>`).
