@@ -2,6 +2,7 @@
 
 mod meta;
 mod options;
+mod peer;
 mod plan;
 mod run;
 mod sys;

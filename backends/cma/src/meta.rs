@@ -1,23 +1,29 @@
-//! The metadata an endpoint exports and its peers load: who the process is (host, pid
-//! namespace, pid, start time), which endpoint in it (incarnation, agent name), and where its
-//! regions are in its address space.
+//! The metadata an endpoint exports and its peers load: the shared header
+//! ([`reshard_core::metadata::MetaHeader`]: which endpoint, by agent name and incarnation),
+//! then who the process is (host, pid namespace, pid, start time) and where its regions are in
+//! its address space.
 //!
-//! Layout, little endian: magic `RSCM`, version `u8`, boot id `[u8; 16]`, pid namespace inode
-//! `u64`, pid `u32`, start time `u64` (clock ticks since boot), incarnation `u64`, agent name
-//! length `u16` + UTF-8 name, region count `u32`, then `(id u64, addr u64, len u64)` per region.
-//! Decoding treats the bytes as untrusted (docs/bad-input.md): every count is checked against
+//! Layout, little endian: the shared header (magic `RSCM`, version `u8`, agent name length
+//! `u16` + UTF-8 name, incarnation `u64`), boot id `[u8; 16]`, pid namespace inode `u64`, pid
+//! `u32`, start time `u64` (clock ticks since boot), region count `u32`, then
+//! `(id u64, addr u64, len u64)` per region. Decoding treats the bytes as untrusted
+//! (docs/bad-input.md): magic and version are checked first, every count is checked against
 //! the bytes present before anything is allocated for it, and any defect is a typed `Decode`.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
+use reshard_core::metadata::{HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, Result};
 
 use crate::SCHEME;
 
-const MAGIC: &[u8; 4] = b"RSCM";
-const VERSION: u8 = 1;
+const MAGIC: [u8; 4] = *b"RSCM";
+/// 2: the shared header first (agent name and incarnation before the process identity).
+const VERSION: u8 = 2;
 /// Bytes of one region entry.
 const REGION_BYTES: usize = 24;
+/// Bytes of the process identity after the header: boot id, pid namespace, pid, start time.
+const PROCESS_BYTES: usize = 16 + 8 + 4 + 8;
 
 /// A registered region as a peer sees it: its id and where it is in the exporter's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,16 +49,12 @@ pub(crate) struct Meta {
 /// Why a blob could not be decoded (kept as the source of the public `Decode` error).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub(crate) enum MetaError {
-    #[error("not cma metadata (bad magic)")]
-    Magic,
-    #[error("unsupported cma metadata version {0} (this build reads {VERSION})")]
-    Version(u8),
+    #[error(transparent)]
+    Header(#[from] HeaderError),
     #[error(transparent)]
     Truncated(#[from] Truncated),
     #[error("pid 0 names no process")]
     Pid,
-    #[error("agent name is empty or not UTF-8")]
-    Name,
     #[error("{0} trailing bytes after the last region")]
     Trailing(usize),
     #[error("region {0} listed twice")]
@@ -62,21 +64,26 @@ pub(crate) enum MetaError {
 }
 
 impl Meta {
+    fn header(&self) -> MetaHeader {
+        MetaHeader {
+            magic: MAGIC,
+            version: VERSION,
+            agent: self.agent.clone(),
+            incarnation: self.incarnation,
+        }
+    }
+
     pub(crate) fn encode(&self) -> Bytes {
-        let name = self.agent.as_bytes();
+        let header = self.header();
         let mut b = BytesMut::with_capacity(
-            4 + 1 + 16 + 8 + 4 + 8 + 8 + 2 + name.len() + 4 + REGION_BYTES * self.regions.len(),
+            header.encoded_len() + PROCESS_BYTES + 4 + REGION_BYTES * self.regions.len(),
         );
-        b.put_slice(MAGIC);
-        b.put_u8(VERSION);
+        // Agent names are limited to u16::MAX bytes when the endpoint is created.
+        header.encode_into(&mut b);
         b.put_slice(&self.boot_id);
         b.put_u64_le(self.pid_ns);
         b.put_u32_le(self.pid);
         b.put_u64_le(self.start_time);
-        b.put_u64_le(self.incarnation);
-        // Agent names are limited to u16::MAX bytes when the endpoint is created.
-        b.put_u16_le(name.len() as u16);
-        b.put_slice(name);
         b.put_u32_le(self.regions.len() as u32);
         for r in &self.regions {
             b.put_u64_le(r.id);
@@ -96,13 +103,9 @@ impl Meta {
 
     fn try_decode(bytes: &[u8]) -> Result<Meta, MetaError> {
         let mut r = ByteReader::new(bytes);
-        if r.take(4).map_err(|_| MetaError::Magic)? != MAGIC {
-            return Err(MetaError::Magic);
-        }
-        let version = r.u8()?;
-        if version != VERSION {
-            return Err(MetaError::Version(version));
-        }
+        let MetaHeader {
+            agent, incarnation, ..
+        } = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
         let boot_id = r.array()?;
         let pid_ns = r.u64()?;
         let pid = r.u32()?;
@@ -110,13 +113,6 @@ impl Meta {
             return Err(MetaError::Pid);
         }
         let start_time = r.u64()?;
-        let incarnation = r.u64()?;
-        let name_len = r.u16()? as usize;
-        let agent = std::str::from_utf8(r.take(name_len)?)
-            .ok()
-            .filter(|s| !s.is_empty())
-            .ok_or(MetaError::Name)?
-            .to_owned();
         let count = r.u32()? as usize;
         let need = count.saturating_mul(REGION_BYTES);
         r.ensure(need)?;
@@ -203,25 +199,79 @@ mod tests {
         assert_eq!(decode_err(&longer), MetaError::Trailing(1));
     }
 
+    /// Where the process identity starts: after the shared header.
+    fn process_at() -> usize {
+        sample().header().encoded_len()
+    }
+
+    #[test]
+    fn the_layout_is_the_shared_header_then_the_process_then_the_regions() {
+        let m = sample();
+        let v = m.encode();
+        let mut head = Vec::new();
+        m.header().encode_into(&mut head);
+        assert_eq!(&v[..head.len()], &head[..], "starts with the shared header");
+        assert_eq!(&v[..5], b"RSCM\x02");
+        let at = process_at();
+        assert_eq!(v[at..at + 16], [7; 16]);
+        assert_eq!(v[at + 16..at + 24], 4026531836u64.to_le_bytes());
+        assert_eq!(v[at + 24..at + 28], 4242u32.to_le_bytes());
+        assert_eq!(v[at + 28..at + 36], 123_456u64.to_le_bytes());
+        assert_eq!(v[at + 36..at + 40], 3u32.to_le_bytes());
+        assert_eq!(v.len(), at + PROCESS_BYTES + 4 + 3 * REGION_BYTES);
+    }
+
     #[test]
     fn bad_magic_version_pid_and_name_are_named() {
         let full = sample().encode().to_vec();
         let mut v = full.clone();
         v[0] = b'X';
-        assert_eq!(decode_err(&v), MetaError::Magic);
+        assert!(matches!(
+            decode_err(&v),
+            MetaError::Header(HeaderError::Magic { .. })
+        ));
+        // The version-1 layout (process identity before the name) is refused by its version.
         let mut v = full.clone();
-        v[4] = 2;
-        assert_eq!(decode_err(&v), MetaError::Version(2));
+        v[4] = 1;
+        assert_eq!(
+            decode_err(&v),
+            MetaError::Header(HeaderError::Version {
+                found: 1,
+                supported: VERSION
+            })
+        );
+        let pid = process_at() + 24;
         let mut v = full.clone();
-        v[29..33].copy_from_slice(&0u32.to_le_bytes());
+        v[pid..pid + 4].copy_from_slice(&0u32.to_le_bytes());
         assert_eq!(decode_err(&v), MetaError::Pid);
         let mut v = full.clone();
-        v[29..33].copy_from_slice(&u32::MAX.to_le_bytes());
+        v[pid..pid + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode_err(&v), MetaError::Pid);
-        // The name's first byte (after its u16 length at 49) made invalid UTF-8.
+        // The name's first byte (after magic, version and its u16 length) made invalid UTF-8.
         let mut v = full;
-        v[51] = 0xff;
-        assert_eq!(decode_err(&v), MetaError::Name);
+        v[4 + 1 + 2] = 0xff;
+        assert_eq!(decode_err(&v), MetaError::Header(HeaderError::Name));
+    }
+
+    #[test]
+    fn pseudo_random_garbage_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        };
+        let full = sample().encode().to_vec();
+        for len in 0..300usize {
+            let v: Vec<u8> = (0..len).map(|_| next()).collect();
+            decode_err(&v);
+            // The valid blob with one byte flipped: decodes or fails typed, never panics.
+            let mut w = full.clone();
+            let at = len % w.len();
+            w[at] ^= next() | 1;
+            let _ = Meta::decode(&w);
+        }
     }
 
     #[test]

@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
+use crate::peer::Peer;
 use crate::plan::{self, Seg};
 use crate::sys;
-use crate::transport::{Peer, Prepared};
+use crate::transport::Prepared;
 use crate::SCHEME;
 
 /// One posted batch, shared by its copy jobs and its handle.

@@ -387,6 +387,69 @@ async fn prepare_refuses_zero_length_and_local_ranges_outside_with_owner_and_ran
     }
 }
 
+/// The remote side of prepare's checks (`reshard_core::contract::validate_batch`): an owner
+/// never loaded is `PeerUnknown`, a region the peer does not advertise or a range past its end
+/// `OutOfBounds`, each naming owner and the remote byte range.
+#[tokio::test]
+async fn prepare_refuses_unknown_owners_regions_and_remote_ranges_outside() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let src = tx
+        .register(Arc::new(HostBuffer::zeroed(4096)))
+        .await
+        .unwrap();
+    let dst = rx
+        .register(Arc::new(HostBuffer::zeroed(8192)))
+        .await
+        .unwrap();
+    rx.load_peer(2, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    let read = |owner, remote_region: u64, remote_offset: u64, len: u64| ReadDesc {
+        owner,
+        remote_region,
+        remote_offset,
+        local_region: dst.id(),
+        local_offset: 0,
+        len,
+    };
+    for (r, kind, range) in [
+        (read(3, src.id(), 8, 16), ErrorKind::PeerUnknown, 8..24),
+        (read(2, src.id() + 1, 0, 16), ErrorKind::OutOfBounds, 0..16),
+        (
+            read(2, src.id(), 4000, 100),
+            ErrorKind::OutOfBounds,
+            4000..4100,
+        ),
+        // One byte past the end.
+        (
+            read(2, src.id(), 4090, 7),
+            ErrorKind::OutOfBounds,
+            4090..4097,
+        ),
+        (
+            read(2, src.id(), u64::MAX, 2),
+            ErrorKind::OutOfBounds,
+            u64::MAX..u64::MAX,
+        ),
+    ] {
+        let e = rx
+            .prepare(ReadBatch { reads: vec![r] })
+            .await
+            .expect_err("must be refused");
+        assert_eq!(e.kind(), kind, "{r:?}: {e}");
+        assert_eq!(e.context().owner, Some(r.owner), "{r:?}");
+        assert_eq!(e.context().range, Some(range), "{r:?}");
+        assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
+    }
+    // The whole region is fine.
+    rx.prepare(ReadBatch {
+        reads: vec![read(2, src.id(), 0, 4096)],
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_batch_prepared_before_its_destination_was_deregistered_is_refused_at_post() {
     let tx = endpoint("tx");

@@ -4,51 +4,23 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
+use reshard_core::contract::{self, span, RemoteLookup};
 use reshard_core::{
     new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
     OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::meta::{Meta, RegionMeta};
+use crate::peer::{Host, Peer};
 use crate::plan::{self, Calls, Wanted};
-use crate::run::{self, CmaInFlight, Run};
-use crate::sys::{self, Pidfd, Span};
+use crate::run::{CmaInFlight, Run};
+use crate::sys;
 use crate::{CmaOptions, SCHEME};
-
-/// The host and process this endpoint runs in, as its metadata states them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Host {
-    boot_id: [u8; 16],
-    pid_ns: u64,
-    pid: u32,
-    start_time: u64,
-}
-
-impl Host {
-    fn here() -> Result<Host> {
-        let pid = std::process::id();
-        let fail = |what: &str, e: std::io::Error| {
-            Error::new(
-                ErrorKind::Unsupported,
-                format!("cma needs {what} to identify this process and host: {e}"),
-            )
-            .with_backend(SCHEME)
-            .with_source(e)
-        };
-        Ok(Host {
-            boot_id: sys::boot_id().map_err(|e| fail("/proc/sys/kernel/random/boot_id", e))?,
-            pid_ns: sys::pid_namespace().map_err(|e| fail("/proc/self/ns/pid", e))?,
-            pid,
-            start_time: sys::start_time(pid as i32).map_err(|e| fail("/proc/<pid>/stat", e))?,
-        })
-    }
-}
 
 /// What registrations and the transport share: the regions and the epoch.
 struct Local {
@@ -60,27 +32,6 @@ struct Local {
 impl Local {
     fn bump(&self) {
         self.epoch.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-/// A loaded peer: the process its metadata names, held by a pidfd where the kernel has them.
-pub(crate) struct Peer {
-    pub(crate) pid: i32,
-    pub(crate) agent: String,
-    start_time: u64,
-    incarnation: u64,
-    pidfd: Option<Pidfd>,
-    /// By region id.
-    regions: HashMap<u64, RegionMeta>,
-}
-
-impl Peer {
-    /// True while the process the metadata named is alive (so its pid is still its own).
-    pub(crate) fn is_same_process(&self) -> bool {
-        match &self.pidfd {
-            Some(fd) => !fd.exited(),
-            None => sys::start_time(self.pid).is_ok_and(|t| t == self.start_time),
-        }
     }
 }
 
@@ -113,17 +64,6 @@ pub struct CmaTransport {
     log: RwLock<Option<Arc<ExecutionLog>>>,
     #[cfg(feature = "fault-injection")]
     skip_read: Mutex<Option<usize>>,
-}
-
-fn span(off: u64, len: u64) -> Range<u64> {
-    off..off.saturating_add(len)
-}
-
-fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
-    Error::new(ErrorKind::OutOfBounds, msg)
-        .with_owner(owner)
-        .with_range(range)
-        .with_backend(SCHEME)
 }
 
 fn same_block(a: &Arc<dyn MemoryBlock>, b: &Arc<dyn MemoryBlock>) -> bool {
@@ -205,8 +145,8 @@ impl CmaTransport {
         Ok(pool)
     }
 
-    /// Checks every read against the loaded peers and local registrations and translates the
-    /// batch into calls.
+    /// Checks every read against the loaded peers and local registrations
+    /// ([`contract::validate_batch`]) and translates the batch into calls.
     fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
         if u32::try_from(batch.reads.len()).is_err() {
             return Err(
@@ -223,92 +163,58 @@ impl CmaTransport {
         let mut peer_ix: HashMap<OwnerId, u32> = HashMap::new();
         let mut dsts: Vec<(u64, Arc<dyn MemoryBlock>)> = Vec::new();
         let mut dst_ix: HashMap<u64, usize> = HashMap::new();
+        contract::validate_batch(
+            SCHEME,
+            &self.agent,
+            batch,
+            |owner, region| match peers.get(&owner) {
+                None => RemoteLookup::NoPeer,
+                Some(p) => p
+                    .regions
+                    .get(&region)
+                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            },
+            |region| local.get(&region).map(|b| b.len() as u64),
+        )?;
+        // Every look-up below succeeds (the batch was validated under these same locks);
+        // failing anyway is an internal error, never a panic.
+        let missing = |i: usize, r: &ReadDesc, what: &str| {
+            contract::validated_lookup_failed(SCHEME, i, r, what)
+        };
         let mut wanted = Vec::with_capacity(batch.reads.len());
         for (i, r) in batch.reads.iter().enumerate() {
-            let remote = span(r.remote_offset, r.len);
-            if r.len == 0 {
-                return Err(oob(r.owner, remote, format!("read {i} has zero length")));
-            }
             let p = match peer_ix.get(&r.owner) {
                 Some(&p) => p,
                 None => {
-                    let peer = peers.get(&r.owner).ok_or_else(|| {
-                        Error::new(
-                            ErrorKind::PeerUnknown,
-                            format!(
-                                "read {i} names owner {} whose metadata was never loaded",
-                                r.owner
-                            ),
-                        )
-                        .with_owner(r.owner)
-                        .with_range(remote.clone())
-                        .with_backend(SCHEME)
-                    })?;
+                    let peer = peers.get(&r.owner).ok_or_else(|| missing(i, r, "peer"))?;
                     used_peers.push((r.owner, Arc::clone(peer)));
                     let p = (used_peers.len() - 1) as u32;
                     peer_ix.insert(r.owner, p);
                     p
                 }
             };
-            let peer = &used_peers[p as usize].1;
-            let region = peer.regions.get(&r.remote_region).ok_or_else(|| {
-                oob(
-                    r.owner,
-                    remote.clone(),
-                    format!(
-                        "read {i}: owner {} has no region {}",
-                        r.owner, r.remote_region
-                    ),
-                )
-            })?;
-            if r.remote_offset
-                .checked_add(r.len)
-                .is_none_or(|e| e > region.len)
-            {
-                return Err(oob(
-                    r.owner,
-                    remote.clone(),
-                    format!(
-                        "read {i}: bytes {}..{} outside region {} of owner {} ({} bytes)",
-                        remote.start, remote.end, r.remote_region, r.owner, region.len
-                    ),
-                ));
-            }
-            let lrange = span(r.local_offset, r.len);
+            let region = used_peers[p as usize]
+                .1
+                .regions
+                .get(&r.remote_region)
+                .ok_or_else(|| missing(i, r, "remote region"))?;
             let d = match dst_ix.get(&r.local_region) {
                 Some(&d) => d,
                 None => {
-                    let block = local.get(&r.local_region).ok_or_else(|| {
-                        oob(
-                            r.owner,
-                            lrange.clone(),
-                            format!(
-                                "read {i}: local region {} is not registered on agent {:?}",
-                                r.local_region, self.agent
-                            ),
-                        )
-                    })?;
+                    let block = local
+                        .get(&r.local_region)
+                        .ok_or_else(|| missing(i, r, "local region"))?;
                     dsts.push((r.local_region, Arc::clone(block)));
                     dst_ix.insert(r.local_region, dsts.len() - 1);
                     dsts.len() - 1
                 }
             };
             let block = &dsts[d].1;
-            let llen = block.len() as u64;
-            if r.local_offset.checked_add(r.len).is_none_or(|e| e > llen) {
-                return Err(oob(
-                    r.owner,
-                    lrange.clone(),
-                    format!(
-                        "read {i}: local bytes {}..{} outside local region {} ({llen} bytes)",
-                        lrange.start, lrange.end, r.local_region
-                    ),
-                ));
-            }
             wanted.push(Wanted {
                 peer: p,
                 read: i as u32,
-                // In range: region.addr + region.len does not overflow (checked at decode).
+                // In range: offset + len fits the region (validated above), whose addr + len does
+                // not overflow (checked at decode).
                 remote: region.addr + r.remote_offset,
                 local: block.addr() as u64 + r.local_offset,
                 len: r.len,
@@ -440,74 +346,6 @@ impl CmaTransport {
         }
         log.record(out);
     }
-
-    /// Reads the first and last byte of every non-empty region of a peer being loaded: the
-    /// kernel's refusals (permissions, unmapped memory) show at `load_peer`, naming the owner,
-    /// rather than at the first post.
-    fn probe_regions(&self, owner: OwnerId, peer: &Peer) -> Result<()> {
-        let probes: Vec<(u64, u64)> = peer
-            .regions
-            .values()
-            .filter(|r| r.len > 0)
-            .flat_map(|r| [(r.id, r.addr), (r.id, r.addr + r.len - 1)])
-            .collect();
-        for chunk in probes.chunks(sys::IOV_MAX) {
-            let mut scratch = vec![0u8; chunk.len()];
-            let base = scratch.as_mut_ptr() as u64;
-            let local = [Span {
-                addr: base,
-                len: chunk.len() as u64,
-            }];
-            let remote: Vec<Span> = chunk
-                .iter()
-                .map(|&(_, a)| Span { addr: a, len: 1 })
-                .collect();
-            // SAFETY: `scratch` is a local buffer of exactly the bytes asked for; no reference
-            // to it is used until the call returns.
-            let r = unsafe { sys::read_from(peer.pid, &local, &remote) };
-            // A fault on the first iovec is EFAULT; on a later one, a short count.
-            let faulted = match &r {
-                Ok(n) if *n < chunk.len() => Some(*n),
-                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => Some(0),
-                _ => None,
-            };
-            if let Some(n) = faulted {
-                let (id, addr) = chunk[n];
-                let reg = peer.regions[&id];
-                let off = addr - reg.addr;
-                return Err(oob(
-                    owner,
-                    off..off + 1,
-                    format!(
-                        "region {id} of owner {owner} (agent {:?}) is not mapped in process {} \
-                         at byte {off}",
-                        peer.agent, peer.pid
-                    ),
-                ));
-            }
-            if let Err(e) = r {
-                {
-                    let kind = match e.raw_os_error() {
-                        Some(libc::EPERM) => ErrorKind::Unsupported,
-                        Some(libc::ESRCH) => ErrorKind::PeerUnknown,
-                        _ => ErrorKind::Transport,
-                    };
-                    let msg = match kind {
-                        ErrorKind::Unsupported => run::permission_denied(owner, peer),
-                        _ => format!(
-                            "cannot read process {} of owner {owner} (agent {:?})",
-                            peer.pid, peer.agent
-                        ),
-                    };
-                    return Err(Error::new(kind, msg)
-                        .with_owner(owner)
-                        .with_backend(SCHEME)
-                        .with_source(e));
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Drop for CmaTransport {
@@ -634,72 +472,9 @@ impl Transport for CmaTransport {
 
     async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()> {
         let meta = Meta::decode(&metadata).map_err(|e| e.with_owner(owner))?;
-        let refuse = |kind: ErrorKind, msg: String| {
-            Error::new(kind, msg).with_owner(owner).with_backend(SCHEME)
-        };
-        if meta.boot_id != self.host.boot_id {
-            return Err(refuse(
-                ErrorKind::Unsupported,
-                format!(
-                    "metadata of agent {:?} comes from another host (or another boot): cma \
-                     reads processes on this host only; use ucx or nixl across hosts",
-                    meta.agent
-                ),
-            ));
-        }
-        if meta.pid_ns != self.host.pid_ns {
-            return Err(refuse(
-                ErrorKind::Unsupported,
-                format!(
-                    "metadata of agent {:?} comes from another pid namespace (another \
-                     container?): its pid {} does not name a process here",
-                    meta.agent, meta.pid
-                ),
-            ));
-        }
-        let pid = meta.pid as i32;
-        let gone = |why: String| {
-            refuse(
-                ErrorKind::PeerUnknown,
-                format!(
-                    "process {pid} of agent {:?}, which exported this metadata, {why}",
-                    meta.agent
-                ),
-            )
-        };
-        // The pidfd is opened first and the start time read after: if they match, the pidfd
-        // holds the process the metadata names, and later reads can tell whether the pid is
-        // still its own.
-        let pidfd = match Pidfd::open(pid) {
-            Ok(fd) => fd,
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                return Err(gone("is gone".into()).with_source(e))
-            }
-            Err(e) => return Err(gone("cannot be opened".into()).with_source(e)),
-        };
-        if pidfd.as_ref().is_some_and(Pidfd::exited) || sys::state(pid) == Some('Z') {
-            return Err(gone("has exited".into()));
-        }
-        match sys::start_time(pid) {
-            Ok(t) if t == meta.start_time => {}
-            Ok(t) => {
-                return Err(gone(format!(
-                    "is gone: pid {pid} now belongs to a process started at tick {t}, the \
-                     metadata's started at tick {}",
-                    meta.start_time
-                )))
-            }
-            Err(e) => return Err(gone("is gone".into()).with_source(e)),
-        }
-        let peer = Peer {
-            pid,
-            agent: meta.agent,
-            start_time: meta.start_time,
-            incarnation: meta.incarnation,
-            pidfd,
-            regions: meta.regions.into_iter().map(|r| (r.id, r)).collect(),
-        };
-        self.probe_regions(owner, &peer)?;
+        let peer = Peer::open(owner, meta, &self.host)?;
+        peer.probe_regions(owner)?;
+        let pid = peer.pid;
         // The owner rank is the identity offers use; the process behind it may change (a
         // publisher restarted). The new metadata replaces the old and the epoch bump makes
         // every prepared batch be rebuilt.
