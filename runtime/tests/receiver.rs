@@ -607,3 +607,77 @@ async fn a_transport_reporting_fewer_bytes_than_planned_installs_nothing() {
     assert_eq!(e.context().backend.as_deref(), Some("loopback"));
     assert_eq!(s.rx.live_step(), Some(0));
 }
+
+/// Loopback advertising at most `max` reads per post, refusing longer batches in `prepare` (as
+/// a backend with such a limit would) and counting its posts.
+#[derive(Debug)]
+struct AtMost {
+    inner: Arc<dyn Transport>,
+    max: usize,
+    posts: std::sync::atomic::AtomicUsize,
+}
+
+reshard_core::forward_transport!(AtMost => inner {
+    fn capabilities(&self) -> reshard_core::Capability {
+        reshard_core::Capability {
+            max_reads_per_post: Some(self.max),
+            ..self.inner.capabilities()
+        }
+    }
+
+    async fn prepare(
+        &self,
+        batch: reshard_core::ReadBatch,
+    ) -> reshard_core::Result<reshard_core::PreparedBatch> {
+        if batch.reads.len() > self.max {
+            return Err(reshard_core::Error::new(
+                reshard_core::ErrorKind::Unsupported,
+                format!("{} reads in one post, at most {}", batch.reads.len(), self.max),
+            ));
+        }
+        self.inner.prepare(batch).await
+    }
+
+    async fn post(
+        &self,
+        batch: &reshard_core::PreparedBatch,
+    ) -> reshard_core::Result<Box<dyn reshard_core::InFlight>> {
+        self.posts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.post(batch).await
+    }
+});
+
+/// `Capability::max_reads_per_post` is consulted: a transport that takes at most 7 reads per
+/// post still refits byte-exact, every update in posts of at most 7 reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_limiting_reads_per_post_gets_batches_within_its_limit() {
+    use std::sync::atomic::Ordering;
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    let at_most = Arc::new(AtMost {
+        inner: endpoint(&s.fabric, "rx-at-most"),
+        max: 7,
+        posts: 0.into(),
+    });
+    s.cluster.connect(at_most.as_ref()).await.unwrap();
+    s.rx.set_transport(at_most.clone());
+    let r =
+        s.rx.update(&s.cluster.tables())
+            .await
+            .expect("refit in parts");
+    assert!(
+        r.wire_reads > 7,
+        "the plan needs more than one post: {}",
+        r.wire_reads
+    );
+    let posts = at_most.posts.load(Ordering::SeqCst);
+    assert_eq!(
+        posts as u64,
+        r.wire_reads.div_ceil(7),
+        "parts of at most 7 reads"
+    );
+    assert_exact(&s);
+    s.cluster.publish_step(1);
+    s.rx.update(&s.cluster.tables()).await.expect("next step");
+    assert_eq!(s.rx.live_step(), Some(1));
+    assert_exact(&s);
+}

@@ -6,8 +6,7 @@
 use std::sync::Arc;
 
 use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, PreparedBatch, ReadBatch, Result, Transport,
-    WireReport,
+    Capability, Error, ErrorKind, InFlight, PreparedBatch, ReadBatch, Result, Transport, WireReport,
 };
 
 use super::Layer;
@@ -213,7 +212,11 @@ mod tests {
         reads.reverse();
         let prepared = t.prepare(ReadBatch { reads }).await.unwrap();
         assert_eq!(prepared.batch().reads.len(), 10, "the whole batch is kept");
-        assert_eq!(limited.prepared.load(Ordering::SeqCst), 4, "parts of 3, 3, 3, 1");
+        assert_eq!(
+            limited.prepared.load(Ordering::SeqCst),
+            4,
+            "parts of 3, 3, 3, 1"
+        );
         let report = t.post(&prepared).await.unwrap().wait().await.unwrap();
         assert_eq!((report.reads, report.bytes), (10, 4096));
         assert_eq!(limited.posts.load(Ordering::SeqCst), 4);
