@@ -6,29 +6,13 @@ use std::sync::Arc;
 use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
 use reshard_core::{DType, Transport};
 use reshard_planner::layouts::receiver_layout;
-use reshard_planner::presets::{ModelConfig, MoeConfig};
+use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{Receiver, ReceiverOptions, StageTimes};
 use reshard_testkit::SyntheticCluster;
 
 fn model() -> ModelConfig {
-    ModelConfig {
-        name: "tiny-moe".into(),
-        layers: 2,
-        hidden: 128,
-        heads: 8,
-        kv_heads: 4,
-        head_dim: 16,
-        intermediate: 0,
-        moe: Some(MoeConfig {
-            experts: 8,
-            expert_intermediate: 96,
-        }),
-        vocab: 256,
-        tied_embeddings: false,
-        qk_norm: true,
-        dtype: DType::Bf16,
-    }
+    reshard_testkit::models::tiny_moe(8)
 }
 
 struct Setup {
