@@ -4,7 +4,7 @@
 # AddressSanitizer, so a backend that frees, unmaps or reuses memory a read still touches fails
 # loudly instead of corrupting silently (docs/in-flight-safety.md).
 #
-#   scripts/asan-quiescence.sh                 # loopback, ucx and nixl
+#   scripts/asan-quiescence.sh                 # every backend under backends/
 #   scripts/asan-quiescence.sh loopback        # just the named backends
 #
 # AddressSanitizer needs nightly-only rustc flags; this toolchain is stable, so RUSTC_BOOTSTRAP=1
@@ -18,7 +18,10 @@ cd "$root"
 
 backends=("$@")
 if [[ ${#backends[@]} -eq 0 ]]; then
-    backends=(loopback ucx nixl)
+    # Every backend crate (a new one is checked without editing this script).
+    for manifest in backends/*/Cargo.toml; do
+        backends+=("$(basename "$(dirname "$manifest")")")
+    done
 fi
 target=$(rustc -vV | sed -n 's/^host: //p')
 export RUSTC_BOOTSTRAP=1
