@@ -1,4 +1,5 @@
-//! Counted completions, the execution log and typed unknown-peer errors, through the public
+//! Counted completions, the execution log, typed unknown-peer errors and refused overlapping
+//! destinations, through the public
 //! `Transport` API, shared by every backend's `tests/counting.rs` (see [`crate::counting_tests!`]).
 //!
 //! A lost read must show up in the [`reshard_core::WireReport`] a batch's `wait` returns: a
@@ -13,7 +14,7 @@ use reshard_core::{
     ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, PreparedBatch, ReadBatch, ReadDesc,
     Registration, Result, Transport, WireReport,
 };
-use reshard_runtime::{Receiver, ReceiverOptions};
+use reshard_runtime::{Layer, Receiver, ReceiverOptions, WavesLayer};
 
 use crate::fixtures::tiny_dense;
 use crate::Harness;
@@ -384,5 +385,90 @@ pub async fn unknown_peer_names_owner_range_and_backend(c: &Counting) {
         assert_eq!(e.context().owner, Some(77));
         assert_eq!(e.context().range, Some(40..56));
         assert_eq!(e.context().backend.as_deref(), Some(c.harness.name()));
+    }
+}
+
+/// Destinations of one batch are disjoint (the contract): a batch two of whose reads write the
+/// same local bytes fails `prepare` with `InvalidInput` naming the later read's owner, the bytes
+/// both write and the backend, before any byte moves, also when the two destinations are one
+/// memory registered as two regions. The same reads posted through the
+/// runtime's [`WavesLayer`] (disjoint waves, one after another) land in batch order: the last
+/// read of the batch wins, in either order.
+pub async fn overlapping_destinations_are_refused_and_land_in_order_as_waves(c: &Counting) {
+    let s = setup(c).await;
+    let len = c.src_lens[0][0]
+        .min(c.src_lens[0][1])
+        .min(c.src_lens[1][0])
+        .min(c.dst_lens[0])
+        .min(c.dst_lens[1])
+        .min(256 << 10);
+    // Owner 4's first region and owner 9's first both into destination 0 (the same bytes);
+    // owner 4's second into destination 1.
+    let (a, b, other) = (&s.src[0], &s.src[2], &s.src[1]);
+    let onto = |x: &(OwnerId, Registration), d: usize| read(x.0, &x.1, 0, &s.dst[d], 0, len);
+    let e = s
+        .receiver
+        .prepare(ReadBatch {
+            reads: vec![onto(a, 0), onto(other, 1), onto(b, 0)],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert_eq!(e.context().owner, Some(b.0), "{e}");
+    assert_eq!(e.context().range, Some(0..len), "{e}");
+    assert_eq!(e.context().backend.as_deref(), Some(c.harness.name()));
+    assert!(
+        s.dst_bufs.iter().all(|d| d.read().iter().all(|&x| x == 0)),
+        "a refused batch moves no byte"
+    );
+    // One memory registered twice is one destination: reads through both regions overlap
+    // by address and are refused the same way (the layer above, which knows only region ids,
+    // cannot split them; the backend must not write them concurrently).
+    let alias = s
+        .receiver
+        .register(s.dst_bufs[0].clone() as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register the destination again");
+    let e = s
+        .receiver
+        .prepare(ReadBatch {
+            reads: vec![
+                onto(a, 0),
+                read(b.0, &b.1, 0, &alias, len / 2, len - len / 2),
+            ],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert_eq!(e.context().owner, Some(b.0), "{e}");
+    assert_eq!(e.context().range, Some(len / 2..len), "{e}");
+    drop(alias);
+    let waves = WavesLayer.layer(s.receiver.clone());
+    let fill = |owner: OwnerId, j: u8| -> Vec<u8> {
+        (0..len as usize)
+            .map(|i| (i % 251) as u8 ^ (owner as u8 * 16 + j))
+            .collect()
+    };
+    for (first, last, last_region) in [(a, b, 0u8), (b, a, 0)] {
+        let prepared = waves
+            .prepare(ReadBatch {
+                reads: vec![onto(first, 0), onto(other, 1), onto(last, 0)],
+            })
+            .await
+            .expect("prepared as waves");
+        let report = waves
+            .post(&prepared)
+            .await
+            .expect("post")
+            .wait()
+            .await
+            .expect("wait");
+        assert_eq!((report.reads, report.bytes), (3, 3 * len));
+        assert!(
+            s.dst_bufs[0].read()[..len as usize] == fill(last.0, last_region)[..],
+            "the last read of the batch (owner {}) wins",
+            last.0
+        );
+        assert!(s.dst_bufs[1].read()[..len as usize] == fill(other.0, 1)[..]);
     }
 }

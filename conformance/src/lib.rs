@@ -185,8 +185,9 @@ macro_rules! conformance_tests {
 /// dev-only `inject_skip_read`, when it applies the skip, and its regions and batch):
 /// `wait_counts_completed_reads_and_a_skipped_read_is_missing`,
 /// `a_lost_read_fails_the_update_without_verification_and_keeps_live_weights`,
-/// `the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint` and
-/// `unknown_peer_names_owner_range_and_backend`. With `requires = $probe`, each first asks
+/// `the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint`,
+/// `unknown_peer_names_owner_range_and_backend` and
+/// `overlapping_destinations_are_refused_and_land_in_order_as_waves`. With `requires = $probe`, each first asks
 /// [`backend_available`]. Use it in the backend's `tests/counting.rs`:
 ///
 /// ```text
@@ -200,6 +201,7 @@ macro_rules! counting_tests {
             a_lost_read_fails_the_update_without_verification_and_keeps_live_weights,
             the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint,
             unknown_peer_names_owner_range_and_backend,
+            overlapping_destinations_are_refused_and_land_in_order_as_waves,
         );
     };
     ($make:expr) => {

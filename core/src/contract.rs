@@ -8,7 +8,9 @@
 use std::ops::Range;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::model::OwnerId;
+use crate::memory::MemoryBlock;
+use crate::model::{MemoryKind, OwnerId};
+use crate::overlap::{first_overlap_of, space, Span};
 use crate::transport::{ReadBatch, ReadDesc};
 
 /// What a backend knows about a remote region a read names, from its loaded peer metadata.
@@ -20,6 +22,29 @@ pub enum RemoteLookup {
     NoRegion,
     /// The region the owner advertises, of this many bytes.
     Len(u64),
+}
+
+/// What a backend knows about one of its own registered regions: enough to check a read's
+/// range and to compare destinations by address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalLookup {
+    /// Bytes in the region.
+    pub len: u64,
+    /// Address of its first byte (host or device, as `kind` says).
+    pub addr: u64,
+    /// The memory it lies in.
+    pub kind: MemoryKind,
+}
+
+impl LocalLookup {
+    /// The look-up of a registered block.
+    pub fn of(block: &dyn MemoryBlock) -> Self {
+        LocalLookup {
+            len: block.len() as u64,
+            addr: block.addr() as u64,
+            kind: block.kind(),
+        }
+    }
 }
 
 /// `off..off + len`, saturating: the byte range errors name, even for a read that overflows.
@@ -34,19 +59,23 @@ pub fn span(off: u64, len: u64) -> Range<u64> {
 /// 3. remote region not advertised: `OutOfBounds`;
 /// 4. remote range past the region's end, or `offset + len` overflowing: `OutOfBounds`;
 /// 5. local region not registered (`local` says `None`), local range past its end or
-///    overflowing: `OutOfBounds`.
+///    overflowing: `OutOfBounds`;
+/// 6. two reads writing the same local bytes, compared by address (one memory registered as
+///    two regions is one destination): `InvalidInput` naming both reads, the later read's
+///    owner and its local bytes that the earlier one writes too ([`crate::overlap`]: a backend
+///    only ever receives disjoint destinations; callers split overlapping reads into waves).
 ///
-/// Every error names the read's owner, the byte range concerned (remote for 1-4, local for 5)
+/// Every error names the read's owner, the byte range concerned (remote for 1-4, local for 5-6)
 /// and `backend`; its message names the read index, the region and the lengths. `remote`
-/// answers for `(owner, remote region)`, `local` gives a local region's length; `agent` (this
-/// endpoint's name) is only for messages. Consecutive reads of the same regions are looked up
-/// once, and nothing is allocated unless a read is refused.
+/// answers for `(owner, remote region)`, `local` for a local region; `agent` (this endpoint's
+/// name) is only for messages. Consecutive reads of the same regions are looked up once; check
+/// 6 sorts the destinations once (`O(n log n)` at prepare, whose result backends cache).
 pub fn validate_batch(
     backend: &'static str,
     agent: &str,
     batch: &ReadBatch,
     mut remote: impl FnMut(OwnerId, u64) -> RemoteLookup,
-    mut local: impl FnMut(u64) -> Option<u64>,
+    mut local: impl FnMut(u64) -> Option<LocalLookup>,
 ) -> Result<()> {
     let err = |kind: ErrorKind, r: &ReadDesc, range: Range<u64>, msg: String| {
         Error::new(kind, msg)
@@ -56,7 +85,9 @@ pub fn validate_batch(
     };
     // (owner, region, what `remote` said) of the previous read; (region, len) likewise.
     let mut last_remote: Option<(OwnerId, u64, RemoteLookup)> = None;
-    let mut last_local: Option<(u64, Option<u64>)> = None;
+    let mut last_local: Option<(u64, Option<LocalLookup>)> = None;
+    // Destinations by address, for check 6.
+    let mut spans: Vec<Span> = Vec::with_capacity(batch.reads.len());
     for (i, r) in batch.reads.iter().enumerate() {
         let rrange = span(r.remote_offset, r.len);
         if r.len == 0 {
@@ -96,15 +127,20 @@ pub fn validate_batch(
             return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
         }
         let lrange = span(r.local_offset, r.len);
-        let llen = match last_local {
-            Some((g, len)) if g == r.local_region => len,
+        let found = match last_local {
+            Some((g, found)) if g == r.local_region => found,
             _ => {
-                let len = local(r.local_region);
-                last_local = Some((r.local_region, len));
-                len
+                let found = local(r.local_region);
+                last_local = Some((r.local_region, found));
+                found
             }
         };
-        let Some(llen) = llen else {
+        let Some(LocalLookup {
+            len: llen,
+            addr,
+            kind,
+        }) = found
+        else {
             let msg = format!(
                 "read {i}: local region {} is not registered on agent {agent:?}",
                 r.local_region
@@ -118,6 +154,30 @@ pub fn validate_batch(
             );
             return Err(err(ErrorKind::OutOfBounds, r, lrange, msg));
         }
+        let start = addr.saturating_add(r.local_offset);
+        spans.push((space(kind), start, start.saturating_add(r.len), i));
+    }
+    if let Some((i, j)) = first_overlap_of(&mut spans) {
+        // Spans are sorted now; find both again to name the shared bytes in `j`'s region.
+        let at = |k: usize| spans.iter().find(|s| s.3 == k).copied();
+        let (Some((_, sa, ea, _)), Some((_, sb, eb, _))) = (at(i), at(j)) else {
+            let msg = "the overlapping reads' spans went missing";
+            return Err(Error::new(ErrorKind::Internal, msg).with_backend(backend));
+        };
+        let b = &batch.reads[j];
+        let off = b.local_offset + (sa.max(sb) - sb);
+        let both = off..off + (ea.min(eb) - sa.max(sb));
+        let msg = format!(
+            "reads {i} and {j} write the same local bytes ({} bytes from byte {} of local \
+             region {}; read {i} writes local region {}): destinations of one batch must be \
+             disjoint (split overlapping reads into waves with \
+             reshard_core::overlap::disjoint_waves and post them one after another)",
+            both.end - both.start,
+            both.start,
+            b.local_region,
+            batch.reads[i].local_region
+        );
+        return Err(err(ErrorKind::InvalidInput, b, both, msg));
     }
     Ok(())
 }
@@ -151,10 +211,21 @@ mod tests {
         }
     }
 
-    fn local(region: u64) -> Option<u64> {
+    /// Local region 5: 50 host bytes at 0x1000; 8: the same memory registered again; 6:
+    /// `u64::MAX` bytes of device memory.
+    fn local(region: u64) -> Option<LocalLookup> {
+        let host = |len| LocalLookup {
+            len,
+            addr: 0x1000,
+            kind: MemoryKind::Dram,
+        };
         match region {
-            5 => Some(50),
-            6 => Some(u64::MAX),
+            5 | 8 => Some(host(50)),
+            6 => Some(LocalLookup {
+                len: u64::MAX,
+                addr: 0,
+                kind: MemoryKind::Vram { device: 0 },
+            }),
             _ => None,
         }
     }
@@ -194,7 +265,11 @@ mod tests {
                 ..read(1, 10, 0, 100)
             },
             read(1, 10, 99, 1),
-            read(1, 11, u64::MAX - 50, 50),
+            ReadDesc {
+                local_region: 6,
+                local_offset: 100,
+                ..read(1, 11, u64::MAX - 50, 50)
+            },
             ReadDesc {
                 local_offset: 49,
                 ..read(1, 10, 0, 1)
@@ -298,12 +373,14 @@ mod tests {
     fn consecutive_reads_of_one_region_are_looked_up_once() {
         let (remotes, locals) = (Cell::new(0), Cell::new(0));
         let batch = ReadBatch {
-            reads: vec![
-                read(1, 10, 0, 1),
-                read(1, 10, 1, 1),
-                read(1, 11, 0, 1),
-                read(1, 10, 2, 1),
-            ],
+            reads: [(10, 0), (10, 1), (11, 0), (10, 2)]
+                .into_iter()
+                .enumerate()
+                .map(|(i, (g, off))| ReadDesc {
+                    local_offset: i as u64,
+                    ..read(1, g, off, 1)
+                })
+                .collect(),
         };
         validate_batch(
             "test",
@@ -320,6 +397,36 @@ mod tests {
         )
         .unwrap();
         assert_eq!((remotes.get(), locals.get()), (3, 1));
+    }
+
+    #[test]
+    fn overlapping_destinations_are_invalid_input_naming_both_reads() {
+        // Reads 1 and 3 both write local bytes 6..8 of region 5; read 2 is in region 6.
+        let at = |off: u64, len: u64, g: u64| ReadDesc {
+            local_region: g,
+            local_offset: off,
+            ..read(1, 10, 0, len)
+        };
+        let e = check(vec![at(0, 2, 5), at(4, 4, 5), at(4, 4, 6), at(6, 4, 5)]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert_eq!(e.context().range, Some(6..8), "{e}");
+        assert_eq!(e.context().owner, Some(1), "{e}");
+        assert_eq!(e.context().backend.as_deref(), Some("test"), "{e}");
+        assert!(
+            e.message().starts_with("reads 1 and 3") && e.message().contains("region 5"),
+            "{e}"
+        );
+        // Touching is not overlapping; per-read errors still come first.
+        check(vec![at(0, 4, 5), at(4, 4, 5)]).unwrap();
+        // One memory registered twice: reads into both regions overlap by address, and the
+        // range is in the later read's region.
+        let e = check(vec![at(0, 4, 5), at(2, 4, 8)]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert_eq!(e.context().range, Some(2..4), "{e}");
+        assert!(e.message().contains("local region 8"), "{e}");
+        check(vec![at(0, 4, 5), at(4, 4, 8)]).unwrap();
+        let e = check(vec![at(0, 4, 5), at(0, 4, 5), at(49, 4, 5)]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
     }
 
     #[test]

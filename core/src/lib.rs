@@ -15,6 +15,7 @@ pub mod memory;
 pub mod merge;
 pub mod metadata;
 pub mod model;
+pub mod overlap;
 pub mod plan;
 pub mod registry;
 pub mod stats;

@@ -5,5 +5,5 @@ pub mod copy;
 pub mod layers;
 pub mod receiver;
 
-pub use layers::{Layer, RetryLayer, TimeoutLayer};
+pub use layers::{Layer, PostLimitLayer, RetryLayer, TimeoutLayer, WavesLayer};
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};

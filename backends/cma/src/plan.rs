@@ -52,37 +52,12 @@ pub(crate) struct Calls {
     pub(crate) calls: Vec<Call>,
 }
 
-/// True when two reads write overlapping bytes of this process. Such a batch (the
-/// benchmark-only no-dedup arm reads identical replicas into one place) runs its calls one
-/// after the other in batch order, since concurrent writes to the same bytes are a data race.
-pub(crate) fn destinations_overlap(wanted: &[Wanted]) -> bool {
-    let mut spans: Vec<(u64, u64)> = wanted.iter().map(|w| (w.local, w.local + w.len)).collect();
-    spans.sort_unstable();
-    // Sorted by start, a span overlaps an earlier one exactly when it starts before the
-    // furthest end seen so far (a long span can hide behind shorter ones).
-    let mut end = 0u64;
-    for (s, e) in spans {
-        if s < end {
-            return true;
-        }
-        end = end.max(e);
-    }
-    false
-}
-
-/// Packs `wanted` into calls. With `keep_order` the calls follow the batch order exactly (only
-/// consecutive reads of one peer share a call); without it reads are grouped by peer first
-/// (stable, so batch order holds within a peer), which lets more of them share calls.
-pub(crate) fn translate(
-    wanted: &[Wanted],
-    keep_order: bool,
-    piece_bytes: u64,
-    iovecs: usize,
-) -> Calls {
+/// Packs `wanted` into calls. Reads are grouped by peer first (stable, so batch order holds
+/// within a peer), which lets more of them share calls; destinations are disjoint (the
+/// contract), so the order calls run in never changes what lands.
+pub(crate) fn translate(wanted: &[Wanted], piece_bytes: u64, iovecs: usize) -> Calls {
     let mut order: Vec<usize> = (0..wanted.len()).collect();
-    if !keep_order {
-        order.sort_by_key(|&i| wanted[i].peer);
-    }
+    order.sort_by_key(|&i| wanted[i].peer);
     let mut b = Builder {
         piece_bytes,
         iovecs,
@@ -221,8 +196,8 @@ mod tests {
 
     /// Every byte of every read is in exactly one segment, in order, and every call keeps its
     /// limits; returns the calls.
-    fn check(wanted: &[Wanted], keep_order: bool, piece: u64, iov: usize) -> Calls {
-        let c = translate(wanted, keep_order, piece, iov);
+    fn check(wanted: &[Wanted], piece: u64, iov: usize) -> Calls {
+        let c = translate(wanted, piece, iov);
         for call in &c.calls {
             let segs = &c.segs[call.segs.clone()];
             assert!(!segs.is_empty());
@@ -261,13 +236,13 @@ mod tests {
             })
             .collect();
         v.push(w(0, 3000, 0x1000_0000, 0x2000_0000, 10 << 20));
-        let c = check(&v, false, 4 << 20, 1024);
+        let c = check(&v, 4 << 20, 1024);
         // 3000 scattered remote reads need 3 calls of <= 1024 remote iovecs (the local side
         // is contiguous); the 10 MiB read fills the rest of the third and continues in two
         // more calls of at most 4 MiB.
         assert_eq!(c.calls.len(), 5, "{:?}", c.calls);
         assert_eq!(c.calls[2].segs.len(), 3000 - 2048 + 1);
-        let one = check(&v, false, 4 << 20, 1);
+        let one = check(&v, 4 << 20, 1);
         assert!(one.calls.len() >= 3000);
     }
 
@@ -276,40 +251,21 @@ mod tests {
         let v: Vec<Wanted> = (0..5000)
             .map(|i| w(0, i, 0x1000 + 8 * i as u64, 0x100_0000 + 8 * i as u64, 8))
             .collect();
-        let c = check(&v, false, 8 << 20, 1);
+        let c = check(&v, 8 << 20, 1);
         assert_eq!(c.calls.len(), 1);
     }
 
     #[test]
-    fn peers_are_grouped_unless_order_is_kept() {
+    fn peers_are_grouped() {
         let v = [
             w(0, 0, 0x1000, 0x9000, 16),
             w(1, 1, 0x1000, 0x9010, 16),
             w(0, 2, 0x1010, 0x9020, 16),
         ];
-        assert_eq!(check(&v, false, 4096, 8).calls.len(), 2);
-        let kept = check(&v, true, 4096, 8);
-        assert_eq!(kept.calls.len(), 3);
-        let reads: Vec<u32> = kept.segs.iter().map(|s| s.read).collect();
-        assert_eq!(reads, [0, 1, 2]);
-    }
-
-    #[test]
-    fn overlap_detection_sees_hidden_spans() {
-        assert!(!destinations_overlap(&[
-            w(0, 0, 0, 0x1000, 8),
-            w(0, 1, 0, 0x1008, 8)
-        ]));
-        assert!(destinations_overlap(&[
-            w(0, 0, 0, 0x1000, 100),
-            w(0, 1, 0, 0x1010, 5),
-            w(0, 2, 0, 0x1050, 5)
-        ]));
-        assert!(destinations_overlap(&[
-            w(0, 0, 0, 0x1000, 9),
-            w(1, 1, 0, 0x1008, 8)
-        ]));
-        assert!(!destinations_overlap(&[]));
+        let c = check(&v, 4096, 8);
+        assert_eq!(c.calls.len(), 2);
+        let reads: Vec<u32> = c.segs.iter().map(|s| s.read).collect();
+        assert_eq!(reads, [0, 2, 1], "batch order within a peer");
     }
 
     #[test]

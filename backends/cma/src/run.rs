@@ -160,7 +160,7 @@ impl Run {
             // endpoint (checked at prepare, re-checked at post when the epoch moved) and kept
             // alive by `self.prepared`; while the batch is in flight nobody else touches those
             // bytes (MemoryBlock contract), and spans written concurrently by other jobs are
-            // disjoint (overlapping batches run on one job, in order).
+            // disjoint (validated at prepare: destinations of one batch never overlap).
             let n = match unsafe { sys::read_from(peer.pid, &local, &remote) } {
                 Ok(0) => Err(io::Error::from_raw_os_error(libc::EFAULT)),
                 Ok(n) => Ok(n as u64),

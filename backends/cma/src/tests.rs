@@ -209,59 +209,6 @@ async fn a_fault_part_way_through_a_call_names_the_read_it_hit() {
 }
 
 #[tokio::test]
-async fn overlapping_destinations_land_in_batch_order_across_calls() {
-    let tx = endpoint("tx");
-    // One-iovec calls of 4 KiB: every read below is its own call (or several).
-    let rx = CmaTransport::new(
-        "rx",
-        CmaOptions {
-            workers: 4,
-            piece_bytes: 4096,
-            iovecs_per_call: 1,
-            ..CmaOptions::default()
-        },
-    )
-    .unwrap();
-    let n = 64usize;
-    let len = 10_000usize;
-    let mut srcs = Vec::new();
-    for k in 0..n {
-        let bytes = vec![k as u8 + 1; len];
-        srcs.push(
-            tx.register(Arc::new(HostBuffer::from_bytes(&bytes)))
-                .await
-                .unwrap(),
-        );
-    }
-    let dst_buf = Arc::new(HostBuffer::zeroed(len));
-    let dst = rx.register(dst_buf.clone()).await.unwrap();
-    rx.load_peer(0, tx.export_metadata().await.unwrap())
-        .await
-        .unwrap();
-    let reads = srcs
-        .iter()
-        .map(|s| ReadDesc {
-            owner: 0,
-            remote_region: s.id(),
-            remote_offset: 0,
-            local_region: dst.id(),
-            local_offset: 0,
-            len: len as u64,
-        })
-        .collect();
-    let p = rx.prepare(ReadBatch { reads }).await.unwrap();
-    for _ in 0..5 {
-        dst_buf.write().fill(0);
-        let r = rx.post(&p).await.unwrap().wait().await.unwrap();
-        assert_eq!(r.reads, n as u64);
-        assert!(
-            dst_buf.read().iter().all(|&b| b == n as u8),
-            "the last read of the batch wins"
-        );
-    }
-}
-
-#[tokio::test]
 async fn registration_is_host_only_with_ids_from_one_and_epochs_move() {
     let t = endpoint("t");
     let e0 = t.epoch();

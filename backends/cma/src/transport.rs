@@ -4,7 +4,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
-use reshard_core::contract::{self, span, RemoteLookup};
+use reshard_core::contract::{self, span, LocalLookup, RemoteLookup};
 use reshard_core::{
     new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
     OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
@@ -45,7 +45,7 @@ pub(crate) struct Prepared {
     /// Destination regions and their blocks (kept alive while the batch exists).
     dsts: Vec<(u64, Arc<dyn MemoryBlock>)>,
     pub(crate) calls: Calls,
-    /// Jobs a post starts: 1 when destinations overlap (calls run in batch order).
+    /// Jobs a post starts (at most; destinations are disjoint, so calls may run concurrently).
     lanes: usize,
 }
 
@@ -174,7 +174,7 @@ impl CmaTransport {
                     .get(&region)
                     .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
             },
-            |region| local.get(&region).map(|b| b.len() as u64),
+            |region| local.get(&region).map(|b| LocalLookup::of(b.as_ref())),
         )?;
         // Every look-up below succeeds (the batch was validated under these same locks);
         // failing anyway is an internal error, never a panic.
@@ -220,10 +220,8 @@ impl CmaTransport {
                 len: r.len,
             });
         }
-        let overlap = plan::destinations_overlap(&wanted);
         let calls = plan::translate(
             &wanted,
-            overlap,
             self.options.piece_bytes,
             self.options.iovecs_per_call,
         );
@@ -233,7 +231,7 @@ impl CmaTransport {
             peers: used_peers,
             dsts,
             calls,
-            lanes: if overlap { 1 } else { self.options.workers },
+            lanes: self.options.workers,
         })
     }
 

@@ -27,30 +27,6 @@ pub(crate) struct Piece {
     pub(crate) last: bool,
 }
 
-/// True when two pieces write overlapping bytes of memory. Such a batch (the benchmark-only
-/// no-dedup arm writes every replica's identical bytes to one place) must not be spread over
-/// workers: concurrent writes to the same bytes are a data race. Compared by address
-/// (`base[p.dst]` is the destination region's address), not by region: the same memory
-/// registered twice is two regions but one set of bytes.
-pub(crate) fn destinations_overlap(pieces: &[Piece], base: &[u64]) -> bool {
-    let mut spans: Vec<(u64, u64)> = pieces
-        .iter()
-        .map(|p| {
-            let start = base[p.dst as usize].saturating_add(p.dst_off);
-            (start, start.saturating_add(p.len))
-        })
-        .collect();
-    spans.sort_unstable();
-    let mut end = 0u64;
-    for (i, &(s, e)) in spans.iter().enumerate() {
-        if i > 0 && s < end {
-            return true;
-        }
-        end = end.max(e);
-    }
-    false
-}
-
 /// Splits `reads` (each a whole read as a piece) into at most `workers` lists balanced by bytes.
 /// Empty lists are dropped.
 pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
@@ -200,42 +176,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn overlapping_destinations_are_detected() {
-        let p = |dst: u32, dst_off: u64, len: u64| Piece {
-            read: 0,
-            src: 0,
-            dst,
-            src_off: 0,
-            dst_off,
-            len,
-            last: true,
-        };
-        let apart = [0x1000, 0x2000];
-        assert!(!destinations_overlap(
-            &[p(0, 0, 8), p(0, 8, 8), p(1, 0, 8)],
-            &apart
-        ));
-        assert!(destinations_overlap(
-            &[p(0, 8, 8), p(1, 0, 8), p(0, 0, 9)],
-            &apart
-        ));
-        assert!(!destinations_overlap(&[], &apart));
-        // One memory registered as two regions: same addresses, so they overlap.
-        let aliased = [0x1000, 0x1000];
-        assert!(destinations_overlap(&[p(0, 0, 8), p(1, 4, 8)], &aliased));
-        // Region 1 starts inside region 0's bytes.
-        assert!(destinations_overlap(
-            &[p(0, 0, 64), p(1, 0, 8)],
-            &[0x1000, 0x1020]
-        ));
-        // A long span hides behind a short one in sorted order.
-        assert!(destinations_overlap(
-            &[p(0, 0, 100), p(0, 10, 5), p(0, 50, 5)],
-            &[0x1000]
-        ));
     }
 
     #[test]

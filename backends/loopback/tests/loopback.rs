@@ -754,27 +754,3 @@ async fn post_rechecks_bounds_against_the_live_block() {
     assert_eq!(e.context().owner, Some(0));
     assert_eq!(e.context().range, Some(1000..4000));
 }
-
-#[tokio::test]
-async fn overlapping_destinations_are_written_in_batch_order() {
-    let s = simple().await;
-    // Three reads land on the same 256 KiB of the destination, from different source
-    // offsets: with overlapping destinations the batch runs on one worker, in order, so the
-    // last read's bytes win (never two threads writing the same bytes).
-    let len = 256 << 10;
-    let reads = vec![
-        read(0, &s.src, 0, &s.dst, 0, len),
-        read(0, &s.src, len, &s.dst, 0, len),
-        read(0, &s.src, 2 * len, &s.dst, 0, len),
-    ];
-    let prepared = s.receiver.prepare(ReadBatch { reads }).await.unwrap();
-    s.receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
-    let want = s.src_buf.read()[2 * len as usize..3 * len as usize].to_vec();
-    assert_eq!(&s.dst_buf.read()[..len as usize], &want[..]);
-}

@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use crate::transport::Prepared;
 
-/// A quarantined batch: its `(segment, group)` requests that may still be in progress.
+/// A quarantined batch: its requests (group indices) that may still be in progress.
 struct Entry {
     p: Arc<Prepared>,
-    pending: Mutex<Vec<(usize, usize)>>,
+    pending: Mutex<Vec<usize>>,
     since: Instant,
 }
 
@@ -38,7 +38,7 @@ const MAX_PAUSE: Duration = Duration::from_millis(10);
 
 /// Keeps `p` alive and polls its `pending` requests until every one has ended. The caller has
 /// already marked `p` quarantined, so it is never posted again.
-pub(crate) fn admit(p: Arc<Prepared>, pending: Vec<(usize, usize)>) {
+pub(crate) fn admit(p: Arc<Prepared>, pending: Vec<usize>) {
     LIST.lock().push(Arc::new(Entry {
         p,
         pending: Mutex::new(pending),
@@ -103,7 +103,7 @@ impl Entry {
         // `Ok(false)`: still in progress. Completion and any error (including a request
         // never posted) end it.
         let mut pending = self.pending.lock();
-        pending.retain(|&(s, g)| matches!(p.shared.agent.done(&reqs[s][g]), Ok(false)));
+        pending.retain(|&g| matches!(p.shared.agent.done(&reqs[g]), Ok(false)));
         pending.is_empty()
     }
 }

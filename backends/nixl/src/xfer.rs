@@ -64,19 +64,17 @@ impl Backoff {
     }
 }
 
-/// A posted NIXL batch: the current segment's requests are in flight, at most
-/// `requests_in_flight` per owner; the rest of the segment waits in per-owner queues and is
+/// A posted NIXL batch: its requests are in flight, at most `requests_in_flight` per owner;
+/// the rest wait in per-owner queues and are
 /// posted as requests complete, so `abort` and a drop (which cannot stop a posted read) only
 /// wait for what is in flight, not for the whole batch.
 pub(crate) struct NixlInFlight {
     p: Arc<Prepared>,
-    /// Segment whose requests are posted.
-    seg: usize,
-    /// Groups of `seg` posted and not yet seen to end.
+    /// Groups posted and not yet seen to end.
     pending: Vec<usize>,
-    /// Groups of `seg` not posted yet, per owner, in batch order.
+    /// Groups not posted yet, per owner, in batch order.
     queues: Vec<(reshard_core::OwnerId, VecDeque<usize>)>,
-    /// When a pending request last ended (or the segment was posted): the no-progress timer.
+    /// When a pending request last ended (or the batch was posted): the no-progress timer.
     last_progress: Instant,
     /// The batch was handed back (idle) or to the quarantine.
     finished: bool,
@@ -89,12 +87,11 @@ pub(crate) struct NixlInFlight {
 }
 
 impl NixlInFlight {
-    /// Posts the first segment (every owner's request of it) and returns the handle; on a
+    /// Posts the first request of every owner and returns the handle; on a
     /// post failure waits for what was posted and returns the error.
     pub(crate) async fn start(p: Arc<Prepared>) -> Result<NixlInFlight> {
         let mut f = NixlInFlight {
             p,
-            seg: 0,
             pending: Vec::new(),
             queues: Vec::new(),
             last_progress: Instant::now(),
@@ -126,22 +123,16 @@ impl NixlInFlight {
             return Err(e);
         }
         f.p.posts.fetch_add(1, Ordering::Relaxed);
-        if f.p.segments.is_empty() {
-            return Ok(f);
-        }
-        if let Err(e) = f.post_segment(0) {
+        if let Err(e) = f.post_all() {
             return Err(f.after_failure(e).await);
         }
         Ok(f)
     }
 
-    /// Starts segment `seg`: queues its requests per owner and posts the first of every owner
-    /// (the contract: every owner's reads start in `post`).
-    fn post_segment(&mut self, seg: usize) -> Result<()> {
-        self.seg = seg;
-        self.pending.clear();
-        self.queues.clear();
-        for (g, group) in self.p.segments[seg].iter().enumerate() {
+    /// Queues every request per owner and posts the first of every owner (the contract: every
+    /// owner's reads start in `post`).
+    fn post_all(&mut self) -> Result<()> {
+        for (g, group) in self.p.groups.iter().enumerate() {
             match self.queues.iter_mut().find(|(o, _)| *o == group.owner) {
                 Some((_, q)) => q.push_back(g),
                 None => self.queues.push((group.owner, VecDeque::from([g]))),
@@ -159,7 +150,6 @@ impl NixlInFlight {
             return Ok(());
         }
         let window = self.p.shared.requests_in_flight;
-        let seg = self.seg;
         let nixl = self.p.nixl.lock();
         let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
             return Err(
@@ -171,7 +161,7 @@ impl NixlInFlight {
         let mut posted = Vec::new();
         let mut result = Ok(());
         'owners: for (owner, queue) in &mut self.queues {
-            let groups = &self.p.segments[seg];
+            let groups = &self.p.groups;
             let mut busy = self
                 .pending
                 .iter()
@@ -182,7 +172,7 @@ impl NixlInFlight {
                     break;
                 };
                 let group = &groups[g];
-                match self.p.shared.agent.post(&reqs[seg][g]) {
+                match self.p.shared.agent.post(&reqs[g]) {
                     Ok(true) => {
                         self.pending.push(g);
                         posted.push(g);
@@ -218,17 +208,17 @@ impl NixlInFlight {
         }
         drop(nixl);
         if let Some(log) = log {
-            self.p.record(&log, seg, &posted);
+            self.p.record(&log, &posted);
         }
         result
     }
 
-    /// Requests of the current segment not posted yet.
+    /// Requests not posted yet.
     fn queued(&self) -> bool {
         self.queues.iter().any(|(_, q)| !q.is_empty())
     }
 
-    /// Polls the pending requests of the current segment once; returns the first failure.
+    /// Polls the pending requests once; returns the first failure.
     /// Any request seen to end (completed or failed) restarts the no-progress timer.
     fn poll_once(&mut self) -> Option<Error> {
         let nixl = self.p.nixl.lock();
@@ -240,23 +230,22 @@ impl NixlInFlight {
             );
         };
         let mut first = None;
-        let seg = self.seg;
         let p = &self.p;
         let before = self.pending.len();
         let counted = &mut self.counted;
         self.pending
-            .retain(|&g| match p.shared.agent.done(&reqs[seg][g]) {
+            .retain(|&g| match p.shared.agent.done(&reqs[g]) {
                 Ok(done) => {
                     if done {
                         // A request completes whole: its descriptors and bytes are counted.
-                        let group = &p.segments[seg][g];
+                        let group = &p.groups[g];
                         counted.reads += group.reads();
                         counted.bytes += group.bytes;
                     }
                     !done
                 }
                 Err(e) => {
-                    let group = &p.segments[seg][g];
+                    let group = &p.groups[g];
                     if first.is_none() {
                         first = Some(
                             Error::new(
@@ -287,7 +276,7 @@ impl NixlInFlight {
         self.p.shared.closed.load(Ordering::Acquire)
     }
 
-    /// Polls until nothing of the current segment is in flight (errors only end a request's
+    /// Polls until nothing of the batch is in flight (errors only end a request's
     /// wait); false when no pending request ended for the no-progress bound.
     async fn drain(&mut self) -> bool {
         let mut backoff = Backoff::new();
@@ -356,7 +345,7 @@ impl NixlInFlight {
         if !self.finished {
             self.finished = true;
             self.p.phase.store(QUARANTINED, Ordering::Release);
-            let pending = self.pending.drain(..).map(|g| (self.seg, g)).collect();
+            let pending = self.pending.drain(..).collect();
             quarantine::admit(Arc::clone(&self.p), pending);
         }
         what
@@ -385,7 +374,7 @@ impl NixlInFlight {
             .pending
             .iter()
             .map(|&g| {
-                let gr = &self.p.segments[self.seg][g];
+                let gr = &self.p.groups[g];
                 format!(
                     "owner {} (remote bytes {}..{} and on)",
                     gr.owner, gr.range.start, gr.range.end
@@ -421,52 +410,39 @@ impl NixlInFlight {
     }
 
     async fn run(&mut self) -> Result<WireReport> {
+        let mut backoff = Backoff::new();
         loop {
-            let mut backoff = Backoff::new();
-            loop {
-                let before = self.pending.len();
-                if let Some(e) = self.poll_once() {
+            let before = self.pending.len();
+            if let Some(e) = self.poll_once() {
+                return Err(self.after_failure(e).await);
+            }
+            if self.pending.len() < before {
+                backoff.reset();
+                if let Err(e) = self.refill() {
                     return Err(self.after_failure(e).await);
                 }
-                if self.pending.len() < before {
-                    backoff.reset();
-                    if let Err(e) = self.refill() {
-                        return Err(self.after_failure(e).await);
-                    }
-                }
-                if self.pending.is_empty() && !self.queued() {
-                    break;
-                }
-                if self.closed() {
-                    return Err(self.dropped_transport().await);
-                }
-                if self.stalled() {
-                    let e = self.timeout_error();
-                    let what = self.quarantine();
-                    return Err(requalify(e, &what));
-                }
-                if self.queued() {
-                    backoff.pause_upto(QUEUED_MAX_SLEEP).await;
-                } else {
-                    backoff.pause().await;
-                }
             }
-            let next = self.seg + 1;
-            if next >= self.p.segments.len() {
+            if self.pending.is_empty() && !self.queued() {
                 self.idle();
                 return Ok(self.counted);
             }
             if self.closed() {
                 return Err(self.dropped_transport().await);
             }
-            // Overlapping destinations: the next segment starts only after this one landed.
-            if let Err(e) = self.post_segment(next) {
-                return Err(self.after_failure(e).await);
+            if self.stalled() {
+                let e = self.timeout_error();
+                let what = self.quarantine();
+                return Err(requalify(e, &what));
+            }
+            if self.queued() {
+                backoff.pause_upto(QUEUED_MAX_SLEEP).await;
+            } else {
+                backoff.pause().await;
             }
         }
     }
 
-    /// The transport was dropped while this batch ran: no further segment is posted, what is
+    /// The transport was dropped while this batch ran: no further request is posted, what is
     /// in flight is drained (no-progress bound), and the waiter gets an error.
     async fn dropped_transport(&mut self) -> Error {
         let e = Error::new(
@@ -484,7 +460,7 @@ impl NixlInFlight {
     }
 
     fn timeout_error(&self) -> Error {
-        let g = self.pending.first().map(|&g| &self.p.segments[self.seg][g]);
+        let g = self.pending.first().map(|&g| &self.p.groups[g]);
         let mut e = Error::new(
             ErrorKind::Timeout,
             format!(
@@ -529,7 +505,7 @@ impl InFlight for NixlInFlight {
 
     async fn abort(mut self: Box<Self>) {
         // NIXL cannot take back a one-sided read already handed to the fabric: no further
-        // request is posted (of this segment's queues or a later segment), and what is in
+        // request is posted from the queues, and what is in
         // flight (at most `requests_in_flight` requests per owner) is drained while it makes
         // progress.
         if self.drain().await {

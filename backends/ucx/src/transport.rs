@@ -287,7 +287,7 @@ impl Transport for UcxTransport {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let batch = Arc::new(batch);
         let b = Arc::clone(&batch);
-        let generations = self
+        let pieces = self
             .ask(|reply| Cmd::Prepare {
                 id,
                 batch: b,
@@ -298,7 +298,7 @@ impl Transport for UcxTransport {
             agent = %self.agent,
             reads = batch.reads.len(),
             bytes = batch.bytes(),
-            generations,
+            pieces,
             "ucx prepare"
         );
         let token = PreparedToken {

@@ -386,67 +386,6 @@ async fn abort_mid_batch_then_repost_completes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn overlapping_destinations_apply_in_batch_order() {
-    if !available() {
-        return;
-    }
-    let len = 64 << 10;
-    let p = pair(len, tcp(64)).await;
-    // A second publisher region with other bytes; reads alternate between the two sources
-    // into the same destination, so the last read of each byte decides its value.
-    let other = Arc::new(HostBuffer::from_bytes(&pattern(len, 5)));
-    let ro = p
-        .publisher
-        .register(other.clone() as Arc<dyn MemoryBlock>)
-        .await
-        .unwrap();
-    p.receiver
-        .load_peer(7, p.publisher.export_metadata().await.unwrap())
-        .await
-        .unwrap();
-    let mut reads = Vec::new();
-    for round in 0..4u64 {
-        let region = if round % 2 == 0 { p.rs.id() } else { ro.id() };
-        for i in 0..(len as u64 / 4096) {
-            reads.push(ReadDesc {
-                owner: 7,
-                remote_region: region,
-                remote_offset: i * 4096,
-                local_region: p.rd.id(),
-                local_offset: i * 4096,
-                len: 4096,
-            });
-        }
-    }
-    // Finally the first half again from the first source.
-    reads.push(ReadDesc {
-        owner: 7,
-        remote_region: p.rs.id(),
-        remote_offset: 0,
-        local_region: p.rd.id(),
-        local_offset: 0,
-        len: len as u64 / 2,
-    });
-    let prepared = p.receiver.prepare(ReadBatch { reads }).await.unwrap();
-    p.receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
-    let dst = p.dst.read();
-    assert!(
-        dst[..len / 2] == p.src.read()[..len / 2],
-        "last writer of the first half"
-    );
-    assert!(
-        dst[len / 2..] == other.read()[len / 2..],
-        "last writer of the second half"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_from_another_endpoint_is_refused() {
     if !available() {
         return;

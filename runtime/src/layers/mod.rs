@@ -18,6 +18,9 @@
 //! - [`PostLimitLayer`]: a batch longer than the inner transport's
 //!   [`Capability::max_reads_per_post`](reshard_core::Capability) is prepared and posted in
 //!   parts (see its module).
+//! - [`WavesLayer`]: a batch whose destinations overlap is prepared and posted as consecutive
+//!   disjoint waves, so overlapping reads land in batch order and no backend orders them (see
+//!   its module).
 //!
 //! Order matters: `Timeout(Retry(t))`, built with `stack(t, &[&timeout, &retry])`, bounds the
 //! batch with every retry included (what the receiver composes from
@@ -38,8 +41,10 @@ use reshard_core::{
 use tokio::time::Instant;
 
 mod post_limit;
+mod waves;
 
 pub use post_limit::{PostLimit, PostLimitLayer};
+pub use waves::{Waves, WavesLayer};
 
 /// Wraps a transport in a policy, giving a transport (the tower `Layer` idea, for
 /// `Arc<dyn Transport>`).

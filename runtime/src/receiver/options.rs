@@ -9,7 +9,7 @@ use reshard_core::config::Config;
 use reshard_core::Transport;
 use reshard_planner::plan::PlanOptions;
 
-use crate::layers::{self, Layer, PostLimitLayer, RetryLayer, TimeoutLayer};
+use crate::layers::{self, Layer, PostLimitLayer, RetryLayer, TimeoutLayer, WavesLayer};
 
 /// How a receiver plans, verifies and installs.
 #[derive(Debug, Clone, PartialEq)]
@@ -87,19 +87,22 @@ impl ReceiverOptions {
     }
 
     /// The wire-leg policies as transport layers, outermost first:
-    /// `Timeout(Retry(PostLimit(t)))`.
+    /// `Timeout(Retry(Waves(PostLimit(t))))`.
     ///
     /// The retry layer is always there (with 0 retries it only passes through), so batches
     /// prepared under one policy stay valid under another and a policy change keeps the
     /// cached descriptors; the timeout layer forwards `prepare` and is there only when set.
     /// The post-limit layer is there when the transport advertises
     /// `Capability::max_reads_per_post`, which it then enforces (parts of at most that many
-    /// reads, all posted before any wait).
+    /// reads, all posted before any wait). The waves layer is always there: a batch with
+    /// overlapping destinations (the no-dedup arm) goes to the transport as disjoint waves, one
+    /// after another, which is what backends accept; a disjoint batch passes straight through.
     pub(super) fn wire_stack(&self, transport: Arc<dyn Transport>) -> Arc<dyn Transport> {
         let transport = match transport.capabilities().max_reads_per_post {
             Some(_) => PostLimitLayer.layer(transport),
             None => transport,
         };
+        let transport = WavesLayer.layer(transport);
         let retry = RetryLayer {
             retries: self.retries,
             backoff: self.retry_backoff,

@@ -1,7 +1,7 @@
 //! The loopback state of a prepared batch ([`Prepared`]: resolved region references and work
 //! lists) and `translate`, which validates a batch through the core contract and builds it.
 
-use reshard_core::contract::{self, RemoteLookup};
+use reshard_core::contract::{self, LocalLookup, RemoteLookup};
 use reshard_core::{Error, ErrorKind, OwnerId, ReadBatch, ReadDesc, Result};
 use std::collections::HashMap;
 use std::sync::Weak;
@@ -63,7 +63,12 @@ impl LoopbackTransport {
                     .get(&region)
                     .map_or(RemoteLookup::NoRegion, |&len| RemoteLookup::Len(len)),
             },
-            |region| local.get(&region).map(|r| r.len),
+            |region| {
+                local.get(&region).map(|r| LocalLookup {
+                    len: r.len,
+                    ..LocalLookup::of(&*r.block)
+                })
+            },
         )?;
         // Every look-up below succeeds (the batch was validated under these same locks);
         // failing anyway is an internal error, never a panic.
@@ -73,8 +78,6 @@ impl LoopbackTransport {
         let mut srcs: Vec<SrcRef> = Vec::new();
         let mut src_ix: HashMap<(OwnerId, u64), u32> = HashMap::new();
         let mut dsts: Vec<DstRef> = Vec::new();
-        // Address of each destination region (index as `dsts`), for overlap detection.
-        let mut dst_base: Vec<u64> = Vec::new();
         let mut dst_ix: HashMap<u64, u32> = HashMap::new();
         let mut whole = Vec::with_capacity(batch.reads.len());
         let mut last_src: Option<(OwnerId, u64, u32)> = None;
@@ -102,11 +105,10 @@ impl LoopbackTransport {
             let d = match last_dst {
                 Some((g, d)) if g == r.local_region => d,
                 _ => {
-                    let region = local
+                    local
                         .get(&r.local_region)
                         .ok_or_else(|| missing(i, r, "local region"))?;
                     let d = *dst_ix.entry(r.local_region).or_insert_with(|| {
-                        dst_base.push(region.block.addr() as u64);
                         dsts.push(DstRef {
                             region: r.local_region,
                             max_end: 0,
@@ -133,13 +135,8 @@ impl LoopbackTransport {
                 last: true,
             });
         }
-        // Overlapping destinations run on one worker, in batch order (the last writer wins).
-        let workers = if work::destinations_overlap(&whole, &dst_base) {
-            1
-        } else {
-            self.workers
-        };
-        let work = work::split(&whole, workers);
+        // Destinations are disjoint (validated), so workers never write the same bytes.
+        let work = work::split(&whole, self.workers);
         Ok(Prepared {
             agent_uid: self.agent.uid,
             srcs,

@@ -207,8 +207,7 @@ impl NixlTransport {
             .as_ref()
             .map_or((0, 0), |n| (n.local_lists.len(), n.remote_lists.len()));
         Some(PreparedStats {
-            segments: p.segments.len(),
-            requests: p.segments.iter().map(Vec::len).sum(),
+            requests: p.groups.len(),
             local_lists,
             remote_lists,
             request_builds: p.builds.load(Ordering::Relaxed),
@@ -228,10 +227,7 @@ impl Drop for NixlTransport {
 /// The descriptor cache of one prepared batch, for diagnostics and tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PreparedStats {
-    /// Segments run one after another (1 unless destinations overlap).
-    pub segments: usize,
-    /// NIXL transfer requests (per segment, per owner and memory kind, one per
-    /// `request_bytes`).
+    /// NIXL transfer requests (per owner and memory kind, one per `request_bytes`).
     pub requests: usize,
     /// Prepared local descriptor lists (one per local memory kind).
     pub local_lists: usize,

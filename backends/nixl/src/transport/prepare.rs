@@ -2,7 +2,7 @@
 //! regions and peers, and translates them into NIXL descriptor lists and requests.
 
 use parking_lot::Mutex;
-use reshard_core::contract::{self, span, RemoteLookup};
+use reshard_core::contract::{self, span, LocalLookup, RemoteLookup};
 use reshard_core::{
     Error, ErrorKind, MemoryKind, OwnerId, PreparedBatch, ReadBatch, ReadDesc, Result,
 };
@@ -28,40 +28,6 @@ struct Resolved {
     local_kind: MemoryKind,
     len: u64,
     remote_range: Range<u64>,
-    /// (address space, start address, end address) of the destination, for overlap
-    /// detection.
-    dst: (u64, u64, u64),
-}
-
-/// Splits reads (in batch order) into consecutive segments whose destinations are pairwise
-/// disjoint: running segments one after another applies overlapping reads in batch order.
-/// Destinations are local *address* ranges (with their address space), not region offsets:
-/// the same memory registered twice is two regions but one destination.
-fn segments(dsts: &[(u64, u64, u64)]) -> Vec<Range<usize>> {
-    let mut out = Vec::new();
-    let mut start = 0usize;
-    // Disjoint intervals of the current segment: (space, start) -> end.
-    let mut seen: BTreeMap<(u64, u64), u64> = BTreeMap::new();
-    for (i, &(space, s, e)) in dsts.iter().enumerate() {
-        let before = seen
-            .range(..=(space, s))
-            .next_back()
-            .is_some_and(|(&(r, _), &end)| r == space && end > s);
-        let after = seen
-            .range((space, s)..)
-            .next()
-            .is_some_and(|(&(r, st), _)| r == space && st < e);
-        if before || after {
-            out.push(start..i);
-            start = i;
-            seen.clear();
-        }
-        seen.insert((space, s), e);
-    }
-    if start < dsts.len() {
-        out.push(start..dsts.len());
-    }
-    out
 }
 
 impl NixlTransport {
@@ -98,7 +64,13 @@ impl NixlTransport {
                     .get(&region)
                     .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
             },
-            |region| st.regions.get(&region).map(|l| l.len),
+            |region| {
+                st.regions.get(&region).map(|l| LocalLookup {
+                    len: l.len,
+                    addr: l.addr,
+                    kind: l.kind,
+                })
+            },
         )?;
         {
             // Every look-up below succeeds (validated under this same lock); failing anyway
@@ -138,11 +110,6 @@ impl NixlTransport {
                     local_kind: local.kind,
                     len: r.len,
                     remote_range: remote,
-                    dst: (
-                        space(local.kind),
-                        local.addr + r.local_offset,
-                        local.addr + r.local_offset + r.len,
-                    ),
                 });
             }
         }
@@ -239,51 +206,43 @@ impl NixlTransport {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let dsts: Vec<_> = resolved.iter().map(|r| r.dst).collect();
-        let cuts = segments(&dsts);
-        let mut segs = Vec::with_capacity(cuts.len());
-        for cut in &cuts {
-            let mut groups: Vec<Group> = Vec::new();
-            for i in cut.clone() {
-                if skip == Some(i) {
-                    // Fault injection: this read is never handed to a request.
-                    continue;
-                }
-                let r = &resolved[i];
-                let last = at[i].len() - 1;
-                for (k, &(l, li, m, mi, n)) in at[i].iter().enumerate() {
-                    let read_len = if k == 0 { r.len } else { 0 };
-                    let ends = u64::from(k == last);
-                    // The newest request of these lists, while it has room: NIXL reports
-                    // progress only per request, so requests are capped at `request_bytes`
-                    // to give the no-progress timer (and abort) steps to see.
-                    match groups.iter_mut().rev().find(|g| {
-                        g.local_list == l
-                            && g.remote_list == m
-                            && g.bytes.saturating_add(n) <= piece
-                    }) {
-                        Some(g) => {
-                            g.local_ix.push(li);
-                            g.remote_ix.push(mi);
-                            g.read_len.push(read_len);
-                            g.ends += ends;
-                            g.bytes += n;
-                        }
-                        None => groups.push(Group {
-                            owner: r.owner,
-                            local_list: l,
-                            remote_list: m,
-                            local_ix: vec![li],
-                            remote_ix: vec![mi],
-                            read_len: vec![read_len],
-                            ends,
-                            range: r.remote_range.clone(),
-                            bytes: n,
-                        }),
+        // Destinations are disjoint (validated), so every request may be in flight at once.
+        let mut groups: Vec<Group> = Vec::new();
+        for (i, r) in resolved.iter().enumerate() {
+            if skip == Some(i) {
+                // Fault injection: this read is never handed to a request.
+                continue;
+            }
+            let last = at[i].len() - 1;
+            for (k, &(l, li, m, mi, n)) in at[i].iter().enumerate() {
+                let read_len = if k == 0 { r.len } else { 0 };
+                let ends = u64::from(k == last);
+                // The newest request of these lists, while it has room: NIXL reports
+                // progress only per request, so requests are capped at `request_bytes`
+                // to give the no-progress timer (and abort) steps to see.
+                match groups.iter_mut().rev().find(|g| {
+                    g.local_list == l && g.remote_list == m && g.bytes.saturating_add(n) <= piece
+                }) {
+                    Some(g) => {
+                        g.local_ix.push(li);
+                        g.remote_ix.push(mi);
+                        g.read_len.push(read_len);
+                        g.ends += ends;
+                        g.bytes += n;
                     }
+                    None => groups.push(Group {
+                        owner: r.owner,
+                        local_list: l,
+                        remote_list: m,
+                        local_ix: vec![li],
+                        remote_ix: vec![mi],
+                        read_len: vec![read_len],
+                        ends,
+                        range: r.remote_range.clone(),
+                        bytes: n,
+                    }),
                 }
             }
-            segs.push(groups);
         }
         let remote_info = remote_keys
             .iter()
@@ -314,7 +273,7 @@ impl NixlTransport {
         remote_agents.dedup();
         let prepared = Prepared {
             nixl: Mutex::new(None),
-            segments: segs,
+            groups,
             local_ranges: locals.values().map(|l| l.2).collect(),
             locals: locals
                 .into_iter()
@@ -347,32 +306,9 @@ impl NixlTransport {
             agent = %s.name,
             reads = prepared.planned.0,
             bytes = prepared.planned.1,
-            segments = prepared.segments.len(),
-            requests = prepared.segments.iter().map(Vec::len).sum::<usize>(),
+            requests = prepared.groups.len(),
             "nixl prepare"
         );
         Ok(PreparedBatch::new(Arc::new(batch), SCHEME, prepared))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::segments;
-
-    #[test]
-    fn disjoint_destinations_are_one_segment() {
-        let d = [(1, 0, 8), (1, 8, 16), (2, 0, 8), (1, 16, 24)];
-        assert_eq!(segments(&d), vec![0..4]);
-        assert!(segments(&[]).is_empty());
-    }
-
-    #[test]
-    fn overlaps_start_a_new_segment_in_batch_order() {
-        // Read 2 overlaps read 0; read 3 overlaps read 2; read 4 is disjoint from 3.
-        let d = [(1, 0, 8), (1, 8, 16), (1, 4, 12), (1, 6, 10), (2, 0, 4)];
-        assert_eq!(segments(&d), vec![0..2, 2..3, 3..5]);
-        // Identical replicas into one place: one segment each.
-        let d = [(1, 0, 8), (1, 0, 8), (1, 0, 8)];
-        assert_eq!(segments(&d), vec![0..1, 1..2, 2..3]);
     }
 }

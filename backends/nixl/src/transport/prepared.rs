@@ -57,9 +57,9 @@ pub(super) struct RemoteList {
 /// The NIXL objects of a prepared batch. Field order is release order: requests before the
 /// lists they were made from.
 pub(crate) struct NixlObjects {
-    /// Per segment, one request per group. `None` after a failure that every pending request
-    /// was seen to end: the next post re-makes them from the prepared lists.
-    pub(crate) requests: Option<Vec<Vec<Request>>>,
+    /// One request per group. `None` after a failure that every pending request was seen to
+    /// end: the next post re-makes them from the prepared lists.
+    pub(crate) requests: Option<Vec<Request>>,
     pub(super) local_lists: Vec<Prepped>,
     pub(super) remote_lists: Vec<Prepped>,
 }
@@ -89,8 +89,8 @@ pub(crate) struct Prepared {
     /// `None` once released (the batch was retired or left the quarantine). Declared first:
     /// released before the registrations and memory below.
     pub(crate) nixl: Mutex<Option<NixlObjects>>,
-    /// Segments run one after another; a batch without overlapping destinations has one.
-    pub(crate) segments: Vec<Vec<Group>>,
+    /// The batch's requests (destinations are disjoint, so all may be in flight at once).
+    pub(crate) groups: Vec<Group>,
     /// `(region id, generation, registration and memory)` of every local region used.
     pub(super) locals: Vec<(u64, u64, Arc<LocalMem>)>,
     /// `(space, start, end)` local address range of every local region used.
@@ -121,37 +121,33 @@ pub(crate) struct Prepared {
 impl Prepared {
     /// Makes every request from the prepared lists (at prepare, and after a failure that
     /// every pending request was seen to end).
-    pub(crate) fn make_requests(&self, nixl: &NixlObjects) -> Result<Vec<Vec<Request>>> {
+    pub(crate) fn make_requests(&self, nixl: &NixlObjects) -> Result<Vec<Request>> {
         let agent = &self.shared.agent;
         self.builds.fetch_add(1, Ordering::Relaxed);
-        self.segments
+        self.groups
             .iter()
-            .map(|seg| {
-                seg.iter()
-                    .map(|g| {
-                        agent
-                            .make_read(
-                                &nixl.local_lists[g.local_list],
-                                &g.local_ix,
-                                &nixl.remote_lists[g.remote_list],
-                                &g.remote_ix,
-                            )
-                            .map_err(|e| e.with_owner(g.owner).with_range(g.range.clone()))
-                    })
-                    .collect()
+            .map(|g| {
+                agent
+                    .make_read(
+                        &nixl.local_lists[g.local_list],
+                        &g.local_ix,
+                        &nixl.remote_lists[g.remote_list],
+                        &g.remote_ix,
+                    )
+                    .map_err(|e| e.with_owner(g.owner).with_range(g.range.clone()))
             })
             .collect()
     }
 
-    /// Records the reads of the given groups of segment `seg` (just posted) in `log`, as the
+    /// Records the reads of the given groups (just posted) in `log`, as the
     /// descriptors handed to NIXL resolve: the owner whose peer entry named the remote agent
     /// the remote list was prepared against, the region of that agent's metadata holding the
     /// remote descriptor's address (offset = address - region base), and the local region
     /// holding the local descriptor's address.
-    pub(crate) fn record(&self, log: &ExecutionLog, seg: usize, groups: &[usize]) {
+    pub(crate) fn record(&self, log: &ExecutionLog, groups: &[usize]) {
         let mut out = Vec::new();
         for &g in groups {
-            let Some(group) = self.segments.get(seg).and_then(|s| s.get(g)) else {
+            let Some(group) = self.groups.get(g) else {
                 continue;
             };
             let remote = &self.remote_info[group.remote_list];

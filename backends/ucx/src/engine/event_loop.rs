@@ -157,7 +157,7 @@ impl Engine {
             Cmd::LoadPeer { owner, meta, reply } => self.start_connect(owner, meta, Some(reply)),
             Cmd::Prepare { id, batch, reply } => {
                 let r = self.translate(&batch).map(|res| {
-                    let gens = res.plan.generations();
+                    let pieces = res.ops.len();
                     self.prepared.insert(
                         id,
                         PreparedEntry {
@@ -166,7 +166,7 @@ impl Engine {
                             resolved: Some(Rc::new(res)),
                         },
                     );
-                    gens
+                    pieces
                 });
                 let _ = reply.send(r);
             }

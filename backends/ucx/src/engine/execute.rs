@@ -21,10 +21,8 @@ pub(super) struct Running {
     pub(super) id: u64,
     pub(super) res: Rc<Resolved>,
     pub(super) batch: Arc<ReadBatch>,
-    /// Next position in `res.plan.order`.
+    /// Next position in `res.order`.
     pos: usize,
-    /// Current generation.
-    gen: usize,
     pub(super) outstanding: usize,
     pub(super) error: Option<Error>,
     /// Ended by abort, a dropped handle or shutdown: issues and copies nothing more.
@@ -185,7 +183,6 @@ impl Engine {
             res,
             batch: batch_arc,
             pos: 0,
-            gen: 0,
             outstanding: 0,
             error: None,
             cancelled: false,
@@ -200,7 +197,7 @@ impl Engine {
         Ok(())
     }
 
-    /// Issues reads of `run` until its in-flight cap, its generation's end, or a budget of
+    /// Issues reads of `run` until its in-flight cap, its end, or a budget of
     /// one cap's worth of reads or [`DIRECT_BYTES`] of direct copies (so reads completing in
     /// place cannot starve the mailbox).
     fn issue(&mut self, run: &mut Running) -> bool {
@@ -211,27 +208,19 @@ impl Engine {
         let mut issued = 0;
         let mut copied = 0;
         while run.error.is_none() && !run.cancelled {
-            let Some(&gen_end) = run.res.plan.gen_ends.get(run.gen) else {
-                break;
-            };
-            if run.pos == gen_end {
-                // A barrier: the next generation overlaps this one and waits for it.
-                if run.outstanding == 0 && run.gen + 1 < run.res.plan.gen_ends.len() {
-                    run.gen += 1;
-                    continue;
-                }
+            if run.pos == run.res.order.len() {
                 break;
             }
             if run.outstanding >= cap || issued >= cap || copied >= DIRECT_BYTES {
                 break;
             }
-            let piece = run.res.plan.order[run.pos];
+            let piece = run.res.order[run.pos];
             if run.skipped(piece) {
                 run.pos += 1;
                 continue;
             }
             if !run.res.ops[piece as usize].direct.is_null() {
-                let (n, bytes) = self.copy_direct(run, gen_end, cap - issued);
+                let (n, bytes) = self.copy_direct(run, cap - issued);
                 issued += n;
                 copied += bytes;
                 continue;
@@ -250,7 +239,7 @@ impl Engine {
             // quarantine). Its endpoint is not closed: a forced close bumps the epoch (so no
             // later post uses a resolved form holding it) and stops every running batch using
             // it (`error` set, checked above). The local range was checked inside a registered
-            // block, and reads writing the same bytes are in different generations, so no
+            // block, and destinations of one batch are disjoint (validated at prepare), so no
             // two outstanding reads write the same memory.
             match unsafe { raw::get(self.ucx, op, token) } {
                 Started::Done => run.complete(piece),
@@ -286,12 +275,12 @@ impl Engine {
     /// the thread answering its mailbox (aborts, other batches) between chunks, and the
     /// batch's stop flag (set by abort or a dropped handle, from any thread) is checked before
     /// every piece of the copy.
-    fn copy_direct(&mut self, run: &mut Running, gen_end: usize, max: usize) -> (usize, usize) {
+    fn copy_direct(&mut self, run: &mut Running, max: usize) -> (usize, usize) {
         let mut tasks = Vec::new();
         let mut copied = Vec::new();
         let mut bytes = 0;
-        while run.pos < gen_end && tasks.len() < max.max(1) && bytes < DIRECT_BYTES {
-            let piece = run.res.plan.order[run.pos];
+        while run.pos < run.res.order.len() && tasks.len() < max.max(1) && bytes < DIRECT_BYTES {
+            let piece = run.res.order[run.pos];
             if run.skipped(piece) {
                 run.pos += 1;
                 continue;
@@ -328,9 +317,9 @@ impl Engine {
         // SAFETY: every task is a resolved direct read of `run`: its source lies inside a
         // shared-memory segment mapped for a remote key `run.res` keeps alive (checked against
         // this process's mappings in `translate`), its destination inside a live local
-        // registration. Reads of one generation have pairwise disjoint destinations (by
-        // address, see `issue_plan`), and no other read of this batch is outstanding on those
-        // bytes, so the copies are independent.
+        // registration. Reads of one batch have pairwise disjoint destinations (validated at
+        // prepare), and no other read of this batch is outstanding on those bytes, so the
+        // copies are independent.
         let all = unsafe { raw::copy_all(self.copy_pool.as_ref(), &tasks, &run.signal.stop) };
         if all {
             for piece in copied {
@@ -429,7 +418,7 @@ impl Engine {
         }
         let mut keep = Vec::with_capacity(self.running.len());
         for mut run in std::mem::take(&mut self.running) {
-            let total = run.res.plan.order.len();
+            let total = run.res.order.len();
             let finished =
                 run.outstanding == 0 && (run.error.is_some() || run.cancelled || run.pos == total);
             if !finished {

@@ -31,7 +31,7 @@ pub(crate) enum Cmd {
         meta: EndpointMeta,
         reply: Reply<()>,
     },
-    /// Validate and resolve a batch, kept under `id` until `Forget`.
+    /// Validate and resolve a batch, kept under `id` until `Forget`; answers its piece count.
     Prepare {
         id: u64,
         batch: Arc<ReadBatch>,

@@ -6,14 +6,14 @@ use std::ops::Range;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use reshard_core::contract::{self, span, RemoteLookup};
+use reshard_core::contract::{self, span, LocalLookup, RemoteLookup};
 use reshard_core::{Error, ErrorKind, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result};
 
 use super::peers::{Peer, RemoteRegion};
 use super::regions::LocalRegion;
 use super::{Engine, MAX_PIECE};
 use crate::maps::Maps;
-use crate::plan::{issue_plan, IssuePlan};
+use crate::plan::issue_order;
 use crate::raw::{self, GetOp, RKey};
 use crate::SCHEME;
 
@@ -24,8 +24,8 @@ pub(super) struct Resolved {
     pub(super) ops: Vec<GetOp>,
     /// The batch read each piece belongs to (errors name the read's owner and range).
     pub(super) op_read: Vec<u32>,
-    /// Issue order of the pieces.
-    pub(super) plan: IssuePlan,
+    /// Issue order of the pieces (round-robin by owner).
+    pub(super) order: Vec<u32>,
     /// Pieces of each read, when some read was cut into several (else empty: one piece is
     /// one read), so a read is counted once all its pieces completed.
     pub(super) read_pieces: Vec<u32>,
@@ -154,7 +154,13 @@ impl Engine {
                     .get(&region)
                     .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
             },
-            |region| self.regions.get(&region).map(|l| l.len),
+            |region| {
+                self.regions.get(&region).map(|l| LocalLookup {
+                    len: l.len,
+                    addr: l.addr as u64,
+                    kind: l.kind,
+                })
+            },
         )
         .map_err(|e| self.lost_peer(batch, e))?;
         // Every look-up below succeeds (validated just now, on this thread); failing anyway is
@@ -164,7 +170,7 @@ impl Engine {
         };
         let mut ops = Vec::with_capacity(batch.reads.len());
         let mut op_read = Vec::with_capacity(batch.reads.len());
-        let mut pieces = Vec::with_capacity(batch.reads.len());
+        let mut piece_owner = Vec::with_capacity(batch.reads.len());
         let mut peers: HashMap<OwnerId, Rc<Peer>> = HashMap::new();
         let mut regions: HashMap<u64, Rc<LocalRegion>> = HashMap::new();
         let mut direct: HashMap<(OwnerId, u64), Option<usize>> = HashMap::new();
@@ -227,13 +233,6 @@ impl Engine {
                 },
                 _ => None,
             };
-            // The local destination as an address, so overlap is found between regions
-            // registered over the same memory too (DRAM addresses are the process's; VRAM
-            // ones are per device).
-            let dest_space = match local.kind {
-                MemoryKind::Dram => u64::MAX,
-                MemoryKind::Vram { device } => u64::from(device),
-            };
             // Both ranges are inside registered regions whose addresses did not overflow, so
             // these sums and casts are exact.
             let mut done = 0;
@@ -255,13 +254,7 @@ impl Engine {
                     memh: memh.handle().handle(),
                     memory_type: raw::memory_type(local.kind),
                 });
-                pieces.push(ReadDesc {
-                    remote_offset: r.remote_offset + done,
-                    local_region: dest_space,
-                    local_offset: local_addr as u64,
-                    len: n,
-                    ..*r
-                });
+                piece_owner.push(r.owner);
                 op_read.push(i as u32);
                 done += n;
             }
@@ -273,7 +266,7 @@ impl Engine {
             )
             .with_backend(SCHEME));
         }
-        let plan = issue_plan(&pieces);
+        let order = issue_order(&piece_owner);
         let read_pieces = if ops.len() > batch.reads.len() {
             let mut v = vec![0u32; batch.reads.len()];
             for &r in &op_read {
@@ -286,7 +279,7 @@ impl Engine {
         Ok(Resolved {
             ops,
             op_read,
-            plan,
+            order,
             read_pieces,
             peers,
             _regions: regions.into_values().collect(),
