@@ -617,15 +617,17 @@ async fn shm_fast_path_off_is_byte_exact() {
 // Overlap by address.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_memory_registered_twice_is_written_in_batch_order() {
+async fn one_memory_registered_twice_is_refused_in_one_batch_and_ordered_as_waves() {
     if !available() {
         return;
     }
     let _serial = serial().await;
     // Owner 1 holds a large source, owner 2 a small one; the receiver registered one buffer
     // twice. The batch reads owner 1's bytes into the buffer through region A, then owner
-    // 2's into its first page through region B: the same bytes, so owner 2's must win even
-    // though its small read would finish long before the large one.
+    // 2's into its first page through region B: the same bytes by address though not by
+    // region id. One batch with both is refused (the contract gives a backend only disjoint
+    // destinations, and checks that by address); posted as two batches one after another,
+    // owner 2's bytes win although its small read alone finishes long before the large one.
     let len = 64 * MIB;
     let options = UcxOptions {
         tls: Some("tcp".into()),
@@ -683,37 +685,29 @@ async fn one_memory_registered_twice_is_written_in_batch_order() {
             },
         ],
     };
-    let prepared = receiver.prepare(batch).await.unwrap();
-    // A read from the small publisher just before each post keeps its progress thread awake
-    // (an idle one naps), so its read really is the fast one.
-    let scratch = Arc::new(HostBuffer::zeroed(4096));
-    let rscratch = receiver
-        .register(scratch.clone() as Arc<dyn MemoryBlock>)
+    let refused = receiver
+        .prepare(batch.clone())
         .await
-        .unwrap();
-    let warm = receiver
-        .prepare(ReadBatch {
-            reads: vec![ReadDesc {
-                owner: 2,
-                remote_region: rb.id(),
-                remote_offset: 0,
-                local_region: rscratch.id(),
-                local_offset: 0,
-                len: 4096,
-            }],
-        })
-        .await
-        .unwrap();
+        .err()
+        .expect("refused");
+    assert_eq!(refused.kind(), ErrorKind::InvalidInput, "{refused}");
+    assert_eq!(
+        refused.context().owner,
+        Some(2),
+        "the later read's owner: {refused}"
+    );
+    assert_eq!(refused.context().range, Some(0..4096), "{refused}");
+    // The caller knows the two regions alias (region ids do not say so): one read per wave.
+    let mut prepared = Vec::new();
+    for read in batch.reads {
+        let wave = ReadBatch { reads: vec![read] };
+        prepared.push(receiver.prepare(wave).await.unwrap());
+    }
     for _ in 0..3 {
         dst.write().fill(0);
-        receiver.post(&warm).await.unwrap().wait().await.unwrap();
-        receiver
-            .post(&prepared)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        for wave in &prepared {
+            receiver.post(wave).await.unwrap().wait().await.unwrap();
+        }
         let d = dst.read();
         assert!(d[..4096] == b_src.read()[..], "the later read wins");
         assert!(d[4096..] == a_src.read()[4096..]);
@@ -751,6 +745,13 @@ async fn the_later_of_two_racing_loads_of_an_owner_wins() {
         .await
         .unwrap();
     assert_eq!(ra.id(), rb.id(), "both publishers' region is region 1");
+    // A's own scratch for its busy batch: one byte per read, destinations disjoint.
+    const BUSY_READS: u64 = 4_000_000;
+    let scratch = Arc::new(HostBuffer::zeroed(BUSY_READS as usize));
+    let rscratch = a
+        .register(scratch.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .unwrap();
     let dst = Arc::new(HostBuffer::zeroed(1 << 20));
     let rd = receiver
         .register(dst.clone() as Arc<dyn MemoryBlock>)
@@ -764,13 +765,14 @@ async fn the_later_of_two_racing_loads_of_an_owner_wins() {
     a.load_peer(0, ma.clone()).await.unwrap();
     let busy = {
         let a = Arc::clone(&a);
-        let reads = (0..4_000_000u64)
+        let scratch_id = rscratch.id();
+        let reads = (0..BUSY_READS)
             .map(|i| ReadDesc {
                 owner: 0,
                 remote_region: ra.id(),
                 remote_offset: i % (1 << 20),
-                local_region: ra.id(),
-                local_offset: (i + 1) % (1 << 20),
+                local_region: scratch_id,
+                local_offset: i,
                 len: 1,
             })
             .collect();
