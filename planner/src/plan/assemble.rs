@@ -22,27 +22,7 @@ impl<'a> Planner<'a> {
                 let o = &t.offers[acc.offers[0]];
                 let len = o.tensor_box.elements() * elem;
                 staged_offers += 1;
-                pull_reads.push(PlannedRead {
-                    owner: o.owner,
-                    src_region: o.location.region,
-                    src_offset: o.location.offset,
-                    len,
-                    dst: Dest::Staging(si),
-                    dst_offset: 0,
-                    tensor: acc.state,
-                });
-                self.checks.push(DigestCheck {
-                    tensor: acc.state,
-                    owner: o.owner,
-                    src_region: o.location.region,
-                    src_offset: o.location.offset,
-                    chunk: None,
-                    dst: Dest::Staging(si),
-                    dst_offset: 0,
-                    rows: 1,
-                    row_bytes: len,
-                    row_stride: len,
-                });
+                pull_whole_offer(&mut pull_reads, &mut self.checks, o, len, acc.state, si, 0);
                 staging.push(StagingBuffer {
                     tensor: acc.state,
                     tensor_box: o.tensor_box.clone(),
@@ -74,27 +54,15 @@ impl<'a> Planner<'a> {
                 let len = o.tensor_box.elements() * elem;
                 let dst_offset = (o.tensor_box.offset[0] - row_start) * row_bytes;
                 staging_read_bytes = staging_read_bytes.saturating_add(len);
-                pull_reads.push(PlannedRead {
-                    owner: o.owner,
-                    src_region: o.location.region,
-                    src_offset: o.location.offset,
+                pull_whole_offer(
+                    &mut pull_reads,
+                    &mut self.checks,
+                    o,
                     len,
-                    dst: Dest::Staging(si),
+                    acc.state,
+                    si,
                     dst_offset,
-                    tensor: acc.state,
-                });
-                self.checks.push(DigestCheck {
-                    tensor: acc.state,
-                    owner: o.owner,
-                    src_region: o.location.region,
-                    src_offset: o.location.offset,
-                    chunk: None,
-                    dst: Dest::Staging(si),
-                    dst_offset,
-                    rows: 1,
-                    row_bytes: len,
-                    row_stride: len,
-                });
+                );
             }
             let mut offset = vec![0; t.spec.shape.len()];
             let mut extent = t.spec.shape.clone();
@@ -180,4 +148,38 @@ impl<'a> Planner<'a> {
         plan.fingerprint = plan.compute_fingerprint();
         plan
     }
+}
+
+/// Reads one whole offer (`len` bytes) into staging buffer `si` at `dst_offset`, and checks its
+/// digest there: a full pull lands the offer's bytes contiguously, so they are one row.
+fn pull_whole_offer(
+    reads: &mut Vec<PlannedRead>,
+    checks: &mut Vec<DigestCheck>,
+    o: &MergedOffer,
+    len: u64,
+    tensor: u32,
+    si: u32,
+    dst_offset: u64,
+) {
+    reads.push(PlannedRead {
+        owner: o.owner,
+        src_region: o.location.region,
+        src_offset: o.location.offset,
+        len,
+        dst: Dest::Staging(si),
+        dst_offset,
+        tensor,
+    });
+    checks.push(DigestCheck {
+        tensor,
+        owner: o.owner,
+        src_region: o.location.region,
+        src_offset: o.location.offset,
+        chunk: None,
+        dst: Dest::Staging(si),
+        dst_offset,
+        rows: 1,
+        row_bytes: len,
+        row_stride: len,
+    });
 }
