@@ -18,6 +18,7 @@ pub mod model;
 pub mod overlap;
 pub mod plan;
 pub mod registry;
+pub mod rendezvous;
 pub mod stats;
 pub mod transport;
 

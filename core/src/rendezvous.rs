@@ -1,0 +1,347 @@
+//! Rendezvous: how publishers and receivers that share nothing but a metadata service find each
+//! other (docs/deployment.md). A publisher rank announces its encoded shard table and its
+//! transport metadata for one step under a lease it keeps alive; a receiver waits until exactly
+//! the N ready publishers of a model stand at one step, fetches their announcements, and
+//! watches for the next step or a membership change. This module owns the contract and the
+//! discovery rule; implementations (in-process, etcd) live beside core in `reshard-rendezvous`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::{Error, ErrorKind, OwnerId, Result};
+
+/// What one publisher rank announces: everything a receiver needs to read from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Announcement {
+    /// Model name, the rendezvous namespace publishers and receivers share.
+    pub model: String,
+    /// The publisher's rank, which is the owner id of every offer in its table.
+    pub rank: OwnerId,
+    /// How many publisher ranks the model has (every member must agree).
+    pub world: u32,
+    /// Training step whose weights the table describes.
+    pub step: u64,
+    /// Transport scheme the publisher serves reads on (a receiver must use the same).
+    pub transport: String,
+    /// The publisher endpoint's incarnation (also in the table's `PublisherId`): a restarted
+    /// publisher announces a new one, so stale metadata is never paired with a new table.
+    pub incarnation: u64,
+    /// The shard table, encoded (`reshard_core::encoding`).
+    pub table: Bytes,
+    /// The transport's exported metadata (`Transport::export_metadata`).
+    pub metadata: Bytes,
+}
+
+/// What a rendezvous knows of one member without fetching its table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// The publisher's rank.
+    pub rank: OwnerId,
+    /// Publisher ranks of the model, as this member announced.
+    pub world: u32,
+    /// Step of its current announcement.
+    pub step: u64,
+    /// False while the publisher rewrites its weights for the next step.
+    pub ready: bool,
+    /// Transport scheme.
+    pub transport: String,
+    /// Endpoint incarnation.
+    pub incarnation: u64,
+    /// Time since the member's lease was granted.
+    pub age: Duration,
+    /// Bytes of its encoded table.
+    pub table_bytes: u64,
+}
+
+/// A publisher's hold on its announcement. Dropping it without [`Announced::withdraw`] leaves
+/// the announcement to expire with its lease, as a killed publisher's would.
+#[async_trait]
+pub trait Announced: Send + Sync {
+    /// Marks the announcement not ready: the publisher is about to rewrite its weights in place,
+    /// so a receiver must not start reading them.
+    async fn unready(&self) -> Result<()>;
+    /// Announces step `step` with its new table, ready (weights and digests already written).
+    async fn advance(&self, step: u64, table: Bytes) -> Result<()>;
+    /// Fails when the lease was lost (the service expired it): the publisher is no longer seen.
+    fn check_alive(&self) -> Result<()>;
+    /// Removes the announcement now.
+    async fn withdraw(self: Box<Self>) -> Result<()>;
+}
+
+/// A metadata service publishers and receivers meet through.
+#[async_trait]
+pub trait Rendezvous: Send + Sync {
+    /// Where this rendezvous lives, for messages (`etcd://127.0.0.1:2379`, `in-process`).
+    fn endpoint(&self) -> String;
+    /// Announces under a lease kept alive while the returned handle lives. A second
+    /// announcement of the same model and rank replaces the first.
+    async fn announce(&self, announcement: Announcement) -> Result<Box<dyn Announced>>;
+    /// The current members of `model`, ordered by rank, and the revision they were read at.
+    async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)>;
+    /// The full announcements of `ranks` of `model` as they are now.
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Announcement>>;
+    /// Waits until a member of `model` appears, changes or goes after `revision`, or until
+    /// `timeout` passes; returns the revision then.
+    async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64>;
+    /// Every model with at least one member.
+    async fn models(&self) -> Result<Vec<String>>;
+}
+
+/// What [`discover`] waits for.
+#[derive(Clone, Debug)]
+pub struct Want {
+    /// Model name.
+    pub model: String,
+    /// Only a step above this one (`None`: any step).
+    pub after_step: Option<u64>,
+    /// How long to wait for a complete, ready set.
+    pub timeout: Duration,
+}
+
+/// Exactly the publishers of one model at one step, ready.
+#[derive(Clone, Debug)]
+pub struct Discovered {
+    /// The step every announcement stands at.
+    pub step: u64,
+    /// One announcement per rank `0..world`, ordered by rank.
+    pub announcements: Vec<Announcement>,
+    /// Revision the set was complete at (pass to [`Rendezvous::changed`] to watch on).
+    pub revision: u64,
+    /// Time spent waiting and fetching.
+    pub elapsed: Duration,
+}
+
+/// Waits until every publisher rank of `want.model` is ready at one step (above
+/// `want.after_step`), then fetches their announcements. The step is the newest that any ready
+/// member stands at; members behind it are waited for. A set whose fetched announcements moved
+/// on meanwhile is discarded and looked at again, so the result never mixes steps.
+pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discovered> {
+    let start = Instant::now();
+    let deadline = start + want.timeout;
+    loop {
+        let (members, revision) = rendezvous.members(&want.model).await?;
+        if let Some(step) = complete_step(&members, want)? {
+            let world = members[0].world;
+            let ranks: Vec<OwnerId> = (0..world).collect();
+            let announcements = rendezvous.fetch(&want.model, &ranks).await?;
+            if announcements.len() == world as usize && announcements.iter().all(|a| a.step == step)
+            {
+                return Ok(Discovered {
+                    step,
+                    announcements,
+                    revision,
+                    elapsed: start.elapsed(),
+                });
+            }
+            // A publisher advanced or left between the two reads: look again.
+            continue;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "discovery of model {:?} at {} timed out after {:.1} s: {}",
+                    want.model,
+                    rendezvous.endpoint(),
+                    want.timeout.as_secs_f64(),
+                    describe(&members, want)
+                ),
+            ));
+        }
+        rendezvous
+            .changed(&want.model, revision, deadline - now)
+            .await?;
+    }
+}
+
+/// The step at which `members` are a complete, ready set, if they are. Members that disagree
+/// on the world size or the transport are an error: no step can make them one set.
+fn complete_step(members: &[Member], want: &Want) -> Result<Option<u64>> {
+    let Some(first) = members.first() else {
+        return Ok(None);
+    };
+    for m in members {
+        if m.world != first.world || m.transport != first.transport {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "publishers of model {:?} disagree: rank {} announces {} ranks over {}, rank \
+                     {} announces {} ranks over {}",
+                    want.model,
+                    first.rank,
+                    first.world,
+                    first.transport,
+                    m.rank,
+                    m.world,
+                    m.transport
+                ),
+            )
+            .with_owner(m.rank));
+        }
+        if m.rank >= m.world {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "publisher rank {} of model {:?} is outside its world of {} ranks",
+                    m.rank, want.model, m.world
+                ),
+            )
+            .with_owner(m.rank));
+        }
+    }
+    let Some(step) = target_step(members, want) else {
+        return Ok(None);
+    };
+    let ready_at_step = members.iter().filter(|m| m.ready && m.step == step).count();
+    Ok((ready_at_step == first.world as usize).then_some(step))
+}
+
+/// The newest step any ready member stands at, above `want.after_step`.
+fn target_step(members: &[Member], want: &Want) -> Option<u64> {
+    members
+        .iter()
+        .filter(|m| m.ready && want.after_step.is_none_or(|after| m.step > after))
+        .map(|m| m.step)
+        .max()
+}
+
+/// Says who was seen, at which steps, who is missing and who did not advance.
+pub fn describe(members: &[Member], want: &Want) -> String {
+    if members.is_empty() {
+        return "no publisher seen".into();
+    }
+    let world = members[0].world;
+    let mut by_state: BTreeMap<(u64, bool), Vec<OwnerId>> = BTreeMap::new();
+    for m in members {
+        by_state.entry((m.step, m.ready)).or_default().push(m.rank);
+    }
+    let ready = members.iter().filter(|m| m.ready).count();
+    let mut out = format!("saw {} of {world} publishers, {ready} ready", members.len());
+    for ((step, is_ready), ranks) in &by_state {
+        let state = if *is_ready { "ready" } else { "updating" };
+        let _ = write!(out, "; ranks {} {state} at step {step}", ranges(ranks));
+    }
+    let seen: Vec<OwnerId> = members.iter().map(|m| m.rank).collect();
+    let missing: Vec<OwnerId> = (0..world).filter(|r| !seen.contains(r)).collect();
+    if !missing.is_empty() {
+        let _ = write!(out, "; missing ranks {}", ranges(&missing));
+    }
+    if let Some(step) = target_step(members, want) {
+        let behind: Vec<OwnerId> = members
+            .iter()
+            .filter(|m| m.step < step)
+            .map(|m| m.rank)
+            .collect();
+        if !behind.is_empty() {
+            let _ = write!(
+                out,
+                "; ranks {} did not advance to step {step}",
+                ranges(&behind)
+            );
+        }
+    } else if let Some(after) = want.after_step {
+        let _ = write!(out, "; none ready above step {after}");
+    }
+    out
+}
+
+/// `0-3,5,7-8` for sorted ranks.
+fn ranges(ranks: &[OwnerId]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        if !out.is_empty() {
+            out.push(',');
+        }
+        if j == i {
+            let _ = write!(out, "{}", sorted[i]);
+        } else {
+            let _ = write!(out, "{}-{}", sorted[i], sorted[j]);
+        }
+        i = j + 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(rank: OwnerId, step: u64, ready: bool) -> Member {
+        Member {
+            rank,
+            world: 4,
+            step,
+            ready,
+            transport: "ucx".into(),
+            incarnation: 1,
+            age: Duration::ZERO,
+            table_bytes: 10,
+        }
+    }
+
+    fn want(after: Option<u64>) -> Want {
+        Want {
+            model: "m".into(),
+            after_step: after,
+            timeout: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn a_complete_set_is_every_rank_ready_at_the_newest_step() {
+        let all = |s| (0..4).map(|r| m(r, s, true)).collect::<Vec<_>>();
+        assert_eq!(complete_step(&all(3), &want(None)).unwrap(), Some(3));
+        assert_eq!(complete_step(&all(3), &want(Some(3))).unwrap(), None);
+        let mut mixed = all(3);
+        mixed[2].step = 4;
+        assert_eq!(complete_step(&mixed, &want(None)).unwrap(), None);
+        mixed[2] = m(2, 3, false);
+        assert_eq!(complete_step(&mixed, &want(None)).unwrap(), None);
+        assert_eq!(complete_step(&all(3)[..3], &want(None)).unwrap(), None);
+        assert_eq!(complete_step(&[], &want(None)).unwrap(), None);
+    }
+
+    #[test]
+    fn members_that_cannot_form_one_set_are_a_config_error_naming_the_rank() {
+        let mut ms: Vec<Member> = (0..4).map(|r| m(r, 1, true)).collect();
+        ms[3].world = 8;
+        let e = complete_step(&ms, &want(None)).unwrap_err();
+        assert_eq!((e.kind(), e.context().owner), (ErrorKind::Config, Some(3)));
+        ms[3].world = 4;
+        ms[3].transport = "nixl".into();
+        assert!(complete_step(&ms, &want(None))
+            .unwrap_err()
+            .to_string()
+            .contains("nixl"));
+    }
+
+    #[test]
+    fn the_description_names_missing_updating_and_lagging_ranks() {
+        let ms = vec![m(0, 5, true), m(1, 5, true), m(3, 4, true)];
+        let d = describe(&ms, &want(None));
+        assert!(d.starts_with("saw 3 of 4 publishers, 3 ready"), "{d}");
+        assert!(d.contains("ranks 3 ready at step 4"), "{d}");
+        assert!(d.contains("ranks 0-1 ready at step 5"), "{d}");
+        assert!(d.contains("missing ranks 2"), "{d}");
+        assert!(d.contains("ranks 3 did not advance to step 5"), "{d}");
+        let d = describe(&[m(0, 2, false)], &want(Some(2)));
+        assert!(
+            d.contains("updating at step 2") && d.contains("none ready above step 2"),
+            "{d}"
+        );
+        assert_eq!(describe(&[], &want(None)), "no publisher seen");
+        assert_eq!(ranges(&[7, 0, 1, 2, 5, 8]), "0-2,5,7-8");
+    }
+}

@@ -1,0 +1,281 @@
+//! The in-process rendezvous: a hub shared by publishers and receivers of one process. It keeps
+//! the etcd implementation's semantics where they matter to a receiver (a revision that grows
+//! with every change, announcements that vanish with their lease, a step that is never mixed),
+//! so code that works against it works against etcd.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use reshard_core::rendezvous::{Announced, Announcement, Member, Rendezvous};
+use reshard_core::{Error, ErrorKind, OwnerId, Result};
+
+/// A rendezvous hub in this process; clones share it.
+#[derive(Clone)]
+pub struct InProcess {
+    hub: Arc<Hub>,
+}
+
+struct Hub {
+    state: Mutex<State>,
+    /// The hub's revision after each change; `changed` waits on it.
+    revision: watch::Sender<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    revision: u64,
+    /// Per model: its members by rank, and the revision it last changed at.
+    models: BTreeMap<String, Model>,
+    next_lease: u64,
+}
+
+#[derive(Default)]
+struct Model {
+    members: BTreeMap<OwnerId, Entry>,
+    changed_at: u64,
+}
+
+struct Entry {
+    announcement: Announcement,
+    ready: bool,
+    lease: u64,
+    granted: Instant,
+}
+
+impl Default for InProcess {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl InProcess {
+    /// An empty hub.
+    pub fn new() -> Self {
+        Self {
+            hub: Arc::new(Hub {
+                state: Mutex::new(State::default()),
+                revision: watch::channel(0).0,
+            }),
+        }
+    }
+}
+
+impl Hub {
+    /// Applies `change` to `model`'s members under the lock and, when it reports a change, bumps
+    /// the revision and wakes every waiter. A model without members is not kept.
+    fn change<T>(&self, model: &str, change: impl FnOnce(&mut Model) -> (bool, T)) -> T {
+        let mut state = self.state.lock();
+        let mut entry = state.models.remove(model).unwrap_or_default();
+        let (changed, out) = change(&mut entry);
+        if changed {
+            state.revision += 1;
+            entry.changed_at = state.revision;
+            self.revision.send_replace(state.revision);
+        }
+        if !entry.members.is_empty() {
+            state.models.insert(model.to_string(), entry);
+        }
+        out
+    }
+
+    fn lease_lost(model: &str, rank: OwnerId) -> Error {
+        Error::new(
+            ErrorKind::Transport,
+            format!(
+                "the in-process rendezvous lease of publisher rank {rank} of model {model:?} was \
+                 lost: another announcement of the same rank replaced it"
+            ),
+        )
+        .with_owner(rank)
+    }
+}
+
+/// A publisher's hold on its in-process announcement.
+struct Held {
+    hub: Arc<Hub>,
+    model: String,
+    rank: OwnerId,
+    lease: u64,
+}
+
+impl Held {
+    /// Applies `f` to this lease's entry, or fails when the lease is gone.
+    fn with_entry(&self, f: impl FnOnce(&mut Entry) -> bool) -> Result<()> {
+        let (model, rank, lease) = (&self.model, self.rank, self.lease);
+        self.hub.change(model, |m| match m.members.get_mut(&rank) {
+            Some(e) if e.lease == lease => (f(e), Ok(())),
+            _ => (false, Err(Hub::lease_lost(model, rank))),
+        })
+    }
+}
+
+#[async_trait]
+impl Announced for Held {
+    async fn unready(&self) -> Result<()> {
+        self.with_entry(|e| std::mem::replace(&mut e.ready, false))
+    }
+
+    async fn advance(&self, step: u64, table: Bytes) -> Result<()> {
+        self.with_entry(|e| {
+            e.announcement.step = step;
+            e.announcement.table = table;
+            e.ready = true;
+            true
+        })
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        let state = self.hub.state.lock();
+        match state
+            .models
+            .get(&self.model)
+            .and_then(|m| m.members.get(&self.rank))
+        {
+            Some(e) if e.lease == self.lease => Ok(()),
+            _ => Err(Hub::lease_lost(&self.model, self.rank)),
+        }
+    }
+
+    async fn withdraw(self: Box<Self>) -> Result<()> {
+        // Drop does the removal.
+        Ok(())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let (rank, lease) = (self.rank, self.lease);
+        self.hub.change(&self.model, |m| {
+            let ours = m.members.get(&rank).is_some_and(|e| e.lease == lease);
+            if ours {
+                m.members.remove(&rank);
+            }
+            (ours, ())
+        });
+    }
+}
+
+#[async_trait]
+impl Rendezvous for InProcess {
+    fn endpoint(&self) -> String {
+        "in-process".into()
+    }
+
+    async fn announce(&self, announcement: Announcement) -> Result<Box<dyn Announced>> {
+        if announcement.rank >= announcement.world {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "publisher rank {} of model {:?} is outside its world of {} ranks",
+                    announcement.rank, announcement.model, announcement.world
+                ),
+            )
+            .with_owner(announcement.rank));
+        }
+        let lease = {
+            let mut state = self.hub.state.lock();
+            state.next_lease += 1;
+            state.next_lease
+        };
+        let (model, rank) = (announcement.model.clone(), announcement.rank);
+        self.hub.change(&model, |m| {
+            m.members.insert(
+                rank,
+                Entry {
+                    announcement,
+                    ready: true,
+                    lease,
+                    granted: Instant::now(),
+                },
+            );
+            (true, ())
+        });
+        Ok(Box::new(Held {
+            hub: self.hub.clone(),
+            model,
+            rank,
+            lease,
+        }))
+    }
+
+    async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
+        let state = self.hub.state.lock();
+        let members = state
+            .models
+            .get(model)
+            .map(|m| {
+                m.members
+                    .values()
+                    .map(|e| Member {
+                        rank: e.announcement.rank,
+                        world: e.announcement.world,
+                        step: e.announcement.step,
+                        ready: e.ready,
+                        transport: e.announcement.transport.clone(),
+                        incarnation: e.announcement.incarnation,
+                        age: e.granted.elapsed(),
+                        table_bytes: e.announcement.table.len() as u64,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok((members, state.revision))
+    }
+
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Announcement>> {
+        let state = self.hub.state.lock();
+        let members = state.models.get(model);
+        ranks
+            .iter()
+            .map(|&rank| {
+                members
+                    .and_then(|m| m.members.get(&rank))
+                    .map(|e| e.announcement.clone())
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::PeerUnknown,
+                            format!("publisher rank {rank} of model {model:?} is not announced"),
+                        )
+                        .with_owner(rank)
+                    })
+            })
+            .collect()
+    }
+
+    async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        // Subscribed before looking, so a change after the look still wakes the wait.
+        let mut rx = self.hub.revision.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let now = {
+                let state = self.hub.state.lock();
+                // A model without members may have lost its last one after `revision`: any hub
+                // change then counts (a spurious wake-up costs the caller one `members` call).
+                let at = state
+                    .models
+                    .get(model)
+                    .map_or(state.revision, |m| m.changed_at);
+                if at > revision {
+                    return Ok(state.revision);
+                }
+                state.revision
+            };
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return Ok(now);
+            }
+        }
+    }
+
+    async fn models(&self) -> Result<Vec<String>> {
+        Ok(self.hub.state.lock().models.keys().cloned().collect())
+    }
+}
