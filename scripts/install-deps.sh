@@ -14,6 +14,12 @@
 #   needed for host memory) into the git-ignored folder .deps/nixl for backends/nixl.
 #   RESHARD_NIXL_HOME overrides the folder.
 # - procps: `kill`, with which the conformance suite stops and kills publisher processes.
+# - protobuf-compiler and libprotobuf-dev: protoc and the well-known .proto files it imports,
+#   which the etcd-client crate's build script compiles etcd's gRPC definitions with
+#   (rendezvous/ talks to etcd);
+# - etcd-server: the etcd that publishers and receivers meet through (rendezvous/);
+#   tests and CI start their own on 127.0.0.1 with a temporary data dir (scripts/etcd.sh),
+#   never the packaged service.
 # The Rust toolchain is pinned in rust-toolchain.toml; see the end of this script.
 #
 # Runs as root, or through sudo when it is there; without either it names the packages to
@@ -21,7 +27,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3 procps)
+apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3 procps
+              protobuf-compiler libprotobuf-dev etcd-server)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 

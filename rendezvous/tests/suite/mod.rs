@@ -1,0 +1,297 @@
+//! One suite every rendezvous implementation passes: late publishers are waited for, a step is
+//! never mixed, a publisher gone (dropped handle, expired lease) wakes watchers, and a timeout
+//! says who was seen where. Publishers and receivers use separate clients where the
+//! implementation has clients, as separate processes would.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use reshard_core::rendezvous::{discover, Announcement, Rendezvous, Want};
+use reshard_core::ErrorKind;
+
+/// The two sides of a rendezvous and how long a dropped publisher takes to disappear.
+pub struct Sides {
+    /// What publishers announce through.
+    pub publishers: Arc<dyn Rendezvous>,
+    /// What receivers discover through.
+    pub receivers: Arc<dyn Rendezvous>,
+    /// Upper bound for a dropped handle's announcement to disappear (a lease TTL for etcd).
+    pub gone_within: Duration,
+    /// The model this test announces (tests sharing a service use their own).
+    pub model: String,
+}
+
+impl Sides {
+    fn announcement(&self, rank: u32, world: u32, step: u64) -> Announcement {
+        let mut a = announcement(rank, world, step);
+        a.model = self.model.clone();
+        a
+    }
+
+    fn want(&self, after: Option<u64>, timeout_ms: u64) -> Want {
+        Want {
+            model: self.model.clone(),
+            after_step: after,
+            timeout: Duration::from_millis(timeout_ms),
+        }
+    }
+}
+
+/// Rank `rank` of `world` at `step`, with a table and metadata that name them.
+pub fn announcement(rank: u32, world: u32, step: u64) -> Announcement {
+    Announcement {
+        model: "qwen".into(),
+        rank,
+        world,
+        step,
+        transport: "loopback".into(),
+        incarnation: 100 + rank as u64,
+        table: Bytes::from(format!("table {rank} {step}")),
+        metadata: Bytes::from(format!("meta {rank}")),
+    }
+}
+
+/// A receiver started before any publisher waits, then proceeds with every rank.
+pub async fn a_receiver_started_first_waits_for_every_publisher(s: &Sides) {
+    let receiver = {
+        let (r, want) = (s.receivers.clone(), s.want(None, 10_000));
+        tokio::spawn(async move { discover(r.as_ref(), &want).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut held = Vec::new();
+    for rank in [2, 1, 0, 3] {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        held.push(
+            s.publishers
+                .announce(s.announcement(rank, 4, 3))
+                .await
+                .unwrap(),
+        );
+    }
+    let found = receiver.await.unwrap().unwrap();
+    assert_eq!(found.step, 3);
+    let ranks: Vec<u32> = found.announcements.iter().map(|a| a.rank).collect();
+    assert_eq!(ranks, [0, 1, 2, 3]);
+    assert_eq!(found.announcements[1], s.announcement(1, 4, 3));
+    assert!(
+        found.elapsed >= Duration::from_millis(80),
+        "{:?}",
+        found.elapsed
+    );
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+}
+
+/// A timeout names who was seen, who is missing and who did not advance.
+pub async fn a_timeout_names_who_was_seen_missing_and_behind(s: &Sides) {
+    let p = &s.publishers;
+    let _held = [
+        p.announce(s.announcement(0, 4, 5)).await.unwrap(),
+        p.announce(s.announcement(1, 4, 5)).await.unwrap(),
+        p.announce(s.announcement(3, 4, 4)).await.unwrap(),
+    ];
+    let e = discover(s.receivers.as_ref(), &s.want(None, 100))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout);
+    let msg = e.to_string();
+    for part in [
+        "saw 3 of 4 publishers",
+        "missing ranks 2",
+        "ranks 3 did not advance to step 5",
+        &s.receivers.endpoint(),
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+}
+
+/// A publisher rewriting its weights holds discovery until it advances.
+pub async fn an_unready_publisher_holds_discovery_until_it_advances(s: &Sides) {
+    let a = s
+        .publishers
+        .announce(s.announcement(0, 2, 1))
+        .await
+        .unwrap();
+    let b = s
+        .publishers
+        .announce(s.announcement(1, 2, 1))
+        .await
+        .unwrap();
+    let r = s.receivers.clone();
+    let first = discover(r.as_ref(), &s.want(None, 5_000)).await.unwrap();
+    assert_eq!(first.step, 1);
+    a.unready().await.unwrap();
+    b.unready().await.unwrap();
+    a.advance(2, Bytes::from_static(b"t0 2")).await.unwrap();
+    let e = discover(r.as_ref(), &s.want(Some(1), 100))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("ranks 1 updating at step 1"), "{e}");
+    let later = s.want(Some(1), 10_000);
+    let waiting = tokio::spawn(async move { discover(r.as_ref(), &later).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    b.advance(2, Bytes::from_static(b"t1 2")).await.unwrap();
+    let second = waiting.await.unwrap().unwrap();
+    assert_eq!(second.step, 2);
+    assert_eq!(second.announcements[1].table, Bytes::from_static(b"t1 2"));
+    assert!(second.revision > first.revision);
+}
+
+/// Publishers advance as fast as they can while a receiver discovers again and again: every
+/// set found is one step, with that step's tables.
+pub async fn discovery_never_mixes_steps_while_publishers_advance(s: &Sides, steps: u64) {
+    let world = 4;
+    let mut held = Vec::new();
+    for rank in 0..world {
+        let mut a = s.announcement(rank, world, 0);
+        a.table = Bytes::from("0");
+        held.push(s.publishers.announce(a).await.unwrap());
+    }
+    // Each rank a little behind the one before: most moments hold two steps at once.
+    let advancing = tokio::spawn(async move {
+        for step in 1..=steps {
+            for h in &held {
+                h.advance(step, Bytes::from(step.to_string()))
+                    .await
+                    .unwrap();
+                tokio::task::yield_now().await;
+            }
+        }
+        held
+    });
+    let mut seen = 0;
+    while !advancing.is_finished() {
+        let found = discover(s.receivers.as_ref(), &s.want(None, 10_000))
+            .await
+            .unwrap();
+        assert!(
+            found
+                .announcements
+                .iter()
+                .all(|a| a.step == found.step && a.table == found.step.to_string()),
+            "a mix of steps: {:?}",
+            found.announcements
+        );
+        seen += 1;
+        tokio::task::yield_now().await;
+    }
+    assert!(seen > 0);
+    drop(advancing.await.unwrap());
+}
+
+/// A dropped handle is a publisher gone (at once in-process, at lease expiry in etcd), and a
+/// watcher wakes for it.
+pub async fn a_dropped_handle_is_a_publisher_gone_and_wakes_watchers(s: &Sides) {
+    let a = s
+        .publishers
+        .announce(s.announcement(0, 2, 1))
+        .await
+        .unwrap();
+    let b = s
+        .publishers
+        .announce(s.announcement(1, 2, 1))
+        .await
+        .unwrap();
+    let r = s.receivers.clone();
+    let (members, revision) = r.members(&s.model).await.unwrap();
+    assert_eq!(members.len(), 2);
+    let watcher = {
+        let r = r.clone();
+        let limit = s.gone_within * 3;
+        let model = s.model.clone();
+        tokio::spawn(async move { r.changed(&model, revision, limit).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let dropped = std::time::Instant::now();
+    drop(b);
+    let after = watcher.await.unwrap().unwrap();
+    assert!(
+        after > revision,
+        "no change seen within {:?}",
+        s.gone_within * 3
+    );
+    assert!(
+        dropped.elapsed() <= s.gone_within * 2,
+        "{:?}",
+        dropped.elapsed()
+    );
+    let (members, _) = r.members(&s.model).await.unwrap();
+    assert_eq!(members.iter().map(|m| m.rank).collect::<Vec<_>>(), [0]);
+    let e = r.fetch(&s.model, &[0, 1]).await.unwrap_err();
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::PeerUnknown, Some(1))
+    );
+    // Nothing changes: a watch times out with the same revision.
+    let (_, now) = r.members(&s.model).await.unwrap();
+    let same = r
+        .changed(&s.model, now, Duration::from_millis(100))
+        .await
+        .unwrap();
+    assert_eq!(same, now);
+    a.withdraw().await.unwrap();
+    let (members, _) = r.members(&s.model).await.unwrap();
+    assert!(members.is_empty(), "withdraw removes at once");
+    assert!(!r.models().await.unwrap().contains(&s.model));
+}
+
+/// A restarted rank's announcement replaces the old one.
+pub async fn a_restarted_rank_replaces_the_old_one(s: &Sides) {
+    let old = s
+        .publishers
+        .announce(s.announcement(0, 1, 1))
+        .await
+        .unwrap();
+    let mut restarted = s.announcement(0, 1, 1);
+    restarted.incarnation = 999;
+    let new = s.publishers.announce(restarted).await.unwrap();
+    drop(old);
+    tokio::time::sleep(s.gone_within.min(Duration::from_millis(100))).await;
+    new.check_alive().unwrap();
+    let found = discover(s.receivers.as_ref(), &s.want(None, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(found.announcements[0].incarnation, 999);
+    let e = s
+        .publishers
+        .announce(s.announcement(3, 2, 1))
+        .await
+        .err()
+        .expect("rank outside world");
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    new.withdraw().await.unwrap();
+}
+
+/// Tables and metadata of several MiB (large models) arrive intact.
+pub async fn large_tables_arrive_intact(s: &Sides) {
+    let mut a = s.announcement(0, 1, 4);
+    let table: Vec<u8> = (0..3_300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    a.table = Bytes::from(table);
+    a.metadata = Bytes::from(vec![9u8; 700_000]);
+    let held = s.publishers.announce(a.clone()).await.unwrap();
+    let found = discover(s.receivers.as_ref(), &s.want(None, 5_000))
+        .await
+        .unwrap();
+    assert_eq!(found.announcements, vec![a]);
+    let (members, _) = s.receivers.members(&s.model).await.unwrap();
+    assert_eq!(members[0].table_bytes, 3_300_000);
+    held.withdraw().await.unwrap();
+}
+
+/// A live publisher's announcement outlasts its lease TTL many times over (the keep-alive).
+pub async fn a_live_publisher_outlasts_its_lease(s: &Sides) {
+    let held = s
+        .publishers
+        .announce(s.announcement(0, 1, 2))
+        .await
+        .unwrap();
+    tokio::time::sleep(s.gone_within * 2).await;
+    held.check_alive().unwrap();
+    let found = discover(s.receivers.as_ref(), &s.want(None, 100))
+        .await
+        .unwrap();
+    assert_eq!(found.step, 2);
+    held.withdraw().await.unwrap();
+}

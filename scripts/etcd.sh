@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# A private etcd for tests, CI and the README's multi-process run: on 127.0.0.1, free ports,
+# a data dir of its own, never the packaged service (etcd-server, from scripts/install-deps.sh).
+#
+#   scripts/etcd.sh start DIR   starts etcd with its data in DIR/data, waits until it answers,
+#                               prints its client endpoint (etcd://127.0.0.1:PORT) and writes
+#                               it to DIR/endpoint and the pid to DIR/pid
+#   scripts/etcd.sh stop DIR    stops it (SIGTERM, then SIGKILL after 5 s) and removes DIR/data
+#
+# ETCD_PORT sets the client port (default: a free one); the peer port is a free one.
+set -euo pipefail
+
+usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
+[ $# -eq 2 ] || usage
+cmd=$1
+dir=$2
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+case "$cmd" in
+start)
+    if ! command -v etcd >/dev/null 2>&1; then
+        echo "etcd.sh: etcd not found; run scripts/install-deps.sh (Debian package etcd-server)" >&2
+        exit 1
+    fi
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd)
+    client=${ETCD_PORT:-$(free_port)}
+    peer=$(free_port)
+    url="http://127.0.0.1:$client"
+    etcd --name reshard-test --data-dir "$dir/data" \
+        --listen-client-urls "$url" --advertise-client-urls "$url" \
+        --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
+        --initial-cluster "reshard-test=http://127.0.0.1:$peer" \
+        --log-level warn --logger zap >"$dir/etcd.log" 2>&1 &
+    pid=$!
+    echo "$pid" >"$dir/pid"
+    healthy=
+    for _ in $(seq 1 200); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "etcd.sh: etcd exited at start; its log:" >&2
+            cat "$dir/etcd.log" >&2
+            exit 1
+        fi
+        # /health answers once the member has elected itself leader.
+        if python3 - "$url" <<'EOF' 2>/dev/null; then healthy=1; break; fi
+import json, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1] + "/health", timeout=1) as r:
+    sys.exit(0 if json.load(r).get("health") == "true" else 1)
+EOF
+        sleep 0.05
+    done
+    if [ -z "$healthy" ]; then
+        echo "etcd.sh: etcd did not become healthy in 10 s; its log:" >&2
+        cat "$dir/etcd.log" >&2
+        kill -9 "$pid" 2>/dev/null || true
+        exit 1
+    fi
+    echo "etcd://127.0.0.1:$client" >"$dir/endpoint"
+    cat "$dir/endpoint"
+    ;;
+stop)
+    if [ -f "$dir/pid" ]; then
+        pid=$(cat "$dir/pid")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 1 100); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.05
+        done
+        kill -9 "$pid" 2>/dev/null || true
+        rm -f "$dir/pid"
+    fi
+    rm -rf "$dir/data"
+    ;;
+*)
+    usage
+    ;;
+esac
