@@ -1,0 +1,101 @@
+//! The production publisher: shards laid out from the topology, filled through a weight
+//! source, published with digests a receiver verifies; the geometry (and so the receiver's plan)
+//! stays the same from step to step.
+
+use std::sync::Arc;
+
+use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
+use reshard_core::{Error, ErrorKind, Transport};
+use reshard_planner::layouts::receiver_layout;
+use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
+use reshard_runtime::{Receiver, ReceiverOptions, ShardPublisher};
+use reshard_testkit::content;
+use reshard_testkit::synthetic::reference_params;
+
+const SEED: u64 = 11;
+
+fn endpoint(fabric: &LoopbackFabric, agent: &str) -> Arc<dyn Transport> {
+    Arc::new(LoopbackTransport::new(fabric, agent, 2).expect("endpoint"))
+}
+
+/// Fills every publisher with the generator's step `step` (the testkit content function, so
+/// the expected receiver parameters can be rebuilt without any publisher).
+fn fill(publishers: &mut [ShardPublisher], step: u64) {
+    for p in publishers {
+        p.fill(step, |spec, tbox, dst| {
+            let key = content::tensor_key(SEED, step, &spec.name);
+            content::fill_box(dst, key, &spec.shape, tbox, spec.dtype.size());
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_shards_refit_byte_exact_step_after_step_on_one_plan() {
+    let model = reshard_testkit::models::tiny_moe(8);
+    let topo: PublisherTopology = "ep=4,dp=8".parse().unwrap();
+    let fabric = LoopbackFabric::new();
+    let mut publishers = Vec::new();
+    for rank in 0..topo.world() {
+        let t = endpoint(&fabric, &format!("pub-{rank}"));
+        publishers.push(ShardPublisher::new(t, &model, &topo, rank).await.unwrap());
+    }
+    let rx_t = endpoint(&fabric, "rx");
+    for p in &publishers {
+        let md = p.transport().export_metadata().await.unwrap();
+        rx_t.load_peer(p.table().publisher.rank, md).await.unwrap();
+    }
+    let layout = receiver_layout(&model, &ReceiverTopology::tp(2), 1).unwrap();
+    let mut rx = Receiver::new(rx_t, layout.clone(), ReceiverOptions::default()).unwrap();
+    for step in [3u64, 4, 9] {
+        fill(&mut publishers, step);
+        let tables: Vec<_> = publishers.iter().map(|p| p.table().clone()).collect();
+        assert!(tables
+            .iter()
+            .all(|t| t.step == step && t.publisher.incarnation != 0));
+        assert!(tables[0].offers.iter().all(|o| o.digest.is_some()));
+        let report = rx.update(&tables).await.unwrap();
+        assert_eq!(report.checks_without_digest, 0, "step {step}: every read checked");
+        assert!(report.checks_passed > 0 && report.checked_bytes > 0);
+        let expected = reference_params(&model.tensors(), SEED, step, &layout).unwrap();
+        let live: Vec<Vec<u8>> = rx
+            .live_params()
+            .unwrap()
+            .iter()
+            .map(|p| p.read().to_vec())
+            .collect();
+        assert!(live == expected, "step {step}: installed bytes differ");
+        assert_eq!(rx.live_step(), Some(step));
+    }
+    assert_eq!(
+        rx.plan_builds(),
+        1,
+        "same geometry every step: planned once"
+    );
+}
+
+#[tokio::test]
+async fn a_source_error_is_returned_and_a_rank_outside_the_topology_refused() {
+    let model = reshard_testkit::models::tiny_moe(4);
+    let topo: PublisherTopology = "ep=2,dp=2".parse().unwrap();
+    let fabric = LoopbackFabric::new();
+    let e = ShardPublisher::new(endpoint(&fabric, "p9"), &model, &topo, 2)
+        .await
+        .err()
+        .expect("rank 2 of 2");
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::InvalidInput, Some(2))
+    );
+    let mut p = ShardPublisher::new(endpoint(&fabric, "p0"), &model, &topo, 0)
+        .await
+        .unwrap();
+    let e = p
+        .fill(1, |spec, _, _| {
+            Err(Error::new(ErrorKind::Config, "no such tensor").with_tensor(&spec.name))
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(p.table().step, 0, "a failed fill publishes nothing new");
+}
