@@ -34,6 +34,9 @@ pub struct Announcement {
     pub table: Bytes,
     /// The transport's exported metadata (`Transport::export_metadata`).
     pub metadata: Bytes,
+    /// The model's architecture as the publisher read it from its checkpoint (JSON of the
+    /// planner's `ModelConfig`), so a receiver needs no preset; every member must agree.
+    pub config: Bytes,
 }
 
 /// What a rendezvous knows of one member without fetching its table.
@@ -130,6 +133,20 @@ pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discov
             let announcements = rendezvous.fetch(&want.model, &ranks).await?;
             if announcements.len() == world as usize && announcements.iter().all(|a| a.step == step)
             {
+                if let Some(a) = announcements
+                    .iter()
+                    .find(|a| a.config != announcements[0].config)
+                {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!(
+                            "publishers of model {:?} disagree on its architecture: rank {} \
+                             announces another config than rank {}",
+                            want.model, a.rank, announcements[0].rank
+                        ),
+                    )
+                    .with_owner(a.rank));
+                }
                 return Ok(Discovered {
                     step,
                     announcements,

@@ -5,9 +5,9 @@
 //! - `members/<rank>`: the member record (JSON: step, readiness, world, transport,
 //!   incarnation, and the size and XXH3-64 of its table and metadata), written last, so a
 //!   record that says ready implies its blobs are there;
-//! - `blobs/<rank>/<lease>/metadata/<chunk>` and
-//!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata and the encoded
-//!   shard table in chunks of [`CHUNK_BYTES`], under etcd's request limit (1.5 MiB by default),
+//! - `blobs/<rank>/<lease>/metadata/<chunk>`, `blobs/<rank>/<lease>/config/<chunk>` and
+//!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata, the model's
+//!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's request limit (1.5 MiB by default),
 //!   since tables of large models are megabytes.
 //!
 //! Every key of a publisher is attached to its lease: a publisher that dies stops the keep-alive
@@ -77,10 +77,11 @@ struct Record {
     granted_unix_ms: u64,
     table: BlobRef,
     metadata: BlobRef,
+    config: BlobRef,
 }
 
 /// Where a blob's chunks are and what they must add up to.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct BlobRef {
     prefix: String,
     chunks: u32,
@@ -467,25 +468,22 @@ impl Rendezvous for Etcd {
                 transport: a.transport.clone(),
                 incarnation: a.incarnation,
                 granted_unix_ms: unix_ms(),
-                table: BlobRef {
-                    prefix: String::new(),
-                    chunks: 0,
-                    bytes: 0,
-                    xxh3: 0,
-                },
-                metadata: BlobRef {
-                    prefix: String::new(),
-                    chunks: 0,
-                    bytes: 0,
-                    xxh3: 0,
-                },
+                table: BlobRef::default(),
+                metadata: BlobRef::default(),
+                config: BlobRef::default(),
             }),
             lost,
             keeper,
         };
         let meta = blob_prefix(&a.model, a.rank, lease, "metadata");
         let metadata = self.put_blob(meta, &a.metadata, lease).await?;
-        held.record.lock().metadata = metadata;
+        let config = blob_prefix(&a.model, a.rank, lease, "config");
+        let config = self.put_blob(config, &a.config, lease).await?;
+        {
+            let mut record = held.record.lock();
+            record.metadata = metadata;
+            record.config = config;
+        }
         // `advance` writes the table, then the record that makes it visible.
         held.advance(a.step, a.table).await?;
         Ok(Box::new(held))
@@ -539,9 +537,10 @@ impl Rendezvous for Etcd {
                     .with_owner(rank)
                 })?;
                 let rec = parse_record(model, kv.key(), kv.value())?;
-                let (table, metadata) = futures::try_join!(
+                let (table, metadata, config) = futures::try_join!(
                     self.get_blob(&rec.table, revision, rank),
-                    self.get_blob(&rec.metadata, revision, rank)
+                    self.get_blob(&rec.metadata, revision, rank),
+                    self.get_blob(&rec.config, revision, rank)
                 )?;
                 Ok::<_, Error>(Announcement {
                     model: model.to_string(),
@@ -552,6 +551,7 @@ impl Rendezvous for Etcd {
                     incarnation: rec.incarnation,
                     table,
                     metadata,
+                    config,
                 })
             })
             .buffer_unordered(FETCH_CONCURRENCY)

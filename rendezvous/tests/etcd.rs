@@ -106,6 +106,7 @@ suite_tests!(
     a_restarted_rank_replaces_the_old_one,
     large_tables_arrive_intact,
     a_live_publisher_outlasts_its_lease,
+    a_disagreeing_architecture_is_refused,
 );
 
 #[tokio::test]

@@ -49,6 +49,7 @@ pub fn announcement(rank: u32, world: u32, step: u64) -> Announcement {
         incarnation: 100 + rank as u64,
         table: Bytes::from(format!("table {rank} {step}")),
         metadata: Bytes::from(format!("meta {rank}")),
+        config: Bytes::from_static(br#"{"name":"qwen"}"#),
     }
 }
 
@@ -270,6 +271,7 @@ pub async fn large_tables_arrive_intact(s: &Sides) {
     let table: Vec<u8> = (0..3_300_000u32).map(|i| (i * 7 % 251) as u8).collect();
     a.table = Bytes::from(table);
     a.metadata = Bytes::from(vec![9u8; 700_000]);
+    a.config = Bytes::from(vec![b'c'; 600_000]);
     let held = s.publishers.announce(a.clone()).await.unwrap();
     let found = discover(s.receivers.as_ref(), &s.want(None, 5_000))
         .await
@@ -294,4 +296,26 @@ pub async fn a_live_publisher_outlasts_its_lease(s: &Sides) {
         .unwrap();
     assert_eq!(found.step, 2);
     held.withdraw().await.unwrap();
+}
+
+/// Members that announce different architectures are refused, naming one.
+pub async fn a_disagreeing_architecture_is_refused(s: &Sides) {
+    let a = s
+        .publishers
+        .announce(s.announcement(0, 2, 1))
+        .await
+        .unwrap();
+    let mut other = s.announcement(1, 2, 1);
+    other.config = Bytes::from_static(b"{}");
+    let b = s.publishers.announce(other).await.unwrap();
+    let e = discover(s.receivers.as_ref(), &s.want(None, 2_000))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::Config, Some(1)),
+        "{e}"
+    );
+    a.withdraw().await.unwrap();
+    b.withdraw().await.unwrap();
 }
