@@ -95,6 +95,6 @@ pub fn newest_complete(dir: &Path) -> Result<Option<(u64, PathBuf)>> {
             e.path().is_dir().then(|| (n, e.path()))
         })
         .collect();
-    steps.sort_by(|a, b| b.0.cmp(&a.0));
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
     Ok(steps.into_iter().find(|(_, p)| is_complete(p)))
 }

@@ -156,6 +156,7 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(files.len());
         let mut found: HashMap<String, Entry> = HashMap::new();
         let mut step = index.step;
+        let mut stray: Option<Error> = None;
         for name in files {
             let path = dir.join(name);
             let map = map_file(&path)?;
@@ -188,15 +189,19 @@ impl Checkpoint {
             })?;
             let shard = shards.len();
             for (t, info) in infos {
+                // A tensor the index does not place here is reported after the missing-tensor
+                // check: a renamed tensor is then named by what the architecture expects.
                 let listed = index.weight_map.get(&t);
-                if listed != Some(name) {
+                if listed != Some(name) && stray.is_none() {
                     let where_ = listed.map_or("is not in the index".to_string(), |f| {
                         format!("is listed in the index under {f}")
                     });
-                    return Err(cfg_err(format!(
-                        "unexpected tensor {t} in shard file {name}: it {where_}"
-                    ))
-                    .with_tensor(t));
+                    stray = Some(
+                        cfg_err(format!(
+                            "unexpected tensor {t} in shard file {name}: it {where_}"
+                        ))
+                        .with_tensor(t.as_str()),
+                    );
                 }
                 let dtype = from_st_dtype(info.dtype).ok_or_else(|| {
                     cfg_err(format!(
@@ -250,6 +255,9 @@ impl Checkpoint {
                 ))
                 .with_tensor(&want.name));
             }
+        }
+        if let Some(e) = stray {
+            return Err(e);
         }
         if found.len() != specs.len() || index.weight_map.len() != specs.len() {
             let known: std::collections::HashSet<&str> =
