@@ -1,18 +1,18 @@
 //! Generating a checkpoint: shard files first, `config.json`, then the index last (atomically).
 
-use std::borrow::Cow;
-use std::collections::HashMap;
 use std::fs;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use reshard_core::{Error, ErrorKind, Result, TensorSpec};
 use reshard_planner::presets::ModelConfig;
-use safetensors::tensor::{Dtype, View};
 use serde_json::json;
 
 use crate::config::{to_hf_config, CONFIG_FILE};
 use crate::content::fill_tensor;
 use crate::{to_st_dtype, INDEX_FILE, STEP_KEY};
+
+use serde_json::{Map, Value};
 
 /// Options of [`write_checkpoint`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,32 +44,6 @@ pub struct Written {
     pub total_size: u64,
     /// Number of tensors.
     pub tensors: usize,
-}
-
-/// One tensor whose bytes are generated when the serializer asks for them, so the writer holds
-/// one tensor in memory at a time rather than a whole shard.
-struct Generated<'a> {
-    spec: &'a TensorSpec,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    step: u64,
-}
-
-impl View for &Generated<'_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        let mut v = vec![0u8; self.data_len()];
-        fill_tensor(self.spec, self.step, &mut v);
-        Cow::Owned(v)
-    }
-    fn data_len(&self) -> usize {
-        self.spec.bytes() as usize
-    }
 }
 
 fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> Error {
@@ -130,28 +104,13 @@ pub fn write_checkpoint(
     }
     let specs = model.tensors();
     let groups = plan_shards(&specs, options.max_shard_bytes);
-    let meta = Some(HashMap::from([
-        ("format".to_string(), "pt".to_string()),
-        (STEP_KEY.to_string(), step.to_string()),
-    ]));
     let mut weight_map = serde_json::Map::new();
     let mut shards = Vec::with_capacity(groups.len());
     let mut total = 0u64;
     for (i, group) in groups.iter().enumerate() {
         let name = shard_file_name(i, groups.len());
-        let gens: Vec<Generated> = group
-            .iter()
-            .map(|s| Generated {
-                spec: s,
-                dtype: to_st_dtype(s.dtype),
-                shape: s.shape.iter().map(|&d| d as usize).collect(),
-                step,
-            })
-            .collect();
         let tmp = out.join(format!(".{name}.tmp"));
-        let items = gens.iter().map(|g| (g.spec.name.as_str(), g));
-        safetensors::serialize_to_file(items, &meta, &tmp)
-            .map_err(|e| io_err("write shard", &tmp, e))?;
+        write_shard(group, step, &tmp)?;
         sync(&tmp)?;
         let path = out.join(&name);
         fs::rename(&tmp, &path).map_err(|e| io_err("rename into", &path, e))?;
@@ -202,4 +161,53 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     fs::write(&tmp, bytes).map_err(|e| io_err("write", &tmp, e))?;
     sync(&tmp)?;
     fs::rename(&tmp, path).map_err(|e| io_err("rename into", path, e))
+}
+
+/// The safetensors header of `group`: tensors in model order, data offsets back to back, and
+/// `__metadata__` with `format` (transformers refuses shards without it) and the step. Built as a
+/// `serde_json` map rather than through `safetensors::serialize_to_file`, whose `__metadata__`
+/// is a `HashMap`: its key order, and so the file bytes, would vary from run to run.
+fn shard_header(group: &[&TensorSpec], step: u64) -> Vec<u8> {
+    let mut h = Map::new();
+    h.insert(
+        "__metadata__".into(),
+        json!({ "format": "pt", STEP_KEY: step.to_string() }),
+    );
+    let mut at = 0u64;
+    for s in group {
+        let end = at + s.bytes();
+        h.insert(
+            s.name.clone(),
+            json!({
+                "dtype": to_st_dtype(s.dtype),
+                "shape": s.shape,
+                "data_offsets": [at, end],
+            }),
+        );
+        at = end;
+    }
+    let mut bytes = serde_json::to_vec(&Value::Object(h)).unwrap_or_default();
+    // Pad with spaces to 8 bytes, as the safetensors crate does, so data starts aligned.
+    let pad = (8 - bytes.len() % 8) % 8;
+    bytes.resize(bytes.len() + pad, b' ');
+    bytes
+}
+
+/// Writes one shard file: header length, header, then each tensor generated in turn (one
+/// tensor in memory at a time).
+fn write_shard(group: &[&TensorSpec], step: u64, path: &Path) -> Result<()> {
+    let header = shard_header(group, step);
+    let f = fs::File::create(path).map_err(|e| io_err("create", path, e))?;
+    let mut w = std::io::BufWriter::new(f);
+    let mut put = |b: &[u8]| w.write_all(b).map_err(|e| io_err("write", path, e));
+    put(&(header.len() as u64).to_le_bytes())?;
+    put(&header)?;
+    let mut buf = Vec::new();
+    for s in group {
+        buf.clear();
+        buf.resize(s.bytes() as usize, 0);
+        fill_tensor(s, step, &mut buf);
+        put(&buf)?;
+    }
+    w.flush().map_err(|e| io_err("write", path, e))
 }
