@@ -409,3 +409,47 @@ fn newest_complete_picks_the_largest_complete_step() {
     assert_eq!(newest_complete(&d).unwrap(), Some((1, d.clone())));
     assert_eq!(newest_complete(&r.join("step-5")).unwrap(), None);
 }
+
+#[test]
+fn a_wrong_dtype_names_tensor_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let t = "model.layers.0.mlp.down_proj.weight";
+    let path = file_of(tmp.path(), t);
+    let mut f = raw(&path);
+    // Same element size: only the dtype check can catch it.
+    f.header.get_mut(t).unwrap()["dtype"] = "F16".into();
+    f.write(&path);
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().tensor.as_deref(), Some(t));
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        e.message().contains("dtype") && e.message().contains(&file),
+        "{e}"
+    );
+}
+
+#[test]
+fn without_a_recorded_step_the_step_folder_name_is_used() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("step-42");
+    write_checkpoint(&llama_tiny(), 42, &dir, &small_shards()).unwrap();
+    // As a checkpoint from elsewhere: no reshard_step in the index or the shard headers.
+    let mut idx = index(&dir);
+    idx["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("reshard_step");
+    fs::write(dir.join(INDEX_FILE), serde_json::to_vec(&idx).unwrap()).unwrap();
+    for f in fs::read_dir(&dir).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            let mut r = raw(&p);
+            r.header.remove("__metadata__");
+            r.write(&p);
+        }
+    }
+    assert_eq!(Checkpoint::open(&dir).unwrap().step(), 42);
+    assert_eq!(newest_complete(root.path()).unwrap(), Some((42, dir)));
+}
