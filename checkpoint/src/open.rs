@@ -11,9 +11,10 @@ use safetensors::tensor::Metadata;
 use safetensors::SafeTensors;
 use serde_json::Value;
 
+use crate::config::dtype_from_safetensors as from_st_dtype;
 use crate::config::read_config;
 use crate::mmap::map_file;
-use crate::{from_st_dtype, INDEX_FILE, STEP_KEY};
+use crate::{INDEX_FILE, STEP_KEY};
 
 /// A mapped shard file.
 pub(crate) struct Shard {

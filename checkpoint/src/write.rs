@@ -8,9 +8,10 @@ use reshard_core::{Error, ErrorKind, Result, TensorSpec};
 use reshard_planner::presets::ModelConfig;
 use serde_json::json;
 
+use crate::config::safetensors_dtype as to_st_dtype;
 use crate::config::{to_hf_config, CONFIG_FILE};
 use crate::content::fill_tensor;
-use crate::{to_st_dtype, INDEX_FILE, STEP_KEY};
+use crate::{INDEX_FILE, STEP_KEY};
 
 use serde_json::{Map, Value};
 
