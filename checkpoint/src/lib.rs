@@ -1,0 +1,23 @@
+#![doc = include_str!("../README.md")]
+// Unsafe code lives in `mmap` alone: mapping a shard file read-only.
+#![deny(unsafe_code)]
+
+mod complete;
+pub mod config;
+mod content;
+mod copy;
+#[allow(unsafe_code)]
+mod mmap;
+mod open;
+mod write;
+
+pub use complete::{incomplete_reason, is_complete, newest_complete};
+pub use open::Checkpoint;
+pub use write::{shard_file_name, write_checkpoint, WriteOptions, Written};
+
+/// File name of the index that lists every tensor's shard file; written last.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Key of the step in the index `metadata` (a number) and in each shard's `__metadata__` (a
+/// decimal string, as safetensors metadata values are strings).
+pub const STEP_KEY: &str = "reshard_step";

@@ -1,0 +1,343 @@
+//! Opening a checkpoint: config, index, memory-mapped shards, and validation of every tensor
+//! against the architecture `config.json` describes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use reshard_core::{Error, ErrorKind, Result, TensorSpec};
+use reshard_planner::presets::ModelConfig;
+use safetensors::tensor::Metadata;
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+use crate::config::dtype_from_safetensors as from_st_dtype;
+use crate::config::read_config;
+use crate::mmap::map_file;
+use crate::{INDEX_FILE, STEP_KEY};
+
+/// A mapped shard file.
+pub(crate) struct Shard {
+    pub(crate) name: String,
+    pub(crate) map: Mmap,
+}
+
+/// Where one tensor's bytes are.
+pub(crate) struct Entry {
+    pub(crate) spec: TensorSpec,
+    pub(crate) shard: usize,
+    /// Absolute byte range inside the shard's map.
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+}
+
+/// An opened, validated checkpoint whose shard files are memory-mapped read-only.
+pub struct Checkpoint {
+    dir: PathBuf,
+    model: ModelConfig,
+    step: u64,
+    specs: Vec<TensorSpec>,
+    pub(crate) shards: Vec<Shard>,
+    pub(crate) entries: HashMap<String, Entry>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("model", &self.model.name)
+            .field("step", &self.step)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.specs.len())
+            .finish()
+    }
+}
+
+pub(crate) fn cfg_err(msg: String) -> Error {
+    Error::new(ErrorKind::Config, msg)
+}
+
+/// The parsed index: step, and tensor name -> shard file name.
+pub(crate) struct Index {
+    pub(crate) step: Option<u64>,
+    pub(crate) weight_map: BTreeMap<String, String>,
+}
+
+/// Reads `dir/model.safetensors.index.json`; a missing index means the folder is incomplete.
+pub(crate) fn read_index(dir: &Path) -> Result<Index> {
+    let file = dir.join(INDEX_FILE);
+    let text = std::fs::read_to_string(&file).map_err(|e| {
+        cfg_err(format!(
+            "{} is not a complete checkpoint: cannot read {}: {e}",
+            dir.display(),
+            file.display()
+        ))
+    })?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| cfg_err(format!("{} is not valid JSON: {e}", file.display())))?;
+    let wm = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| cfg_err(format!("{} has no \"weight_map\" object", file.display())))?;
+    let mut weight_map = BTreeMap::new();
+    for (k, f) in wm {
+        let f = f.as_str().ok_or_else(|| {
+            cfg_err(format!(
+                "{}: weight_map entry of tensor {k} is not a file name",
+                file.display()
+            ))
+            .with_tensor(k)
+        })?;
+        // The index names files inside the checkpoint folder, never elsewhere.
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            return Err(cfg_err(format!(
+                "{}: tensor {k} maps to {f:?}, which is not a file name in the folder",
+                file.display()
+            ))
+            .with_tensor(k));
+        }
+        weight_map.insert(k.clone(), f.to_string());
+    }
+    let step = v
+        .get("metadata")
+        .and_then(|m| m.get(STEP_KEY))
+        .and_then(|s| {
+            s.as_u64()
+                .or_else(|| s.as_str().and_then(|s| s.parse().ok()))
+        });
+    Ok(Index { step, weight_map })
+}
+
+/// Parses the safetensors header of `bytes` (a whole shard file) without the crate's
+/// whole-buffer check, so a file too short for its header can be reported per tensor.
+pub(crate) fn parse_header(bytes: &[u8], file: &str) -> Result<(usize, Metadata)> {
+    let bad = |m: &str| cfg_err(format!("shard file {file}: {m}"));
+    let n = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+        .ok_or_else(|| bad("shorter than the 8-byte header length"))?;
+    let end = usize::try_from(n)
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .filter(|&e| e <= bytes.len())
+        .ok_or_else(|| bad(&format!("header length {n} runs past the end of the file")))?;
+    let meta: Metadata = serde_json::from_slice(&bytes[8..end])
+        .map_err(|e| bad(&format!("header is not valid safetensors JSON: {e}")))?;
+    Ok((end, meta))
+}
+
+/// The step recorded in a shard's `__metadata__`, if any.
+fn shard_step(meta: &Metadata) -> Option<u64> {
+    meta.metadata()
+        .as_ref()
+        .and_then(|m| m.get(STEP_KEY))
+        .and_then(|s| s.parse().ok())
+}
+
+fn step_from_dir_name(dir: &Path) -> Option<u64> {
+    let name = dir
+        .canonicalize()
+        .ok()?
+        .file_name()?
+        .to_string_lossy()
+        .into_owned();
+    name.strip_prefix("step-")?.parse().ok()
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint in `dir`: reads `config.json` and the index, maps every shard and
+    /// validates every tensor against the architecture (see the crate docs for the error kinds).
+    pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
+        let dir = dir.as_ref();
+        let index = read_index(dir)?;
+        let model = read_config(dir)?;
+        let mut files: Vec<&String> = index.weight_map.values().collect();
+        files.sort();
+        files.dedup();
+        let mut shards = Vec::with_capacity(files.len());
+        let mut found: HashMap<String, Entry> = HashMap::new();
+        let mut step = index.step;
+        let mut stray: Option<Error> = None;
+        for name in files {
+            let path = dir.join(name);
+            let map = map_file(&path)?;
+            let (start, meta) = parse_header(&map, name)?;
+            let data_len = map.len() - start;
+            if let (Some(s), Some(i)) = (shard_step(&meta), step) {
+                if s != i {
+                    return Err(cfg_err(format!(
+                        "shard file {name} is of step {s} but the index says step {i}"
+                    )));
+                }
+            }
+            step = step.or(shard_step(&meta));
+            let mut infos: Vec<_> = meta.tensors().into_iter().collect();
+            infos.sort_by_key(|(_, i)| i.data_offsets);
+            for (t, info) in &infos {
+                let (b, e) = info.data_offsets;
+                if b > e || e > data_len {
+                    return Err(cfg_err(format!(
+                        "tensor {t} in shard file {name}: data bytes {b}..{e} lie outside the \
+                         {data_len} data bytes of the file (truncated?)"
+                    ))
+                    .with_tensor(t.as_str()));
+                }
+            }
+            // The crate's own checks: offsets contiguous, sizes matching dtype x shape, no
+            // trailing bytes.
+            SafeTensors::deserialize(&map).map_err(|e| {
+                cfg_err(format!("shard file {name} is not valid safetensors: {e:?}"))
+            })?;
+            let shard = shards.len();
+            for (t, info) in infos {
+                // A tensor the index does not place here is reported after the missing-tensor
+                // check: a renamed tensor is then named by what the architecture expects.
+                let listed = index.weight_map.get(&t);
+                if listed != Some(name) && stray.is_none() {
+                    let where_ = listed.map_or("is not in the index".to_string(), |f| {
+                        format!("is listed in the index under {f}")
+                    });
+                    stray = Some(
+                        cfg_err(format!(
+                            "unexpected tensor {t} in shard file {name}: it {where_}"
+                        ))
+                        .with_tensor(t.as_str()),
+                    );
+                }
+                let dtype = from_st_dtype(info.dtype).ok_or_else(|| {
+                    cfg_err(format!(
+                        "tensor {t} in shard file {name} has unsupported dtype {:?}",
+                        info.dtype
+                    ))
+                    .with_tensor(t.as_str())
+                })?;
+                let shape = info.shape.iter().map(|&d| d as u64).collect();
+                found.insert(
+                    t.clone(),
+                    Entry {
+                        spec: TensorSpec::new(t.clone(), dtype, shape),
+                        shard,
+                        start: start + info.data_offsets.0,
+                        end: start + info.data_offsets.1,
+                    },
+                );
+            }
+            shards.push(Shard {
+                name: name.clone(),
+                map,
+            });
+        }
+        let specs = model.tensors();
+        for want in &specs {
+            let file = index.weight_map.get(&want.name);
+            let have = found.get(&want.name).ok_or_else(|| {
+                let why = match file {
+                    Some(f) => format!("the index lists it in {f} but that file does not hold it"),
+                    None => "it is neither in the index nor in any shard file".into(),
+                };
+                cfg_err(format!(
+                    "missing tensor {} (required by config.json, model {}): {why}",
+                    want.name, model.name
+                ))
+                .with_tensor(&want.name)
+            })?;
+            let file = &shards[have.shard].name;
+            if have.spec.dtype != want.dtype {
+                return Err(cfg_err(format!(
+                    "tensor {} in shard file {file} has dtype {} but config.json implies {}",
+                    want.name, have.spec.dtype, want.dtype
+                ))
+                .with_tensor(&want.name));
+            }
+            if have.spec.shape != want.shape {
+                return Err(cfg_err(format!(
+                    "tensor {} in shard file {file} has shape {:?} but config.json implies {:?}",
+                    want.name, have.spec.shape, want.shape
+                ))
+                .with_tensor(&want.name));
+            }
+        }
+        if let Some(e) = stray {
+            return Err(e);
+        }
+        if found.len() != specs.len() || index.weight_map.len() != specs.len() {
+            let known: std::collections::HashSet<&str> =
+                specs.iter().map(|s| s.name.as_str()).collect();
+            let extra = index
+                .weight_map
+                .iter()
+                .find(|(t, _)| !known.contains(t.as_str()));
+            if let Some((t, f)) = extra {
+                return Err(cfg_err(format!(
+                    "unexpected tensor {t} in shard file {f}: the architecture in config.json \
+                     (model {}) has no such tensor",
+                    model.name
+                ))
+                .with_tensor(t.as_str()));
+            }
+        }
+        Ok(Checkpoint {
+            step: step.or_else(|| step_from_dir_name(dir)).unwrap_or(0),
+            dir: dir.to_path_buf(),
+            model,
+            specs,
+            shards,
+            entries: found,
+        })
+    }
+
+    /// The checkpoint folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The architecture read from `config.json`.
+    pub fn model(&self) -> &ModelConfig {
+        &self.model
+    }
+
+    /// The step: index metadata `reshard_step`, else shard metadata, else a `step-N` folder
+    /// name, else 0.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Every tensor, in the architecture's order (`ModelConfig::tensors`).
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+
+    /// The spec of one tensor, or an `InvalidInput` error naming it.
+    pub fn spec(&self, tensor: &str) -> Result<&TensorSpec> {
+        Ok(&self.entry(tensor)?.spec)
+    }
+
+    /// Shard file names, sorted.
+    pub fn shard_files(&self) -> Vec<&str> {
+        self.shards.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    /// The shard file holding `tensor`.
+    pub fn file_of(&self, tensor: &str) -> Result<&str> {
+        Ok(&self.shards[self.entry(tensor)?.shard].name)
+    }
+
+    /// The whole tensor's bytes, row-major, straight from the mapped file.
+    pub fn tensor_bytes(&self, tensor: &str) -> Result<&[u8]> {
+        let e = self.entry(tensor)?;
+        Ok(&self.shards[e.shard].map[e.start..e.end])
+    }
+
+    pub(crate) fn entry(&self, tensor: &str) -> Result<&Entry> {
+        self.entries.get(tensor).ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "tensor {tensor} is not in the checkpoint {}",
+                    self.dir.display()
+                ),
+            )
+            .with_tensor(tensor)
+        })
+    }
+}

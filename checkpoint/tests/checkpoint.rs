@@ -1,0 +1,455 @@
+//! Real checkpoints in a temp dir: written, reopened, compared against the files themselves.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use reshard_checkpoint::{
+    incomplete_reason, is_complete, newest_complete, write_checkpoint, Checkpoint, WriteOptions,
+    INDEX_FILE,
+};
+use reshard_core::{ErrorKind, TensorBox};
+use reshard_planner::presets::{preset, ModelConfig, MoeConfig};
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+/// Qwen3-30B-A3B at its real widths, one layer, two experts, a 512-row vocabulary (~60 MB).
+fn qwen_scaled() -> ModelConfig {
+    preset("qwen3-30b-a3b")
+        .unwrap()
+        .with_overrides(Some(1), Some(2), Some(512))
+        .unwrap()
+}
+
+/// The Qwen3 MoE architecture at toy widths, for tests that write many checkpoints.
+fn qwen_tiny() -> ModelConfig {
+    let mut m = preset("qwen3-30b-a3b").unwrap();
+    m.layers = 2;
+    m.hidden = 64;
+    m.heads = 4;
+    m.kv_heads = 2;
+    m.head_dim = 16;
+    m.moe = Some(MoeConfig {
+        experts: 4,
+        expert_intermediate: 32,
+    });
+    m.vocab = 128;
+    m
+}
+
+/// Llama-3-8B's architecture (dense, no q/k norm) at toy widths: its real widths make even one
+/// layer ~430 MB, too much for a unit test.
+fn llama_tiny() -> ModelConfig {
+    let mut m = preset("llama-3-8b").unwrap();
+    m.layers = 2;
+    m.hidden = 64;
+    m.heads = 4;
+    m.kv_heads = 2;
+    m.head_dim = 16;
+    m.intermediate = 96;
+    m.vocab = 100;
+    m
+}
+
+fn small_shards() -> WriteOptions {
+    WriteOptions {
+        max_shard_bytes: 16 << 10,
+    }
+}
+
+/// A safetensors file parsed by hand (not with the crate): header length, header JSON, bytes.
+struct RawFile {
+    header: serde_json::Map<String, Value>,
+    data_start: usize,
+    bytes: Vec<u8>,
+}
+
+fn raw(path: &Path) -> RawFile {
+    let bytes = fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    RawFile {
+        header: header.as_object().unwrap().clone(),
+        data_start: 8 + n,
+        bytes,
+    }
+}
+
+impl RawFile {
+    fn tensor(&self, name: &str) -> &[u8] {
+        let off = &self.header[name]["data_offsets"];
+        let (b, e) = (off[0].as_u64().unwrap(), off[1].as_u64().unwrap());
+        &self.bytes[self.data_start + b as usize..self.data_start + e as usize]
+    }
+
+    /// Writes the (edited) header back with the original data bytes.
+    fn write(&self, path: &Path) {
+        let h = serde_json::to_vec(&Value::Object(self.header.clone())).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&self.bytes[self.data_start..]);
+        fs::write(path, out).unwrap();
+    }
+}
+
+fn index(dir: &Path) -> Value {
+    serde_json::from_slice(&fs::read(dir.join(INDEX_FILE)).unwrap()).unwrap()
+}
+
+fn file_of(dir: &Path, tensor: &str) -> PathBuf {
+    dir.join(index(dir)["weight_map"][tensor].as_str().unwrap())
+}
+
+fn whole_tensors_equal_the_crate_view(model: &ModelConfig, opts: &WriteOptions) {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = write_checkpoint(model, 7, tmp.path(), opts).unwrap();
+    assert!(w.shards.len() > 2, "several shard files: {:?}", w.shards);
+    let ck = Checkpoint::open(tmp.path()).unwrap();
+    assert_eq!(ck.model(), model);
+    assert_eq!(ck.step(), 7);
+    assert_eq!(ck.tensors(), model.tensors().as_slice());
+    for name in &w.shards {
+        let bytes = fs::read(tmp.path().join(name)).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for (t, view) in st.tensors() {
+            let spec = ck.spec(&t).unwrap().clone();
+            assert_eq!(ck.file_of(&t).unwrap(), name);
+            let mut dst = vec![0u8; spec.bytes() as usize];
+            ck.copy_box(&t, &spec.full_box(), &mut dst).unwrap();
+            assert!(dst == view.data(), "{t} differs from the file");
+            assert!(ck.tensor_bytes(&t).unwrap() == view.data());
+        }
+    }
+}
+
+#[test]
+fn scaled_qwen3_moe_round_trips_through_files() {
+    whole_tensors_equal_the_crate_view(
+        &qwen_scaled(),
+        &WriteOptions {
+            max_shard_bytes: 16 << 20,
+        },
+    );
+}
+
+#[test]
+fn scaled_llama_round_trips_through_files() {
+    whole_tensors_equal_the_crate_view(&llama_tiny(), &small_shards());
+}
+
+#[test]
+fn files_follow_the_hf_format_parsed_by_hand() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = qwen_tiny();
+    let w = write_checkpoint(&model, 3, tmp.path(), &small_shards()).unwrap();
+    let idx = index(tmp.path());
+    assert_eq!(idx["metadata"]["reshard_step"], 3);
+    let total: u64 = model.tensors().iter().map(|s| s.bytes()).sum();
+    assert_eq!(idx["metadata"]["total_size"].as_u64(), Some(total));
+    let wm = idx["weight_map"].as_object().unwrap();
+    assert_eq!(wm.len(), model.tensors().len());
+    let n = w.shards.len();
+    for (i, name) in w.shards.iter().enumerate() {
+        assert_eq!(name, &format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+        let f = raw(&tmp.path().join(name));
+        assert_eq!(f.header["__metadata__"]["reshard_step"], "3");
+        let mut end = 0;
+        for (t, info) in &f.header {
+            if t == "__metadata__" {
+                continue;
+            }
+            assert_eq!(wm[t], name.as_str());
+            assert_eq!(info["dtype"], "BF16");
+            let spec = model.tensors().into_iter().find(|s| &s.name == t).unwrap();
+            let shape: Vec<u64> = info["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            assert_eq!(shape, spec.shape);
+            end = end.max(info["data_offsets"][1].as_u64().unwrap());
+        }
+        assert_eq!(f.bytes.len() as u64, f.data_start as u64 + end);
+    }
+    let cfg: Value =
+        serde_json::from_slice(&fs::read(tmp.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "qwen3_moe");
+    assert_eq!(cfg["architectures"][0], "Qwen3MoeForCausalLM");
+    assert_eq!(cfg["num_experts"], 4);
+    assert_eq!(cfg["torch_dtype"], "bfloat16");
+    let llama = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 0, llama.path(), &small_shards()).unwrap();
+    let cfg: Value =
+        serde_json::from_slice(&fs::read(llama.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "llama");
+    assert!(cfg.get("num_experts").is_none());
+}
+
+#[test]
+fn column_row_and_inner_boxes_equal_hand_slices_of_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = qwen_tiny();
+    write_checkpoint(&model, 1, tmp.path(), &small_shards()).unwrap();
+    let ck = Checkpoint::open(tmp.path()).unwrap();
+    // k_proj is [kv_rows 32, hidden 64], bf16: a row is 128 bytes.
+    let t = "model.layers.1.self_attn.k_proj.weight";
+    assert_eq!(ck.spec(t).unwrap().shape, vec![32, 64]);
+    let f = raw(&file_of(tmp.path(), t));
+    let all = f.tensor(t);
+    let (cols, es) = (64usize, 2usize);
+    let hand = |r0: usize, rows: usize, c0: usize, ncols: usize| -> Vec<u8> {
+        let mut v = Vec::new();
+        for r in r0..r0 + rows {
+            v.extend_from_slice(&all[(r * cols + c0) * es..(r * cols + c0 + ncols) * es]);
+        }
+        v
+    };
+    for (off, ext) in [
+        ([0u64, 16u64], [32u64, 16u64]), // column box: TP split of dim 1
+        ([8, 0], [8, 64]),               // row box: TP split of dim 0
+        ([5, 3], [7, 11]),               // neither
+        ([31, 63], [1, 1]),              // last element
+    ] {
+        let b = TensorBox::new(off.to_vec(), ext.to_vec());
+        let mut dst = vec![0u8; (ext[0] * ext[1]) as usize * es];
+        ck.copy_box(t, &b, &mut dst).unwrap();
+        let want = hand(
+            off[0] as usize,
+            ext[0] as usize,
+            off[1] as usize,
+            ext[1] as usize,
+        );
+        assert!(dst == want, "box {b} of {t}");
+    }
+}
+
+#[test]
+fn content_is_deterministic_and_changes_with_the_step() {
+    let (a, b, c) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let model = qwen_tiny();
+    let w = write_checkpoint(&model, 1, a.path(), &small_shards()).unwrap();
+    write_checkpoint(&model, 2, b.path(), &small_shards()).unwrap();
+    write_checkpoint(&model, 1, c.path(), &small_shards()).unwrap();
+    for name in &w.shards {
+        assert_eq!(
+            fs::read(a.path().join(name)).unwrap(),
+            fs::read(c.path().join(name)).unwrap(),
+            "same step, same file bytes"
+        );
+    }
+    let kc = Checkpoint::open(c.path()).unwrap();
+    let (ka, kb) = (
+        Checkpoint::open(a.path()).unwrap(),
+        Checkpoint::open(b.path()).unwrap(),
+    );
+    assert_eq!((ka.step(), kb.step()), (1, 2));
+    for s in model.tensors() {
+        let (x, y) = (
+            ka.tensor_bytes(&s.name).unwrap(),
+            kb.tensor_bytes(&s.name).unwrap(),
+        );
+        assert_ne!(x, y, "{} must change with the step", s.name);
+        assert_eq!(
+            x,
+            kc.tensor_bytes(&s.name).unwrap(),
+            "same step, same bytes"
+        );
+    }
+}
+
+fn open_err(dir: &Path) -> reshard_core::Error {
+    Checkpoint::open(dir).expect_err("must not open")
+}
+
+#[test]
+fn a_renamed_tensor_is_a_missing_tensor_naming_it_and_its_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&qwen_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let t = "model.layers.0.mlp.experts.2.up_proj.weight";
+    let path = file_of(tmp.path(), t);
+    let mut f = raw(&path);
+    let info = f.header.remove(t).unwrap();
+    f.header
+        .insert("model.layers.0.mlp.experts.2.upp_proj.weight".into(), info);
+    f.write(&path);
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().tensor.as_deref(), Some(t));
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        e.message().contains(t) && e.message().contains(&file),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_tensor_the_architecture_lacks_is_unexpected() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    // One layer fewer in config.json: every layer-1 tensor is now unexpected.
+    let cfg = tmp.path().join("config.json");
+    let mut v: Value = serde_json::from_slice(&fs::read(&cfg).unwrap()).unwrap();
+    v["num_hidden_layers"] = 1.into();
+    fs::write(&cfg, serde_json::to_vec(&v).unwrap()).unwrap();
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    let t = e.context().tensor.clone().unwrap();
+    assert!(t.starts_with("model.layers.1."), "{e}");
+    assert!(e.message().contains("unexpected") && e.message().contains(".safetensors"));
+}
+
+#[test]
+fn a_wrong_shape_names_tensor_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&qwen_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let t = "model.layers.1.self_attn.k_proj.weight";
+    let path = file_of(tmp.path(), t);
+    let mut f = raw(&path);
+    // Same byte count, transposed: only the shape check can catch it.
+    f.header.get_mut(t).unwrap()["shape"] = serde_json::json!([64, 32]);
+    f.write(&path);
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().tensor.as_deref(), Some(t));
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        e.message().contains("shape") && e.message().contains(&file),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_truncated_shard_names_the_tensor_past_the_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = write_checkpoint(&qwen_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let name = &w.shards[1];
+    let path = tmp.path().join(name);
+    let f = raw(&path);
+    let last = f
+        .header
+        .iter()
+        .filter(|(t, _)| *t != "__metadata__")
+        .max_by_key(|(_, i)| i["data_offsets"][1].as_u64().unwrap())
+        .map(|(t, _)| t.clone())
+        .unwrap();
+    fs::write(&path, &f.bytes[..f.bytes.len() - 10]).unwrap();
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().tensor.as_deref(), Some(last.as_str()));
+    assert!(e.message().contains(name.as_str()), "{e}");
+    assert!(!is_complete(tmp.path()));
+    assert!(incomplete_reason(tmp.path())
+        .unwrap()
+        .contains(name.as_str()));
+}
+
+#[test]
+fn a_folder_without_index_is_incomplete() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    assert!(is_complete(tmp.path()));
+    fs::remove_file(tmp.path().join(INDEX_FILE)).unwrap();
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains(INDEX_FILE), "{e}");
+    assert!(!is_complete(tmp.path()));
+}
+
+#[test]
+fn bad_copy_box_arguments_are_invalid_input_naming_tensor_and_box() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let ck = Checkpoint::open(tmp.path()).unwrap();
+    let t = "model.norm.weight";
+    let b = TensorBox::new(vec![60], vec![8]);
+    let e = ck.copy_box(t, &b, &mut [0u8; 16]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert_eq!(e.context().tensor.as_deref(), Some(t));
+    assert!(e.message().contains("60..68"), "{e}");
+    let b = TensorBox::new(vec![0], vec![8]);
+    let e = ck.copy_box(t, &b, &mut [0u8; 15]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(
+        e.message().contains(t) && e.message().contains("0..8"),
+        "{e}"
+    );
+    let e = ck.copy_box("nope", &b, &mut [0u8; 16]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+}
+
+#[test]
+fn newest_complete_picks_the_largest_complete_step() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    assert_eq!(newest_complete(r).unwrap(), None);
+    let m = llama_tiny();
+    let o = small_shards();
+    let mut written = Vec::new();
+    for s in [1, 3, 4, 5] {
+        written.push(write_checkpoint(&m, s, &r.join(format!("step-{s}")), &o).unwrap());
+    }
+    fs::create_dir(r.join("step-9")).unwrap(); // being written: no index yet
+    fs::remove_file(r.join("step-5").join(INDEX_FILE)).unwrap();
+    let step4 = r.join("step-4").join(&written[2].shards[0]);
+    let len = fs::metadata(&step4).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&step4)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    fs::create_dir(r.join("notes")).unwrap();
+    assert_eq!(newest_complete(r).unwrap(), Some((3, r.join("step-3"))));
+    // A checkpoint folder itself is its own answer, with the step of its index.
+    let d = r.join("step-1");
+    assert_eq!(newest_complete(&d).unwrap(), Some((1, d.clone())));
+    assert_eq!(newest_complete(&r.join("step-5")).unwrap(), None);
+}
+
+#[test]
+fn a_wrong_dtype_names_tensor_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let t = "model.layers.0.mlp.down_proj.weight";
+    let path = file_of(tmp.path(), t);
+    let mut f = raw(&path);
+    // Same element size: only the dtype check can catch it.
+    f.header.get_mut(t).unwrap()["dtype"] = "F16".into();
+    f.write(&path);
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().tensor.as_deref(), Some(t));
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        e.message().contains("dtype") && e.message().contains(&file),
+        "{e}"
+    );
+}
+
+#[test]
+fn without_a_recorded_step_the_step_folder_name_is_used() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("step-42");
+    write_checkpoint(&llama_tiny(), 42, &dir, &small_shards()).unwrap();
+    // As a checkpoint from elsewhere: no reshard_step in the index or the shard headers.
+    let mut idx = index(&dir);
+    idx["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("reshard_step");
+    fs::write(dir.join(INDEX_FILE), serde_json::to_vec(&idx).unwrap()).unwrap();
+    for f in fs::read_dir(&dir).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            let mut r = raw(&p);
+            r.header.remove("__metadata__");
+            r.write(&p);
+        }
+    }
+    assert_eq!(Checkpoint::open(&dir).unwrap().step(), 42);
+    assert_eq!(newest_complete(root.path()).unwrap(), Some((42, dir)));
+}
