@@ -1,6 +1,7 @@
 //! `reshard`: plan a refit, run one, or list the model presets.
 
 mod bench_cmd;
+mod checkpoint_cmd;
 mod plan_cmd;
 mod ranges_cmd;
 mod refit_cmd;
@@ -38,6 +39,8 @@ enum Command {
     Soak(soak_cmd::SoakArgs),
     /// List the model presets.
     Presets(PresetsArgs),
+    /// Write a Hugging Face-style safetensors checkpoint of a preset (deployment trials).
+    Checkpoint(checkpoint_cmd::CheckpointArgs),
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
     Table(table_cmd::TableArgs),
     /// The child side of `refit --publisher-process process` (not for direct use).
@@ -134,6 +137,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => plan_cmd::run(a),
         Command::Presets(a) => presets(a),
+        Command::Checkpoint(a) => checkpoint_cmd::run(a),
         Command::Refit(a) => refit_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
         Command::BenchRanges(a) => ranges_cmd::run(a),

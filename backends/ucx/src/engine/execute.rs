@@ -3,7 +3,6 @@
 
 use std::ops::Range;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -170,7 +169,12 @@ impl Engine {
             }
         }
         #[cfg(feature = "fault-injection")]
-        let skip = u32::try_from(self.opts.skip_read.load(Ordering::Relaxed)).ok();
+        let skip = u32::try_from(
+            self.opts
+                .skip_read
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+        .ok();
         #[cfg(not(feature = "fault-injection"))]
         let skip = None;
         let left = res.read_pieces.clone();
