@@ -56,7 +56,10 @@ async fn published_shards_refit_byte_exact_step_after_step_on_one_plan() {
             .all(|t| t.step == step && t.publisher.incarnation != 0));
         assert!(tables[0].offers.iter().all(|o| o.digest.is_some()));
         let report = rx.update(&tables).await.unwrap();
-        assert_eq!(report.checks_without_digest, 0, "step {step}: every read checked");
+        assert_eq!(
+            report.checks_without_digest, 0,
+            "step {step}: every read checked"
+        );
         assert!(report.checks_passed > 0 && report.checked_bytes > 0);
         let expected = reference_params(&model.tensors(), SEED, step, &layout).unwrap();
         let live: Vec<Vec<u8>> = rx
