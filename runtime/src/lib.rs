@@ -5,7 +5,9 @@ pub mod copy;
 pub mod layers;
 pub mod publisher;
 pub mod receiver;
+pub mod subscriber;
 
 pub use layers::{Layer, PostLimitLayer, RetryLayer, TimeoutLayer, WavesLayer};
 pub use publisher::ShardPublisher;
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
+pub use subscriber::{StepReport, Subscriber};

@@ -102,3 +102,114 @@ async fn a_source_error_is_returned_and_a_rank_outside_the_topology_refused() {
     assert_eq!(e.kind(), ErrorKind::Config);
     assert_eq!(p.table().step, 0, "a failed fill publishes nothing new");
 }
+
+/// Publishers announce through an in-process rendezvous and advance in place; a subscriber
+/// started before them learns the architecture from them, installs each step byte-exact on one
+/// plan, and reloads a restarted publisher's metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_refits_every_step_its_publishers_announce() {
+    use bytes::Bytes;
+    use reshard_core::encoding::encode_table;
+    use reshard_core::rendezvous::{Announcement, Rendezvous};
+    use reshard_rendezvous::InProcess;
+    use reshard_runtime::Subscriber;
+    use std::time::Duration;
+
+    let model = reshard_testkit::models::tiny_moe(8);
+    let topo: PublisherTopology = "ep=4,dp=4".parse().unwrap();
+    let hub: Arc<dyn Rendezvous> = Arc::new(InProcess::new());
+    let fabric = LoopbackFabric::new();
+    let config = Bytes::from(serde_json::to_vec(&model).unwrap());
+    let announce = |p: &ShardPublisher| Announcement {
+        model: "tiny".into(),
+        rank: p.table().publisher.rank,
+        world: topo.world(),
+        step: p.table().step,
+        transport: p.transport().name().into(),
+        incarnation: p.transport().incarnation(),
+        table: Bytes::from(encode_table(p.table())),
+        metadata: Bytes::new(),
+        config: config.clone(),
+    };
+    let rx_topo = ReceiverTopology::tp(2);
+    let subscriber = {
+        let (hub, t) = (hub.clone(), endpoint(&fabric, "rx"));
+        tokio::spawn(async move {
+            Subscriber::connect(
+                hub,
+                "tiny",
+                t,
+                &rx_topo,
+                0,
+                ReceiverOptions::default(),
+                Duration::from_secs(10),
+            )
+            .await
+        })
+    };
+    let mut publishers = Vec::new();
+    for rank in 0..topo.world() {
+        let t = endpoint(&fabric, &format!("pub-{rank}"));
+        publishers.push(ShardPublisher::new(t, &model, &topo, rank).await.unwrap());
+    }
+    fill(&mut publishers, 1);
+    let mut held = Vec::new();
+    for p in &publishers {
+        let mut a = announce(p);
+        a.metadata = p.transport().export_metadata().await.unwrap();
+        held.push(hub.announce(a).await.unwrap());
+    }
+    let mut sub = subscriber.await.unwrap().unwrap();
+    assert_eq!(sub.model(), &model, "architecture from the announcements");
+    let layout = sub.receiver().layout().clone();
+    for step in [1u64, 2, 5] {
+        if step > 1 {
+            for h in &held {
+                h.unready().await.unwrap();
+            }
+            fill(&mut publishers, step);
+            for (p, h) in publishers.iter().zip(&held) {
+                h.advance(step, Bytes::from(encode_table(p.table())))
+                    .await
+                    .unwrap();
+            }
+        }
+        let report = sub.next_step(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(report.step, step);
+        assert_eq!(report.peers_loaded, if step == 1 { 4 } else { 0 });
+        let expected = reference_params(&model.tensors(), SEED, step, &layout).unwrap();
+        let live: Vec<Vec<u8>> = sub
+            .receiver()
+            .live_params()
+            .unwrap()
+            .iter()
+            .map(|p| p.read().to_vec())
+            .collect();
+        assert!(live == expected, "step {step}: installed bytes differ");
+    }
+    assert_eq!(sub.receiver().plan_builds(), 1);
+    // Nothing newer: waiting times out naming the step the publishers stand at.
+    let e = sub.next_step(Duration::from_millis(50)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains("none ready above step 5"), "{e}");
+    // Rank 2 restarts: a new endpoint (new incarnation), same geometry, announced at step 6.
+    drop(held.remove(2));
+    let t = endpoint(&fabric, "pub-2-restarted");
+    publishers[2] = ShardPublisher::new(t, &model, &topo, 2).await.unwrap();
+    for h in &held {
+        h.unready().await.unwrap();
+    }
+    fill(&mut publishers, 6);
+    let mut a = announce(&publishers[2]);
+    a.metadata = publishers[2].transport().export_metadata().await.unwrap();
+    let restarted = hub.announce(a).await.unwrap();
+    for (i, h) in held.iter().enumerate() {
+        let p = &publishers[if i >= 2 { i + 1 } else { i }];
+        h.advance(6, Bytes::from(encode_table(p.table())))
+            .await
+            .unwrap();
+    }
+    let report = sub.next_step(Duration::from_secs(10)).await.unwrap();
+    assert_eq!((report.step, report.peers_loaded), (6, 1));
+    drop(restarted);
+}
