@@ -3,9 +3,13 @@
 mod bench_cmd;
 mod checkpoint_cmd;
 mod plan_cmd;
+mod publish_cmd;
 mod ranges_cmd;
+mod receive_cmd;
 mod refit_cmd;
+mod rendezvous_arg;
 mod soak_cmd;
+mod status_cmd;
 mod table_cmd;
 
 use clap::{Args, Parser, Subcommand};
@@ -41,6 +45,12 @@ enum Command {
     Presets(PresetsArgs),
     /// Write a Hugging Face-style safetensors checkpoint of a preset (deployment trials).
     Checkpoint(checkpoint_cmd::CheckpointArgs),
+    /// Serve one publisher rank's shard of a checkpoint through a rendezvous until SIGTERM.
+    Publish(publish_cmd::PublishArgs),
+    /// Run one receiver rank: discover the publishers, refit every new step, verify.
+    Receive(receive_cmd::ReceiveArgs),
+    /// Show what a rendezvous holds: publishers, steps, readiness, lease ages.
+    Status(status_cmd::StatusArgs),
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
     Table(table_cmd::TableArgs),
     /// The child side of `refit --publisher-process process` (not for direct use).
@@ -138,6 +148,9 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan_cmd::run(a),
         Command::Presets(a) => presets(a),
         Command::Checkpoint(a) => checkpoint_cmd::run(a),
+        Command::Publish(a) => publish_cmd::run(a),
+        Command::Receive(a) => receive_cmd::run(a),
+        Command::Status(a) => status_cmd::run(a),
         Command::Refit(a) => refit_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
         Command::BenchRanges(a) => ranges_cmd::run(a),

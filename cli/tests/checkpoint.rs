@@ -41,14 +41,21 @@ fn checkpoint_writes_a_complete_checkpoint_of_the_scaled_preset() {
         assert!(v.get(key).is_some(), "missing {key}: {v}");
     }
     assert_eq!(v["step"], 7);
-    assert!(v["shards"].as_array().unwrap().len() > 1, "several shard files");
+    assert!(
+        v["shards"].as_array().unwrap().len() > 1,
+        "several shard files"
+    );
     let ckpt = Checkpoint::open(&out).expect("opens");
     assert_eq!(ckpt.step(), 7);
     let want = preset("qwen3-30b-a3b")
         .unwrap()
         .with_overrides(Some(1), Some(4), Some(512))
         .unwrap();
-    assert_eq!(ckpt.model().tensors(), want.tensors(), "the preset's tensors");
+    assert_eq!(
+        ckpt.model().tensors(),
+        want.tensors(),
+        "the preset's tensors"
+    );
     assert_eq!(v["tensors"], want.tensors().len());
     assert!(reshard_checkpoint::is_complete(&out));
     let _ = std::fs::remove_dir_all(&out);

@@ -1,0 +1,183 @@
+//! `reshard receive`: one receiver rank as its own process (docs/deployment.md). It discovers
+//! the model's publishers through the rendezvous, plans once, and refits every new step,
+//! verified against the publishers' digests; a failed refit leaves the live weights and step
+//! untouched, is reported, and the next step is waited for.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use reshard_core::{Error, ErrorKind, Result, Transport};
+use reshard_planner::topology::ReceiverTopology;
+use reshard_runtime::{ReceiverOptions, StepReport, Subscriber};
+
+use crate::rendezvous_arg::{connect, RendezvousArgs};
+use crate::Outcome;
+
+/// Flags of `reshard receive`.
+#[derive(Args)]
+pub struct ReceiveArgs {
+    #[command(flatten)]
+    rendezvous: RendezvousArgs,
+    /// Model name publishers and receivers meet under.
+    #[arg(long)]
+    model: String,
+    /// The inference engine's layout, e.g. `tp=2`.
+    #[arg(long)]
+    receivers: String,
+    /// This process's receiver rank.
+    #[arg(long)]
+    rank: u32,
+    /// Transport scheme (overrides `RESHARD_TRANSPORT__KIND` and `reshard.toml`).
+    #[arg(long)]
+    transport: Option<String>,
+    /// Config file (default: `$RESHARD_CONFIG`, else `./reshard.toml` when present).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Exit 0 after this many verified steps (default: run until killed).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Seconds to wait for the publishers, and then for each new step.
+    #[arg(long, default_value_t = 300)]
+    timeout_s: u64,
+    /// Print one JSON line per step (installed or failed).
+    #[arg(long)]
+    json: bool,
+    /// Write each installed step's weights (this rank's parameters, engine naming) as
+    /// `DIR/step-N/model.safetensors`.
+    #[arg(long)]
+    dump: Option<PathBuf>,
+}
+
+/// Runs the receiver until `--steps` verified steps (or forever).
+pub fn run(args: ReceiveArgs) -> Result<Outcome> {
+    crate::block_on(receive(args))
+}
+
+fn installed_json(r: &StepReport) -> serde_json::Value {
+    let u = &r.update;
+    serde_json::json!({
+        "step": r.step,
+        "verified": true,
+        "reads": u.wire_reads,
+        "wire_bytes": u.wire_bytes,
+        "stages_s": u.stages,
+        "e2e_s": u.e2e_s,
+        "attribution": u.attribution,
+        "discovery_s": r.discovery_s,
+        "peers_loaded": r.peers_loaded,
+        "plan_rebuilt": u.plan_rebuilt,
+        "checked_bytes": u.checked_bytes,
+    })
+}
+
+fn failed_json(e: &Error, live: Option<u64>) -> serde_json::Value {
+    serde_json::json!({
+        "step": serde_json::Value::Null,
+        "verified": false,
+        "live_step": live,
+        "error": {
+            "kind": e.kind().as_str(),
+            "message": e.to_string(),
+            "owner": e.context().owner,
+            "tensor": e.context().tensor,
+        },
+    })
+}
+
+/// Writes the live parameters as one safetensors file under `dir/step-N/`.
+fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
+    let io = |what: &str, e: &dyn std::fmt::Display| {
+        Error::new(
+            ErrorKind::InvalidInput,
+            format!("--dump: cannot {what}: {e}"),
+        )
+    };
+    let params = sub
+        .receiver()
+        .live_params()
+        .ok_or_else(|| Error::new(ErrorKind::Internal, "--dump: no weights are live"))?;
+    let layout = sub.receiver().layout();
+    let folder = dir.join(format!("step-{step}"));
+    std::fs::create_dir_all(&folder).map_err(|e| io("create the folder", &e))?;
+    let guards: Vec<_> = params.iter().map(|p| p.read()).collect();
+    let mut views = Vec::with_capacity(layout.params.len());
+    for (p, g) in layout.params.iter().zip(&guards) {
+        let shape: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
+        let view = safetensors::tensor::TensorView::new(
+            reshard_checkpoint::config::safetensors_dtype(p.dtype),
+            shape,
+            &g[..],
+        )
+        .map_err(|e| io("describe a parameter", &e))?;
+        views.push((p.name.clone(), view));
+    }
+    let meta = HashMap::from([("reshard_step".to_string(), step.to_string())]);
+    let path = folder.join("model.safetensors");
+    let tmp = folder.join("model.safetensors.tmp");
+    safetensors::tensor::serialize_to_file(views, &Some(meta), &tmp)
+        .map_err(|e| io("write the file", &e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| io("rename the file", &e))?;
+    Ok(path)
+}
+
+async fn receive(args: ReceiveArgs) -> Result<Outcome> {
+    let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
+    let topology: ReceiverTopology = args.receivers.parse()?;
+    let timeout = Duration::from_secs(args.timeout_s);
+    let rendezvous = connect(&args.rendezvous).await?;
+    let registry = reshard_transports::registry();
+    let agent = format!("{}-receiver-{}", args.model, args.rank);
+    let transport: Arc<dyn Transport> = registry.create(&agent, &cfg.transport)?;
+    let mut sub = Subscriber::connect(
+        rendezvous,
+        &args.model,
+        transport,
+        &topology,
+        args.rank,
+        ReceiverOptions::from_config(&cfg),
+        timeout,
+    )
+    .await?;
+    let mut verified = 0u64;
+    while args.steps.is_none_or(|n| verified < n) {
+        match sub.next_step(timeout).await {
+            Ok(report) => {
+                verified += 1;
+                if let Some(dir) = &args.dump {
+                    dump(&sub, dir, report.step)?;
+                }
+                if args.json {
+                    println!("{}", installed_json(&report));
+                } else {
+                    eprintln!(
+                        "receiver rank {}: installed step {} ({} reads, {:.1} MiB, {:.3} s)",
+                        args.rank,
+                        report.step,
+                        report.update.wire_reads,
+                        report.update.wire_bytes as f64 / (1u64 << 20) as f64,
+                        report.update.e2e_s
+                    );
+                }
+            }
+            // No new step in time: nothing more will come.
+            Err(e) if e.kind() == ErrorKind::Timeout => return Err(e),
+            Err(e) => {
+                let live = sub.receiver().live_step();
+                if args.json {
+                    println!("{}", failed_json(&e, live));
+                } else {
+                    eprintln!(
+                        "receiver rank {}: refit failed, step {live:?} stays live: {e}",
+                        args.rank
+                    );
+                }
+                // Give a dead publisher's lease time to expire before looking again.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    Ok(Outcome(true))
+}

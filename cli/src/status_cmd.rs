@@ -1,0 +1,72 @@
+//! `reshard status`: what the rendezvous holds: per model, every publisher rank with its step,
+//! readiness, transport, incarnation, table size and lease age.
+
+use clap::Args;
+use reshard_core::Result;
+
+use crate::rendezvous_arg::{connect, RendezvousArgs};
+use crate::Outcome;
+
+/// Flags of `reshard status`.
+#[derive(Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    rendezvous: RendezvousArgs,
+    /// Only this model (default: every model announced).
+    #[arg(long)]
+    model: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Prints the announcements.
+pub fn run(args: StatusArgs) -> Result<Outcome> {
+    crate::block_on(status(args))
+}
+
+async fn status(args: StatusArgs) -> Result<Outcome> {
+    let rendezvous = connect(&args.rendezvous).await?;
+    let models = match &args.model {
+        Some(m) => vec![m.clone()],
+        None => rendezvous.models().await?,
+    };
+    let mut out = Vec::new();
+    for model in models {
+        let (members, revision) = rendezvous.members(&model).await?;
+        let world = members.first().map(|m| m.world);
+        if !args.json {
+            println!(
+                "model {model:?}: {} of {} publishers (revision {revision})",
+                members.len(),
+                world.map_or("?".to_string(), |w| w.to_string())
+            );
+            for m in &members {
+                println!(
+                    "  rank {:>4}  step {:>6}  {:<8}  {:<9}  incarnation {:016x}  table {:>9} B  lease age {:.1} s",
+                    m.rank,
+                    m.step,
+                    if m.ready { "ready" } else { "updating" },
+                    m.transport,
+                    m.incarnation,
+                    m.table_bytes,
+                    m.age.as_secs_f64()
+                );
+            }
+        }
+        out.push(serde_json::json!({
+            "model": model,
+            "world": world,
+            "revision": revision,
+            "publishers": members.iter().map(|m| serde_json::json!({
+                "rank": m.rank, "step": m.step, "ready": m.ready, "transport": m.transport,
+                "incarnation": m.incarnation, "table_bytes": m.table_bytes,
+                "lease_age_s": m.age.as_secs_f64(),
+            })).collect::<Vec<_>>(),
+        }));
+    }
+    if args.json {
+        println!("{}", serde_json::Value::Array(out));
+    }
+    Ok(Outcome(true))
+}
