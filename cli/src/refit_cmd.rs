@@ -242,6 +242,7 @@ pub(crate) fn resolve_scaled(
 /// Runs one arm: fresh receivers with `opts`, a warm-up and `updates` measured updates, the
 /// publishers advancing one training step per update from `first_step` (see
 /// [`rig::run_updates`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_arm(
     registry: &Registry,
     cluster: &mut Publishers,
