@@ -11,7 +11,8 @@ use reshard_planner::plan::{plan, PlanOptions};
 use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{geometry_tables, ReceiverTopology};
 use reshard_runtime::{Receiver, ReceiverOptions};
-use reshard_testkit::{Placement, SyntheticCluster};
+use reshard_testkit::rig::{self, PublisherSite};
+use reshard_testkit::{Placement, Publishers};
 
 /// The docs/design.md §8 setup at full scale, geometry only: deduplicated table and both TP2
 /// layouts.
@@ -37,7 +38,7 @@ pub fn time_plans(table: &MergedTable, layouts: &[WantedLayout]) -> Result<f64> 
 /// An in-process refit set-up over loopback: publishers and one receiver rank.
 pub struct LoopbackRig {
     /// The publishers.
-    pub cluster: SyntheticCluster,
+    pub cluster: Publishers,
     /// Receiver rank 0.
     pub receiver: Receiver,
 }
@@ -52,26 +53,21 @@ impl LoopbackRig {
         opts: ReceiverOptions,
     ) -> Result<Self> {
         let fabric = LoopbackFabric::new();
-        let f = fabric.clone();
+        let make = |agent: &str| {
+            Ok(Arc::new(LoopbackTransport::new(&fabric, agent, workers)?) as Arc<dyn Transport>)
+        };
         // Replicas share memory so large EP x DP rigs fit beside the receivers.
-        let cluster = SyntheticCluster::with_placement(
+        let cluster = rig::start_publishers(
             model,
             topo.parse()?,
             7,
             Placement::SharedReplicas,
-            move |r| {
-                Ok(Arc::new(LoopbackTransport::new(
-                    &f,
-                    &format!("publisher-{r}"),
-                    workers,
-                )?) as Arc<dyn Transport>)
-            },
+            PublisherSite::Local,
+            make,
         )
         .await?;
-        let t: Arc<dyn Transport> = Arc::new(LoopbackTransport::new(&fabric, "receiver", workers)?);
-        cluster.connect(t.as_ref()).await?;
         let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(tp), 0)?;
-        let receiver = Receiver::new(t, layout, opts)?;
+        let receiver = rig::connect_receiver(&cluster, make("receiver")?, layout, opts).await?;
         Ok(LoopbackRig { cluster, receiver })
     }
 }

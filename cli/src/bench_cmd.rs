@@ -155,7 +155,6 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
             &registry,
             &mut cluster,
             &cfg,
-            &model,
             &recv,
             o.clone(),
             args.updates,

@@ -236,11 +236,11 @@ mod tests {
             .collect();
         let exit =
             |failures: &[String]| format!("{:?}", ExitCode::from(Outcome(failures.is_empty())));
-        let same = refit_cmd::differing_params(&layout, &live, &want, 3, 1);
+        let same = reshard_testkit::rig::differing_params(&layout, &live, &want, 3, 1);
         assert!(same.is_empty(), "{same:?}");
         assert_eq!(exit(&same), format!("{:?}", ExitCode::SUCCESS));
         live[2].write()[7] ^= 1;
-        let differ = refit_cmd::differing_params(&layout, &live, &want, 3, 1);
+        let differ = reshard_testkit::rig::differing_params(&layout, &live, &want, 3, 1);
         assert_eq!(differ.len(), 1, "{differ:?}");
         assert!(differ[0].contains(&layout.params[2].name), "{differ:?}");
         assert_eq!(exit(&differ), format!("{:?}", ExitCode::from(1)));

@@ -8,18 +8,15 @@ use reshard_core::median;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use reshard_core::config::Config;
-use reshard_core::encoding::encode_table;
 use reshard_core::registry::Registry;
-use reshard_core::{Error, ErrorKind, Result, Transport};
-use reshard_planner::layouts::ReceiverLayouts;
+use reshard_core::{Error, ErrorKind, Result};
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
-use reshard_runtime::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
-use reshard_testkit::remote::DEFAULT_TIMEOUT;
-use reshard_testkit::{Placement, Publishers, RemoteCluster, SyntheticCluster};
+use reshard_runtime::{ReceiverOptions, StageTimes, UpdateReport};
+use reshard_testkit::rig::{self, PublisherSite, RigEvent, RigRun};
+use reshard_testkit::{Placement, Publishers};
 
 use crate::{ModelArgs, Outcome};
 
@@ -150,18 +147,8 @@ pub(crate) async fn start_publishers(
     pubs: PublisherTopology,
     setup: PublisherSetup,
 ) -> Result<Publishers> {
-    let PublisherSetup {
-        place,
-        placement,
-        seed,
-    } = setup;
-    Ok(match place {
-        PublisherPlace::Local => Publishers::Local(
-            SyntheticCluster::with_placement(model.clone(), pubs, seed, placement, |rank| {
-                registry.create(&format!("publisher-{rank}"), &cfg.transport)
-            })
-            .await?,
-        ),
+    let site = match setup.place {
+        PublisherPlace::Local => PublisherSite::Local,
         PublisherPlace::Process => {
             let exe = std::env::current_exe().map_err(|e| {
                 Error::new(ErrorKind::Internal, "cannot find this binary").with_source(e)
@@ -171,23 +158,18 @@ pub(crate) async fn start_publishers(
             if let Some(c) = config_path {
                 cmd.arg("--config").arg(c);
             }
-            let model = model.clone();
-            Publishers::Remote(
-                tokio::task::spawn_blocking(move || {
-                    RemoteCluster::spawn_with_placement(
-                        cmd,
-                        model,
-                        pubs,
-                        seed,
-                        placement,
-                        DEFAULT_TIMEOUT,
-                    )
-                })
-                .await
-                .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
-            )
+            PublisherSite::Process(cmd)
         }
-    })
+    };
+    rig::start_publishers(
+        model.clone(),
+        pubs,
+        setup.seed,
+        setup.placement,
+        site,
+        |agent| registry.create(agent, &cfg.transport),
+    )
+    .await
 }
 
 /// What every refit-style command starts from: the registry (whose loopback fabric is this
@@ -257,94 +239,38 @@ pub(crate) fn resolve_scaled(
     margs.resolve()
 }
 
-/// One message per live parameter of `layout` whose bytes differ from `want` (the reference):
-/// what turns a refit's exit code into 1.
-pub(crate) fn differing_params(
-    layout: &reshard_core::WantedLayout,
-    live: &[Arc<reshard_core::HostBuffer>],
-    want: &[Vec<u8>],
-    step: u64,
-    rank: u32,
-) -> Vec<String> {
-    layout
-        .params
-        .iter()
-        .zip(live)
-        .zip(want)
-        .filter(|((_, got), want)| got.read()[..] != want[..])
-        .map(|((p, _), _)| {
-            format!(
-                "step {step} rank {rank}: parameter {} differs from the reference",
-                p.name
-            )
-        })
-        .collect()
-}
-
-/// Every receiver rank's reports of one arm, and whether every update verified.
-pub(crate) struct ArmRun {
-    /// Measured updates per receiver rank (the warm-up is not kept).
-    pub reports: Vec<Vec<UpdateReport>>,
-    /// Every parameter of every rank byte-exact at every step.
-    pub verified: bool,
-    /// What differed, when something did.
-    pub failures: Vec<String>,
-}
-
 /// Runs one arm: fresh receivers with `opts`, a warm-up and `updates` measured updates, the
-/// publishers advancing one training step per update from `first_step`; each update verified
-/// against the generator's reference.
+/// publishers advancing one training step per update from `first_step` (see
+/// [`rig::run_updates`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_arm(
     registry: &Registry,
     cluster: &mut Publishers,
     cfg: &Config,
-    model: &ModelConfig,
     recv: &ReceiverTopology,
     opts: ReceiverOptions,
     updates: u32,
     first_step: u64,
     bar: &ProgressBar,
-) -> Result<ArmRun> {
-    let mut receivers = Vec::new();
-    let layouts = ReceiverLayouts::new(model, recv)?;
-    for rank in 0..recv.world() {
-        let t: Arc<dyn Transport> = registry.create(&format!("receiver-{rank}"), &cfg.transport)?;
-        cluster.connect(t.as_ref()).await?;
-        let layout = layouts.layout(rank)?;
-        receivers.push(Receiver::new(t, layout, opts.clone())?);
+) -> Result<RigRun> {
+    let mut receivers = rig::connect_receivers(cluster, recv, &opts, |agent| {
+        registry.create(agent, &cfg.transport)
+    })
+    .await?;
+    rig::run_updates(cluster, &mut receivers, updates, first_step, |e| {
+        track(bar, e)
+    })
+    .await
+}
+
+/// Shows a rig's progress on `bar`.
+pub(crate) fn track(bar: &ProgressBar, event: RigEvent<'_>) {
+    match event {
+        RigEvent::Publishing { step } => bar.set_message(format!("publishing step {step}")),
+        RigEvent::Updating { step, rank } => bar.set_message(format!("step {step} rank {rank}")),
+        RigEvent::Updated { .. } => bar.inc(1),
+        RigEvent::StepDone { .. } => {}
     }
-    let mut run = ArmRun {
-        reports: vec![Vec::new(); recv.world() as usize],
-        verified: true,
-        failures: Vec::new(),
-    };
-    for update in 0..=updates as u64 {
-        let step = first_step + update;
-        if step != cluster.step() {
-            bar.set_message(format!("publishing step {step}"));
-            cluster.publish_step(step)?;
-        }
-        // Publishers send encoded tables; decoding them is the receiver's discover stage.
-        let encoded: Vec<Vec<u8>> = cluster.tables().iter().map(encode_table).collect();
-        for rx in receivers.iter_mut() {
-            let rank = rx.layout().receiver_rank;
-            bar.set_message(format!("step {step} rank {rank}"));
-            let report = rx.update_encoded(&encoded).await?;
-            let want = cluster.expected_params(rx.layout())?;
-            let live = rx
-                .live_params()
-                .ok_or_else(|| Error::new(ErrorKind::Internal, "no live weights after a refit"))?;
-            let failures = differing_params(rx.layout(), live, &want, step, rank);
-            run.verified &= failures.is_empty();
-            run.failures.extend(failures);
-            if update > 0 {
-                run.reports[rank as usize].push(report);
-            }
-            bar.inc(1);
-        }
-    }
-    Ok(run)
 }
 
 /// Per-update sums over receiver ranks (ranks run one after another), then medians.
@@ -378,7 +304,7 @@ pub(crate) struct ArmSummary {
 }
 
 /// Summarises an arm's measured updates.
-pub(crate) fn summarize(run: &ArmRun, updates: u32) -> ArmSummary {
+pub(crate) fn summarize(run: &RigRun, updates: u32) -> ArmSummary {
     let reports = &run.reports;
     let n = updates as usize;
     let mut stage_cols: Vec<Vec<f64>> = vec![Vec::new(); StageTimes::NAMES.len()];
@@ -511,7 +437,6 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         &registry,
         &mut cluster,
         &cfg,
-        &model,
         &recv,
         ReceiverOptions::from_config(&cfg),
         args.updates,

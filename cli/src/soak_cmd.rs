@@ -9,13 +9,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use reshard_core::encoding::encode_table;
-use reshard_core::{Error, ErrorKind, MemoryBlock, Registration, Result, Transport};
-use reshard_planner::layouts::ReceiverLayouts;
-use reshard_runtime::{Receiver, ReceiverOptions};
+use reshard_core::{MemoryBlock, Registration, Result, Transport};
+use reshard_runtime::ReceiverOptions;
+use reshard_testkit::rig::{self, RigEvent};
 
 use crate::refit_cmd::{
-    print_verdict, progress, start_bench, Bench, PublisherPlace, PublisherSetup,
+    print_verdict, progress, start_bench, track, Bench, PublisherPlace, PublisherSetup,
 };
 use crate::{ModelArgs, Outcome};
 
@@ -114,77 +113,65 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
     )
     .await?;
     let live_regs = Arc::new(AtomicU64::new(0));
-    let mut receivers = Vec::new();
-    let layouts = ReceiverLayouts::new(&model, &recv)?;
-    for rank in 0..recv.world() {
-        let inner = registry.create(&format!("receiver-{rank}"), &cfg.transport)?;
-        let t: Arc<dyn Transport> = Arc::new(CountingTransport {
-            inner,
-            live: live_regs.clone(),
-        });
-        cluster.connect(t.as_ref()).await?;
-        let layout = layouts.layout(rank)?;
-        receivers.push(Receiver::new(
-            t,
-            layout,
-            ReceiverOptions::from_config(&cfg),
-        )?);
-    }
+    let mut receivers = rig::connect_receivers(
+        &cluster,
+        &recv,
+        &ReceiverOptions::from_config(&cfg),
+        |agent| {
+            let inner = registry.create(agent, &cfg.transport)?;
+            Ok(Arc::new(CountingTransport {
+                inner,
+                live: live_regs.clone(),
+            }) as Arc<dyn Transport>)
+        },
+    )
+    .await?;
     let bar = progress(
         (args.updates as u64 + 1) * recv.world() as u64,
         args.json,
         "soak",
     );
-    let mut failures = Vec::new();
     let mut rss = Vec::with_capacity(args.updates as usize + 1);
     let (mut plan_rebuilds, mut descriptor_rebuilds) = (0u64, 0u64);
     let mut e2e = Vec::with_capacity(args.updates as usize);
     let mut wire_bytes = 0u64;
+    let mut update_s = 0.0;
     let mut regs_steady = 0u64;
     let mut regs_changed = false;
-    for update in 0..=args.updates as u64 {
-        if update != cluster.step() {
-            bar.set_message(format!("publishing step {update}"));
-            cluster.publish_step(update)?;
-        }
-        let encoded: Vec<Vec<u8>> = cluster.tables().iter().map(encode_table).collect();
-        let mut update_s = 0.0;
-        wire_bytes = 0;
-        for rx in receivers.iter_mut() {
-            let rank = rx.layout().receiver_rank;
-            bar.set_message(format!("step {update} rank {rank}"));
-            let report = rx.update_encoded(&encoded).await?;
-            update_s += report.e2e_s;
-            wire_bytes += report.wire_bytes;
-            if update > 0 {
-                plan_rebuilds += u64::from(report.plan_rebuilt);
-                descriptor_rebuilds += u64::from(report.descriptors_rebuilt);
-            }
-            let want = cluster.expected_params(rx.layout())?;
-            let live = rx
-                .live_params()
-                .ok_or_else(|| Error::new(ErrorKind::Internal, "no live weights after a refit"))?;
-            for ((p, got), want) in rx.layout().params.iter().zip(live).zip(&want) {
-                if got.read()[..] != want[..] {
-                    failures.push(format!(
-                        "step {update} rank {rank}: parameter {} differs from the reference",
-                        p.name
-                    ));
+    let run = rig::run_updates(&mut cluster, &mut receivers, args.updates, 0, |event| {
+        match event {
+            RigEvent::Updated { update, report, .. } => {
+                update_s += report.e2e_s;
+                wire_bytes += report.wire_bytes;
+                if update > 0 {
+                    plan_rebuilds += u64::from(report.plan_rebuilt);
+                    descriptor_rebuilds += u64::from(report.descriptors_rebuilt);
                 }
             }
-            bar.inc(1);
+            RigEvent::StepDone { update } => {
+                let regs = live_regs.load(Ordering::SeqCst);
+                if update == 0 {
+                    regs_steady = regs;
+                } else {
+                    e2e.push(update_s);
+                    regs_changed |= regs != regs_steady;
+                }
+                if let Some(kib) = rss_kib() {
+                    rss.push(kib);
+                }
+                // The figures are per update: the next one starts from zero, and the last
+                // update's wire bytes are what is reported.
+                update_s = 0.0;
+                if update < args.updates as u64 {
+                    wire_bytes = 0;
+                }
+            }
+            _ => {}
         }
-        let regs = live_regs.load(Ordering::SeqCst);
-        if update == 0 {
-            regs_steady = regs;
-        } else {
-            e2e.push(update_s);
-            regs_changed |= regs != regs_steady;
-        }
-        if let Some(kib) = rss_kib() {
-            rss.push(kib);
-        }
-    }
+        track(&bar, event)
+    })
+    .await?;
+    let failures = run.failures;
     bar.finish_and_clear();
     let plan_builds: u64 = receivers.iter().map(|r| r.plan_builds()).sum();
     let descriptor_builds: u64 = receivers.iter().map(|r| r.descriptor_builds()).sum();

@@ -8,8 +8,8 @@ use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::{Receiver, ReceiverOptions};
-use reshard_testkit::remote::DEFAULT_TIMEOUT;
-use reshard_testkit::{Placement, Publishers as Cluster, RemoteCluster, SyntheticCluster};
+use reshard_testkit::rig::{self, PublisherSite};
+use reshard_testkit::{Placement, Publishers as Cluster};
 
 /// Creates transport endpoints of the backend under test, by agent name.
 pub type MakeTransport = dyn Fn(&str) -> Result<Arc<dyn Transport>> + Send + Sync;
@@ -97,32 +97,13 @@ impl Harness {
         placement: Placement,
     ) -> Cluster {
         let topo: PublisherTopology = topo.parse().expect("valid publisher topology");
-        if let Some(command) = &self.publisher_process {
-            let command = command();
-            // Spawning and the first reply block; keep them off the runtime's workers.
-            let c = tokio::task::spawn_blocking(move || {
-                RemoteCluster::spawn_with_placement(
-                    command,
-                    model,
-                    topo,
-                    42,
-                    placement,
-                    DEFAULT_TIMEOUT,
-                )
-            })
+        let site = match &self.publisher_process {
+            Some(command) => PublisherSite::Process(command()),
+            None => PublisherSite::Local,
+        };
+        rig::start_publishers(model, topo, 42, placement, site, |agent| (self.make)(agent))
             .await
-            .expect("spawn task")
-            .expect("publisher process");
-            return Cluster::Remote(c);
-        }
-        let make = self.make.clone();
-        Cluster::Local(
-            SyntheticCluster::with_placement(model, topo, 42, placement, move |rank| {
-                make(&format!("publisher-{rank}"))
-            })
-            .await
-            .expect("synthetic cluster"),
-        )
+            .expect("publishers")
     }
 
     /// Receiver rank `rank` of a TP-`tp` engine over `transport`, connected to `cluster`.
@@ -134,13 +115,11 @@ impl Harness {
         rank: u32,
         opts: ReceiverOptions,
     ) -> Receiver {
-        cluster
-            .connect(transport.as_ref())
-            .await
-            .expect("load publisher metadata");
         let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(tp), rank)
             .expect("receiver layout");
-        Receiver::new(transport, layout, opts).expect("receiver")
+        rig::connect_receiver(cluster, transport, layout, opts)
+            .await
+            .expect("receiver")
     }
 
     /// Receiver rank `rank` of a TP-`tp` engine on a fresh endpoint.

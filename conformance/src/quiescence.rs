@@ -177,15 +177,8 @@ async fn clean(s: &Side, src: &dyn HostMemory, ctx: &str) -> Duration {
     fill_canary(&s.dst);
     let t = Instant::now();
     let prepared = s.prepared.as_ref().expect("prepared batch");
-    let report =
-        s.rx.as_ref()
-            .expect("endpoint")
-            .post(prepared)
-            .await
-            .unwrap_or_else(|e| panic!("{ctx}: post: {e}"))
-            .wait()
-            .await
-            .unwrap_or_else(|e| panic!("{ctx}: wait: {e}"));
+    let rx = s.rx.as_ref().expect("endpoint");
+    let report = crate::checks::post_and_wait(rx.as_ref(), prepared, ctx).await;
     let took = t.elapsed();
     assert_eq!(report.bytes, QUIESCENCE_BYTES as u64, "{ctx}: bytes moved");
     assert_exact(&s.dst, src, ctx);
@@ -427,17 +420,15 @@ pub async fn quiescent_after_publisher_killed(h: &Harness) {
                 assert_eq!(now, before, "a failed refit changed the live weights ({e})");
                 assert_eq!(rx.live_step(), Some(0));
                 // A typed wire failure that names a publisher of the dead process.
-                assert!(
-                    matches!(
-                        e.kind(),
-                        ErrorKind::Transport | ErrorKind::Timeout | ErrorKind::PeerUnknown
-                    ),
-                    "a dead publisher is a transport failure: {e}"
+                let owner = crate::checks::wire_failure_owner(
+                    e,
+                    &[
+                        ErrorKind::Transport,
+                        ErrorKind::Timeout,
+                        ErrorKind::PeerUnknown,
+                    ],
+                    "a dead publisher is a transport failure",
                 );
-                let owner = e
-                    .context()
-                    .owner
-                    .unwrap_or_else(|| panic!("the error names no owner: {e}"));
                 assert!(
                     ranks.contains(&owner),
                     "the error names owner {owner}, not a publisher of the killed process \

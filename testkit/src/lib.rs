@@ -5,6 +5,7 @@ pub mod content;
 pub mod models;
 pub mod publishers;
 pub mod remote;
+pub mod rig;
 pub mod synthetic;
 
 pub use publishers::Publishers;

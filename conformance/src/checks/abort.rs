@@ -136,13 +136,7 @@ pub async fn abort_stops_a_posted_batch(h: &Harness) {
         async move {
             dst.write().fill(SENTINEL);
             let t = std::time::Instant::now();
-            let report = rx
-                .post(prepared)
-                .await
-                .unwrap_or_else(|e| panic!("{ctx}: post: {e}"))
-                .wait()
-                .await
-                .unwrap_or_else(|e| panic!("{ctx}: wait: {e}"));
+            let report = post_and_wait(rx.as_ref(), prepared, ctx).await;
             let took = t.elapsed();
             assert_eq!(report.bytes, len, "{ctx}: bytes moved");
             took

@@ -5,17 +5,15 @@ use super::*;
 /// Asserts a failed update's error is typed and points at an injected fault: its owner is one a
 /// fault hit, and its byte range overlaps the read that fault hit.
 fn assert_names_a_fault(e: &reshard_core::Error, fired: &[Fired], ctx: &str) {
-    assert!(
-        matches!(
-            e.kind(),
-            ErrorKind::Transport | ErrorKind::PeerUnknown | ErrorKind::Verification
-        ),
-        "{ctx}: unexpected error kind: {e}"
+    let owner = wire_failure_owner(
+        e,
+        &[
+            ErrorKind::Transport,
+            ErrorKind::PeerUnknown,
+            ErrorKind::Verification,
+        ],
+        ctx,
     );
-    let owner = e
-        .context()
-        .owner
-        .unwrap_or_else(|| panic!("{ctx}: error names no owner: {e}"));
     let range = e
         .context()
         .range

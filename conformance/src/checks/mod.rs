@@ -30,6 +30,54 @@ use crate::fixtures::{tiny_dense, tiny_moe, Harness};
 use crate::wrappers::{FailingTransport, RecordingTransport};
 use crate::Cluster;
 
+/// Publishers of `model` under `topo` and receiver rank `rank` of a TP2 engine refit to step 0,
+/// that step's reference, and the publishers moved on to step 1: where every check of a refused
+/// refit starts, since the refusal must leave step 0 live.
+async fn refit_then_advance(
+    h: &Harness,
+    model: reshard_planner::presets::ModelConfig,
+    topo: &str,
+    rank: u32,
+) -> (Cluster, Receiver, Vec<Vec<u8>>) {
+    let mut cluster = h.cluster(model, topo).await;
+    let mut rx = h.receiver(&cluster, 2, rank).await;
+    rx.update(&cluster.tables()).await.expect("refit");
+    let reference = cluster.expected_params(rx.layout()).expect("reference");
+    cluster.publish_step(1).expect("publish step");
+    (cluster, rx, reference)
+}
+
+/// Asserts `e` is one of the wire-failure `kinds` and names an owner, which it returns: how every
+/// check of a failed read starts before asking whether that owner is the right one.
+pub(crate) fn wire_failure_owner(
+    e: &reshard_core::Error,
+    kinds: &[ErrorKind],
+    ctx: &str,
+) -> reshard_core::OwnerId {
+    assert!(
+        kinds.contains(&e.kind()),
+        "{ctx}: unexpected error kind: {e}"
+    );
+    e.context()
+        .owner
+        .unwrap_or_else(|| panic!("{ctx}: error names no owner: {e}"))
+}
+
+/// Posts `prepared` on `rx` and waits for it, panicking with `ctx` on either failure: the clean
+/// transfer the abort and quiescence checks compare a disturbed one against.
+pub(crate) async fn post_and_wait(
+    rx: &dyn Transport,
+    prepared: &reshard_core::PreparedBatch,
+    ctx: &str,
+) -> reshard_core::WireReport {
+    rx.post(prepared)
+        .await
+        .unwrap_or_else(|e| panic!("{ctx}: post: {e}"))
+        .wait()
+        .await
+        .unwrap_or_else(|e| panic!("{ctx}: wait: {e}"))
+}
+
 fn snapshot(rx: &Receiver) -> Vec<Vec<u8>> {
     rx.live_params()
         .expect("live weights")

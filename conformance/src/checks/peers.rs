@@ -8,11 +8,7 @@ use super::*;
 /// byte range (in the owner's region) and the backend; the live weights stay at the previous
 /// step.
 pub async fn offer_outside_the_registered_region(h: &Harness) {
-    let mut cluster = h.cluster(tiny_moe(), "ep=2,dp=2").await;
-    let mut rx = h.receiver(&cluster, 2, 0).await;
-    rx.update(&cluster.tables()).await.expect("refit");
-    let reference = cluster.expected_params(rx.layout()).expect("reference");
-    cluster.publish_step(1).expect("publish step");
+    let (cluster, mut rx, reference) = refit_then_advance(h, tiny_moe(), "ep=2,dp=2", 0).await;
     let mut tables = cluster.tables();
     let far = 1u64 << 40;
     let mut holders = Vec::new();
@@ -44,11 +40,7 @@ pub async fn offer_outside_the_registered_region(h: &Harness) {
 /// transport metadata the receiver never loaded is `PeerUnknown` naming that owner and a byte
 /// range of one of its offers; the live weights stay at the previous step.
 pub async fn publisher_whose_metadata_was_never_loaded(h: &Harness) {
-    let mut cluster = h.cluster(tiny_moe(), "ep=2,dp=2").await;
-    let mut rx = h.receiver(&cluster, 2, 0).await;
-    rx.update(&cluster.tables()).await.expect("refit");
-    let reference = cluster.expected_params(rx.layout()).expect("reference");
-    cluster.publish_step(1).expect("publish step");
+    let (cluster, mut rx, reference) = refit_then_advance(h, tiny_moe(), "ep=2,dp=2", 0).await;
     let mut tables = cluster.tables();
     let mut ranges = Vec::new();
     for t in tables.iter_mut().filter(|t| t.publisher.rank == 1) {

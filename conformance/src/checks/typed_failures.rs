@@ -6,12 +6,8 @@ use super::*;
 
 /// A publisher missing: the error names the tensor and a missing box; live weights stay.
 pub async fn missing_coverage_is_typed_and_names_tensor_and_box(h: &Harness) {
-    let mut cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;
-    let mut rx = h.receiver(&cluster, 2, 0).await;
-    rx.update(&cluster.tables()).await.expect("refit");
+    let (cluster, mut rx, reference) = refit_then_advance(h, tiny_moe(), "ep=8,dp=8", 0).await;
     let before = snapshot(&rx);
-    let reference = cluster.expected_params(rx.layout()).expect("reference");
-    cluster.publish_step(1).expect("publish step");
     // Rank 3 alone holds experts 6 and 7.
     let tables: Vec<ShardTable> = cluster
         .tables()
@@ -66,12 +62,8 @@ pub async fn divergent_replica_digests_fail(h: &Harness) {
 /// Publisher memory corrupted after its digest was published: verification catches it and the
 /// live weights stay at the previous step.
 pub async fn corrupted_source_bytes_fail_verification(h: &Harness) {
-    let mut cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;
-    let mut rx = h.receiver(&cluster, 2, 1).await;
-    rx.update(&cluster.tables()).await.expect("refit");
+    let (cluster, mut rx, reference) = refit_then_advance(h, tiny_moe(), "ep=8,dp=8", 1).await;
     let before = snapshot(&rx);
-    let reference = cluster.expected_params(rx.layout()).expect("reference");
-    cluster.publish_step(1).expect("publish step");
     // Row-parallel o_proj is pulled whole, so every one of its bytes is digest-checked.
     let name = "model.layers.1.self_attn.o_proj.weight";
     cluster.corrupt(name, 1000).expect("corrupt");
@@ -112,12 +104,8 @@ pub async fn corrupted_rows_of_a_partial_read_fail_verification(h: &Harness) {
 
 /// A peer fails mid-batch: the error names the owner (and tensor); live weights stay.
 pub async fn transport_failing_mid_batch_leaves_live_weights(h: &Harness) {
-    let mut cluster = h.cluster(tiny_moe(), "ep=8,dp=8").await;
-    let mut rx = h.receiver(&cluster, 2, 0).await;
-    rx.update(&cluster.tables()).await.expect("refit");
+    let (cluster, mut rx, reference) = refit_then_advance(h, tiny_moe(), "ep=8,dp=8", 0).await;
     let before = snapshot(&rx);
-    let reference = cluster.expected_params(rx.layout()).expect("reference");
-    cluster.publish_step(1).expect("publish step");
     let failing: Arc<dyn Transport> = Arc::new(FailingTransport::new(
         h.endpoint("receiver-flaky").expect("endpoint"),
         3,
