@@ -143,7 +143,9 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
     .await?;
     let mut verified = 0u64;
     while args.steps.is_none_or(|n| verified < n) {
-        match sub.next_step(timeout).await {
+        // No new step in time ends the receiver; a failed refit of a step it found does not.
+        let found = sub.discover_next(timeout).await?;
+        match sub.install(found).await {
             Ok(report) => {
                 verified += 1;
                 if let Some(dir) = &args.dump {
@@ -162,8 +164,6 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
                     );
                 }
             }
-            // No new step in time: nothing more will come.
-            Err(e) if e.kind() == ErrorKind::Timeout => return Err(e),
             Err(e) => {
                 let live = sub.receiver().live_step();
                 if args.json {

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reshard_core::encoding::decode_table;
 use reshard_core::rendezvous::{discover, Discovered, Rendezvous, Want};
@@ -88,19 +88,29 @@ impl Subscriber {
     /// when none is live yet), waiting up to `timeout` for it. On an error the live weights
     /// and step are untouched and the next call tries again.
     pub async fn next_step(&mut self, timeout: Duration) -> Result<StepReport> {
-        let start = Instant::now();
-        let found = match self.pending.take() {
-            Some(f) if Some(f.step) > self.receiver.live_step() => f,
+        let found = self.discover_next(timeout).await?;
+        self.install(found).await
+    }
+
+    /// Waits up to `timeout` for the publishers to be ready at a step above the one live.
+    pub async fn discover_next(&mut self, timeout: Duration) -> Result<Discovered> {
+        match self.pending.take() {
+            Some(f) if Some(f.step) > self.receiver.live_step() => Ok(f),
             _ => {
                 let want = Want {
                     model: self.model_name.clone(),
                     after_step: self.receiver.live_step(),
                     timeout,
                 };
-                discover(self.rendezvous.as_ref(), &want).await?
+                discover(self.rendezvous.as_ref(), &want).await
             }
-        };
-        let discovery_s = start.elapsed().as_secs_f64();
+        }
+    }
+
+    /// Loads the metadata of publishers not loaded yet (or restarted) and installs the step
+    /// `found` describes. On an error the live weights and step are untouched.
+    pub async fn install(&mut self, found: Discovered) -> Result<StepReport> {
+        let discovery_s = found.elapsed.as_secs_f64();
         let transport = self.receiver.transport().clone();
         let mut tables: Vec<ShardTable> = Vec::with_capacity(found.announcements.len());
         let mut peers_loaded = 0;
