@@ -1,7 +1,7 @@
 //! The loopback state of a prepared batch ([`Prepared`]: resolved region references and work
 //! lists) and `translate`, which validates a batch through the core contract and builds it.
 
-use reshard_core::contract::{self, LocalLookup, RemoteLookup};
+use reshard_core::contract::{self, LocalLookup};
 use reshard_core::{Error, ErrorKind, OwnerId, ReadBatch, ReadDesc, Result};
 use std::collections::HashMap;
 use std::sync::Weak;
@@ -56,12 +56,8 @@ impl LoopbackTransport {
             SCHEME,
             &self.agent.name,
             batch,
-            |owner, region| match peers.get(&owner) {
-                None => RemoteLookup::NoPeer,
-                Some(p) => p
-                    .regions
-                    .get(&region)
-                    .map_or(RemoteLookup::NoRegion, |&len| RemoteLookup::Len(len)),
+            |owner, region| {
+                contract::remote_lookup(peers.get(&owner), |p| p.regions.get(&region).copied())
             },
             |region| {
                 local.get(&region).map(|r| LocalLookup {
