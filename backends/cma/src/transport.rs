@@ -5,7 +5,7 @@ use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
 use reshard_core::contract::{self, span, LocalLookup};
-use reshard_core::{executed, regions};
+use reshard_core::{executed, prepared, regions};
 use reshard_core::{
     new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
     OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
@@ -149,12 +149,7 @@ impl CmaTransport {
     /// Checks every read against the loaded peers and local registrations
     /// ([`contract::validate_batch`]) and translates the batch into calls.
     fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
-        if u32::try_from(batch.reads.len()).is_err() {
-            return Err(
-                Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
-                    .with_backend(SCHEME),
-            );
-        }
+        prepared::check_read_count(SCHEME, batch)?;
         // The epoch is read before the look-ups: a change racing with them makes the batch
         // look stale at post (re-checked), never fresh.
         let epoch = self.epoch();
