@@ -685,11 +685,7 @@ async fn one_memory_registered_twice_is_refused_in_one_batch_and_ordered_as_wave
             },
         ],
     };
-    let refused = receiver
-        .prepare(batch.clone())
-        .await
-        .err()
-        .expect("refused");
+    let refused = receiver.prepare(batch.clone()).await.expect_err("refused");
     assert_eq!(refused.kind(), ErrorKind::InvalidInput, "{refused}");
     assert_eq!(
         refused.context().owner,
