@@ -24,6 +24,19 @@ pub enum RemoteLookup {
     Len(u64),
 }
 
+/// The look-up [`validate_batch`] wants for a remote region: `peer` is the owner's loaded
+/// metadata (`None`: never loaded), `region_len` the length of the region it advertises
+/// (`None`: not advertised).
+pub fn remote_lookup<P>(
+    peer: Option<P>,
+    region_len: impl FnOnce(P) -> Option<u64>,
+) -> RemoteLookup {
+    match peer {
+        None => RemoteLookup::NoPeer,
+        Some(p) => region_len(p).map_or(RemoteLookup::NoRegion, RemoteLookup::Len),
+    }
+}
+
 /// What a backend knows about one of its own registered regions: enough to check a read's
 /// range and to compare destinations by address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,6 +8,7 @@ pub mod contract;
 pub mod digest;
 pub mod encoding;
 pub mod error;
+pub mod executed;
 mod forward;
 pub mod layout;
 #[allow(unsafe_code)]
@@ -17,6 +18,8 @@ pub mod metadata;
 pub mod model;
 pub mod overlap;
 pub mod plan;
+pub mod prepared;
+pub mod regions;
 pub mod registry;
 pub mod rendezvous;
 pub mod stats;

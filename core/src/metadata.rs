@@ -1,5 +1,8 @@
 //! The header every backend's peer metadata starts with, encoded and decoded once:
-//! [`MetaHeader`]. Backends write their own payload (regions, keys, addresses) after it.
+//! [`MetaHeader`]. Backends write their own payload (regions, keys, addresses) after it; the
+//! rules every region list in a payload follows are here too: [`read_region_count`] (a count
+//! checked against the bytes present before anything is allocated), [`sort_regions`] (ascending
+//! ids, none twice) and [`encode_kind`] / [`decode_kind`] (the memory kind of a region).
 //!
 //! Layout (little endian): magic (4 bytes, one per backend), version `u8` (of the backend's
 //! whole format), agent name (`u16` length + 1..=`u16::MAX` bytes of UTF-8), endpoint
@@ -12,6 +15,7 @@ use std::fmt;
 use bytes::BufMut;
 
 use crate::encoding::{ByteReader, Truncated};
+use crate::model::MemoryKind;
 
 /// The shared head of a backend's peer metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +130,44 @@ impl MetaHeader {
     }
 }
 
+/// Reads a region count (`u32`, little endian) and checks that at least `count * min_bytes`
+/// bytes follow (`min_bytes`: the fixed part of one region), so a forged count allocates
+/// nothing and fails as [`Truncated`].
+pub fn read_region_count(r: &mut ByteReader<'_>, min_bytes: usize) -> Result<usize, Truncated> {
+    let count = u32::from_le_bytes(r.array()?) as usize;
+    r.ensure(count.saturating_mul(min_bytes))?;
+    Ok(count)
+}
+
+/// Sorts decoded regions by `id` (what every backend's metadata promises its users) and
+/// refuses an id listed twice: `Err(id)`, for the backend's own typed defect.
+pub fn sort_regions<T>(regions: &mut [T], id: impl Fn(&T) -> u64) -> Result<(), u64> {
+    regions.sort_unstable_by_key(&id);
+    match regions.windows(2).find(|w| id(&w[0]) == id(&w[1])) {
+        Some(w) => Err(id(&w[0])),
+        None => Ok(()),
+    }
+}
+
+/// A region's memory kind on the wire: a tag byte (0 host, 1 device) and the device number
+/// (0 for host memory).
+pub fn encode_kind(kind: MemoryKind) -> (u8, u32) {
+    match kind {
+        MemoryKind::Dram => (0, 0),
+        MemoryKind::Vram { device } => (1, device),
+    }
+}
+
+/// The memory kind [`encode_kind`] wrote; `None` for an unknown tag (the device number of
+/// host memory is ignored).
+pub fn decode_kind(tag: u8, device: u32) -> Option<MemoryKind> {
+    match tag {
+        0 => Some(MemoryKind::Dram),
+        1 => Some(MemoryKind::Vram { device }),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,5 +263,25 @@ mod tests {
     fn magic_errors_name_the_expected_format() {
         let e = decode(b"RSLBxxxx").unwrap_err();
         assert!(e.to_string().contains("not RSTT metadata"), "{e}");
+    }
+
+    #[test]
+    fn region_list_rules() {
+        let bytes = [1, 0, 0, 0, 1, 2, 3, 4];
+        let mut r = ByteReader::new(&bytes);
+        assert_eq!(read_region_count(&mut r, 4), Ok(1));
+        let mut r = ByteReader::new(&bytes);
+        assert!(read_region_count(&mut r, 5).is_err());
+        let mut v = vec![(3, 'a'), (1, 'b'), (2, 'c')];
+        assert_eq!(sort_regions(&mut v, |r| r.0), Ok(()));
+        assert_eq!(v, [(1, 'b'), (2, 'c'), (3, 'a')]);
+        v.push((2, 'd'));
+        assert_eq!(sort_regions(&mut v, |r| r.0), Err(2));
+        for kind in [MemoryKind::Dram, MemoryKind::Vram { device: 7 }] {
+            let (tag, device) = encode_kind(kind);
+            assert_eq!(decode_kind(tag, device), Some(kind));
+        }
+        assert_eq!(decode_kind(0, 9), Some(MemoryKind::Dram));
+        assert_eq!(decode_kind(2, 0), None);
     }
 }

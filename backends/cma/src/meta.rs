@@ -12,7 +12,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{HeaderError, MetaHeader};
+use reshard_core::metadata::{self, HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, Result};
 
 use crate::SCHEME;
@@ -113,9 +113,8 @@ impl Meta {
             return Err(MetaError::Pid);
         }
         let start_time = r.u64()?;
-        let count = r.u32()? as usize;
-        let need = count.saturating_mul(REGION_BYTES);
-        r.ensure(need)?;
+        let count = metadata::read_region_count(&mut r, REGION_BYTES)?;
+        let need = count * REGION_BYTES;
         if need < r.left() {
             return Err(MetaError::Trailing(r.left() - need));
         }
@@ -127,10 +126,7 @@ impl Meta {
             }
             regions.push(RegionMeta { id, addr, len });
         }
-        regions.sort_unstable_by_key(|r| r.id);
-        if let Some(w) = regions.windows(2).find(|w| w[0].id == w[1].id) {
-            return Err(MetaError::DuplicateRegion(w[0].id));
-        }
+        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaError::DuplicateRegion)?;
         Ok(Meta {
             boot_id,
             pid_ns,

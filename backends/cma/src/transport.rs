@@ -4,7 +4,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
-use reshard_core::contract::{self, span, LocalLookup, RemoteLookup};
+use reshard_core::contract::{self, span, LocalLookup};
+use reshard_core::{executed, prepared, regions};
 use reshard_core::{
     new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
     OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
@@ -148,12 +149,7 @@ impl CmaTransport {
     /// Checks every read against the loaded peers and local registrations
     /// ([`contract::validate_batch`]) and translates the batch into calls.
     fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
-        if u32::try_from(batch.reads.len()).is_err() {
-            return Err(
-                Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
-                    .with_backend(SCHEME),
-            );
-        }
+        prepared::check_read_count(SCHEME, batch)?;
         // The epoch is read before the look-ups: a change racing with them makes the batch
         // look stale at post (re-checked), never fresh.
         let epoch = self.epoch();
@@ -167,12 +163,10 @@ impl CmaTransport {
             SCHEME,
             &self.agent,
             batch,
-            |owner, region| match peers.get(&owner) {
-                None => RemoteLookup::NoPeer,
-                Some(p) => p
-                    .regions
-                    .get(&region)
-                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            |owner, region| {
+                contract::remote_lookup(peers.get(&owner), |p| {
+                    p.regions.get(&region).map(|r| r.len)
+                })
             },
             |region| local.get(&region).map(|b| LocalLookup::of(b.as_ref())),
         )?;
@@ -320,19 +314,20 @@ impl CmaTransport {
                     .min()
                     .unwrap_or(*owner)
             };
-            let (remote_region, remote_offset) = used
-                .regions
-                .values()
-                .filter(|r| ra >= r.addr && ra.saturating_add(len) <= r.addr + r.len)
-                .min_by_key(|r| r.id)
-                .map_or((0, ra), |r| (r.id, ra - r.addr));
-            let (local_region, local_offset) = local
-                .iter()
-                .find(|(_, b)| {
-                    let base = b.addr() as u64;
-                    la >= base && la.saturating_add(len) <= base + b.len() as u64
-                })
-                .map_or((0, la), |(&id, b)| (id, la - b.addr() as u64));
+            let (remote_region, remote_offset) = executed::locate(
+                used.regions.values().map(|r| (r.id, r.addr, r.len)),
+                ra,
+                len,
+                None,
+            );
+            let (local_region, local_offset) = executed::locate(
+                local
+                    .iter()
+                    .map(|(&id, b)| (id, b.addr() as u64, b.len() as u64)),
+                la,
+                len,
+                None,
+            );
             out.push(ReadDesc {
                 owner,
                 remote_region,
@@ -419,14 +414,8 @@ impl Transport for CmaTransport {
             )
             .with_backend(SCHEME));
         }
-        let (addr, len) = (block.addr(), block.len());
-        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
-            return Err(Error::new(
-                ErrorKind::OutOfBounds,
-                format!("block {addr:#x}+{len} is not a valid address range"),
-            )
-            .with_backend(SCHEME));
-        }
+        regions::check_block(SCHEME, block.as_ref())?;
+        let len = block.len();
         let id = self.local.next_region.fetch_add(1, Ordering::Relaxed);
         self.local.regions.write().insert(id, block);
         self.local.bump();

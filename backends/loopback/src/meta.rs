@@ -7,7 +7,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{HeaderError, MetaHeader};
+use reshard_core::metadata::{self, HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, Result};
 
 const MAGIC: [u8; 4] = *b"RSLB";
@@ -75,10 +75,8 @@ impl AgentMeta {
             ..
         } = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
         let fabric = r.u64()?;
-        let count = u32::from_le_bytes(r.array()?) as usize;
-        // Check the count against the bytes present before allocating anything for it.
-        let need = count.saturating_mul(16);
-        r.ensure(need)?;
+        let count = metadata::read_region_count(&mut r, 16)?;
+        let need = count * 16;
         if need < r.left() {
             return Err(MetaError::Trailing(r.left() - need));
         }
@@ -86,10 +84,7 @@ impl AgentMeta {
         for _ in 0..count {
             regions.push((r.u64()?, r.u64()?));
         }
-        regions.sort_unstable();
-        if let Some(w) = regions.windows(2).find(|w| w[0].0 == w[1].0) {
-            return Err(MetaError::DuplicateRegion(w[0].0));
-        }
+        metadata::sort_regions(&mut regions, |r| r.0).map_err(MetaError::DuplicateRegion)?;
         Ok(AgentMeta {
             fabric,
             agent_uid,

@@ -13,7 +13,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{HeaderError, MetaHeader};
+use reshard_core::metadata::{self, HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -103,16 +103,9 @@ impl AgentMeta {
             b.put_u64_le(r.id);
             b.put_u64_le(r.addr);
             b.put_u64_le(r.len);
-            match r.kind {
-                MemoryKind::Dram => {
-                    b.put_u8(0);
-                    b.put_u32_le(0);
-                }
-                MemoryKind::Vram { device } => {
-                    b.put_u8(1);
-                    b.put_u32_le(device);
-                }
-            }
+            let (tag, device) = metadata::encode_kind(r.kind);
+            b.put_u8(tag);
+            b.put_u32_le(device);
         }
         b.put_u32_le(self.nixl_md.len() as u32);
         b.put_slice(&self.nixl_md);
@@ -157,21 +150,15 @@ impl AgentMeta {
         if header.incarnation != incarnation_of(&nixl_name) {
             return Err(MetaError::Incarnation(header.incarnation));
         }
-        let count = u32::from_le_bytes(r.array()?) as usize;
-        // Check the count against the bytes present before allocating anything for it.
-        r.ensure(count.saturating_mul(REGION_BYTES))?;
+        let count = metadata::read_region_count(&mut r, REGION_BYTES)?;
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             let id = r.u64()?;
             let addr = r.u64()?;
             let len = r.u64()?;
-            let kind = r.take(1)?[0];
+            let tag = r.take(1)?[0];
             let device = u32::from_le_bytes(r.array()?);
-            let kind = match kind {
-                0 => MemoryKind::Dram,
-                1 => MemoryKind::Vram { device },
-                k => return Err(MetaError::Kind(id, k)),
-            };
+            let kind = metadata::decode_kind(tag, device).ok_or(MetaError::Kind(id, tag))?;
             if addr.checked_add(len).is_none() {
                 return Err(MetaError::Range(id));
             }
@@ -182,10 +169,7 @@ impl AgentMeta {
                 kind,
             });
         }
-        regions.sort_unstable_by_key(|r| r.id);
-        if let Some(w) = regions.windows(2).find(|w| w[0].id == w[1].id) {
-            return Err(MetaError::DuplicateRegion(w[0].id));
-        }
+        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaError::DuplicateRegion)?;
         let md_len = u32::from_le_bytes(r.array()?) as usize;
         let nixl_md = r.take(md_len)?.to_vec();
         if nixl_md.is_empty() {

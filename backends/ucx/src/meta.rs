@@ -15,7 +15,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{HeaderError, MetaHeader};
+use reshard_core::metadata::{self, HeaderError, MetaHeader};
 use reshard_core::{Error, ErrorKind, MemoryKind, Result};
 
 const MAGIC: [u8; 4] = *b"RSUX";
@@ -100,11 +100,8 @@ impl EndpointMeta {
             b.put_u64_le(r.len);
             b.put_u64_le(r.key_base);
             b.put_u64_le(r.key_len);
-            let (kind, device) = match r.kind {
-                MemoryKind::Dram => (0u8, 0u32),
-                MemoryKind::Vram { device } => (1, device),
-            };
-            b.put_u8(kind);
+            let (tag, device) = metadata::encode_kind(r.kind);
+            b.put_u8(tag);
             b.put_u32_le(device);
             b.put_u32_le(r.rkey.len() as u32);
             b.put_slice(&r.rkey);
@@ -130,9 +127,7 @@ impl EndpointMeta {
         if worker_address.is_empty() {
             return Err(MetaError::EmptyAddress);
         }
-        let count = r.u32()? as usize;
-        // Check the count against the bytes present before allocating anything for it.
-        r.ensure(count.saturating_mul(REGION_FIXED))?;
+        let count = metadata::read_region_count(&mut r, REGION_FIXED)?;
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             let id = r.u64()?;
@@ -140,11 +135,8 @@ impl EndpointMeta {
             let len = r.u64()?;
             let key_base = r.u64()?;
             let key_size = r.u64()?;
-            let kind = match (r.take(1)?[0], r.u32()?) {
-                (0, _) => MemoryKind::Dram,
-                (1, device) => MemoryKind::Vram { device },
-                (k, _) => return Err(MetaError::Kind(id, k)),
-            };
+            let (tag, device) = (r.take(1)?[0], r.u32()?);
+            let kind = metadata::decode_kind(tag, device).ok_or(MetaError::Kind(id, tag))?;
             let key_len = r.u32()? as usize;
             let rkey = r.take(key_len)?.to_vec();
             let (Some(end), Some(key_end)) =
@@ -171,10 +163,7 @@ impl EndpointMeta {
         if r.left() > 0 {
             return Err(MetaError::Trailing(r.left()));
         }
-        regions.sort_unstable_by_key(|r| r.id);
-        if let Some(w) = regions.windows(2).find(|w| w[0].id == w[1].id) {
-            return Err(MetaError::DuplicateRegion(w[0].id));
-        }
+        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaError::DuplicateRegion)?;
         Ok(EndpointMeta {
             agent,
             incarnation,

@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use reshard_core::{
-    Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock, OwnerId,
-    PreparedBatch, ReadBatch, Registration, Result, Transport, WireReport,
+    prepared, Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock,
+    OwnerId, PreparedBatch, ReadBatch, Registration, Result, Transport, WireReport,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -310,21 +310,14 @@ impl Transport for UcxTransport {
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        let token = prepared
-            .state::<PreparedToken>()
-            .filter(|t| t.uid == self.uid)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "batch was prepared by {} (another backend or ucx endpoint), not by \
-                         ucx agent {:?}",
-                        prepared.backend(),
-                        self.agent
-                    ),
-                )
-                .with_backend(SCHEME)
-            })?;
+        let token = prepared::own_state::<PreparedToken>(
+            SCHEME,
+            prepared,
+            |t| t.uid == self.uid,
+            "ucx endpoint",
+            "ucx agent",
+            &self.agent,
+        )?;
         let batch = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done_tx, done_rx) = oneshot::channel();
         let prepared_id = token.id;

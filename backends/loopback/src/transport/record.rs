@@ -1,7 +1,7 @@
 //! `record`: what a post writes to the execution log, computed back from the addresses the
 //! copy jobs use.
 
-use reshard_core::{ExecutionLog, ReadDesc};
+use reshard_core::{executed, ExecutionLog, ReadDesc};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -9,27 +9,13 @@ use super::{LoopbackTransport, Peer, Prepared};
 use crate::copy::Live;
 use crate::fabric::Region;
 
-/// Finds the region of `regions` whose registered block holds `addr..addr + len`: its id and
-/// the offset of `addr` in it. When several do (one memory registered twice), `prefer` wins if
-/// it is one of them, else the lowest id.
-fn region_at(
-    regions: &HashMap<u64, Region>,
-    addr: u64,
-    len: u64,
-    prefer: u64,
-) -> Option<(u64, u64)> {
-    let holds = |r: &Region| {
-        let base = r.block.addr() as u64;
-        addr >= base && addr.saturating_add(len) <= base.saturating_add(r.len)
-    };
-    if let Some(r) = regions.get(&prefer).filter(|r| holds(r)) {
-        return Some((prefer, addr - r.block.addr() as u64));
-    }
-    regions
+/// The region of `regions` whose registered block holds `addr..addr + len` and the offset of
+/// `addr` in it, by the core rule ([`executed::locate`]: `prefer`, else the lowest id).
+fn region_at(regions: &HashMap<u64, Region>, addr: u64, len: u64, prefer: u64) -> (u64, u64) {
+    let all = regions
         .iter()
-        .filter(|(_, r)| holds(r))
-        .min_by_key(|(&id, _)| id)
-        .map(|(&id, r)| (id, addr - r.block.addr() as u64))
+        .map(|(&id, r)| (id, r.block.addr() as u64, r.len));
+    executed::locate(all, addr, len, Some(prefer))
 }
 
 /// A read as the copy jobs execute it: source and destination indices, first source and
@@ -90,17 +76,15 @@ impl LoopbackTransport {
                     .min()
                     .unwrap_or(src.owner)
             };
-            let (remote_region, remote_offset) = used
-                .as_ref()
-                .and_then(|a| region_at(&a.regions.read(), sa, len, src.region))
-                .unwrap_or((0, sa));
+            let (remote_region, remote_offset) = used.as_ref().map_or((0, sa), |a| {
+                region_at(&a.regions.read(), sa, len, src.region)
+            });
             let (local_region, local_offset) = region_at(
                 &self.agent.regions.read(),
                 da,
                 len,
                 st.dsts[d as usize].region,
-            )
-            .unwrap_or((0, da));
+            );
             out.push(ReadDesc {
                 owner,
                 remote_region,

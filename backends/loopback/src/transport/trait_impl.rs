@@ -2,6 +2,7 @@
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use reshard_core::{prepared, regions};
 use reshard_core::{
     Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
     PreparedBatch, ReadBatch, Registration, Result, Transport,
@@ -57,14 +58,8 @@ impl Transport for LoopbackTransport {
             )
             .with_backend(SCHEME));
         }
-        let (addr, len) = (block.addr(), block.len());
-        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
-            return Err(Error::new(
-                ErrorKind::OutOfBounds,
-                format!("block {addr:#x}+{len} is not a valid address range"),
-            )
-            .with_backend(SCHEME));
-        }
+        regions::check_block(SCHEME, block.as_ref())?;
+        let len = block.len();
         let id = self.agent.next_region.fetch_add(1, Ordering::Relaxed);
         let len = len as u64;
         self.agent.regions.write().insert(id, Region { block, len });
@@ -192,21 +187,14 @@ impl Transport for LoopbackTransport {
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        let st = prepared
-            .state::<Arc<Prepared>>()
-            .filter(|st| st.agent_uid == self.agent.uid)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "batch was prepared by {} (another backend or loopback agent), not by \
-                         loopback agent {:?}",
-                        prepared.backend(),
-                        self.agent.name
-                    ),
-                )
-                .with_backend(SCHEME)
-            })?;
+        let st = prepared::own_state::<Arc<Prepared>>(
+            SCHEME,
+            prepared,
+            |st| st.agent_uid == self.agent.uid,
+            "loopback agent",
+            "loopback agent",
+            &self.agent.name,
+        )?;
         let (srcs, dsts) = self.resolve(prepared, st)?;
         let pool = self.pool()?;
         #[cfg(feature = "fault-injection")]

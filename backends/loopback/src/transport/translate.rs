@@ -1,8 +1,9 @@
 //! The loopback state of a prepared batch ([`Prepared`]: resolved region references and work
 //! lists) and `translate`, which validates a batch through the core contract and builds it.
 
-use reshard_core::contract::{self, LocalLookup, RemoteLookup};
-use reshard_core::{Error, ErrorKind, OwnerId, ReadBatch, ReadDesc, Result};
+use reshard_core::contract::{self, LocalLookup};
+use reshard_core::prepared;
+use reshard_core::{OwnerId, ReadBatch, ReadDesc, Result};
 use std::collections::HashMap;
 use std::sync::Weak;
 
@@ -44,24 +45,15 @@ impl LoopbackTransport {
     /// Checks every read against loaded peers and local registrations
     /// ([`contract::validate_batch`]) and builds work lists.
     pub(super) fn translate(&self, batch: &ReadBatch) -> Result<Prepared> {
-        if u32::try_from(batch.reads.len()).is_err() {
-            return Err(
-                Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
-                    .with_backend(SCHEME),
-            );
-        }
+        prepared::check_read_count(SCHEME, batch)?;
         let peers = self.peers.read();
         let local = self.agent.regions.read();
         contract::validate_batch(
             SCHEME,
             &self.agent.name,
             batch,
-            |owner, region| match peers.get(&owner) {
-                None => RemoteLookup::NoPeer,
-                Some(p) => p
-                    .regions
-                    .get(&region)
-                    .map_or(RemoteLookup::NoRegion, |&len| RemoteLookup::Len(len)),
+            |owner, region| {
+                contract::remote_lookup(peers.get(&owner), |p| p.regions.get(&region).copied())
             },
             |region| {
                 local.get(&region).map(|r| LocalLookup {

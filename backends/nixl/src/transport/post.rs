@@ -1,6 +1,6 @@
 //! `post`: takes a prepared batch out of `IDLE` after re-checking it, and starts it.
 
-use reshard_core::{Error, ErrorKind, InFlight, PreparedBatch, Result};
+use reshard_core::{prepared, Error, ErrorKind, InFlight, PreparedBatch, Result};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -12,21 +12,14 @@ use crate::{quarantine, SCHEME};
 impl NixlTransport {
     /// [`reshard_core::Transport::post`].
     pub(super) async fn post_batch(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        let p = prepared
-            .state::<Arc<Prepared>>()
-            .filter(|p| p.shared.uid == self.shared.uid)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "batch was prepared by {} (another backend or nixl endpoint), not by \
-                         nixl endpoint {:?}",
-                        prepared.backend(),
-                        self.shared.name
-                    ),
-                )
-                .with_backend(SCHEME)
-            })?;
+        let p = prepared::own_state::<Arc<Prepared>>(
+            SCHEME,
+            prepared,
+            |p| p.shared.uid == self.shared.uid,
+            "nixl endpoint",
+            "nixl endpoint",
+            &self.shared.name,
+        )?;
         {
             // Under the state lock: a peer reload never sees a batch leave IDLE meanwhile.
             let st = self.shared.state.lock();

@@ -2,7 +2,7 @@
 //! regions and peers, and translates them into NIXL descriptor lists and requests.
 
 use parking_lot::Mutex;
-use reshard_core::contract::{self, span, LocalLookup, RemoteLookup};
+use reshard_core::contract::{self, span, LocalLookup};
 use reshard_core::{
     Error, ErrorKind, MemoryKind, OwnerId, PreparedBatch, ReadBatch, ReadDesc, Result,
 };
@@ -57,12 +57,10 @@ impl NixlTransport {
             SCHEME,
             &s.name,
             &batch,
-            |owner, region| match st.peers.get(&owner) {
-                None => RemoteLookup::NoPeer,
-                Some(p) => p
-                    .regions
-                    .get(&region)
-                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            |owner, region| {
+                contract::remote_lookup(st.peers.get(&owner), |p| {
+                    p.regions.get(&region).map(|r| r.len)
+                })
             },
             |region| {
                 st.regions.get(&region).map(|l| LocalLookup {

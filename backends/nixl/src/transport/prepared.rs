@@ -2,7 +2,7 @@
 //! phase), how its requests are made, recorded and released, and what `post` re-checks.
 
 use parking_lot::Mutex;
-use reshard_core::{Error, ErrorKind, ExecutionLog, OwnerId, ReadDesc, Result};
+use reshard_core::{executed, Error, ErrorKind, ExecutionLog, OwnerId, ReadDesc, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -166,23 +166,16 @@ impl Prepared {
                 }
                 let (la, _) = local[group.local_ix[k] as usize];
                 let (ra, _) = remote.descs[group.remote_ix[k] as usize];
-                let (remote_region, remote_offset) = remote
-                    .peer
-                    .regions
-                    .values()
-                    .filter(|r| ra >= r.addr && ra.saturating_add(len) <= r.addr + r.len)
-                    .map(|r| (r.id, ra - r.addr))
-                    .min()
-                    .unwrap_or((0, ra));
-                let (local_region, local_offset) = self
-                    .local_table
-                    .iter()
-                    .filter(|&&(_, sp, s, e)| {
-                        sp == space_l && la >= s && la.saturating_add(len) <= e
-                    })
-                    .map(|&(id, _, s, _)| (id, la - s))
-                    .min()
-                    .unwrap_or((0, la));
+                let (remote_region, remote_offset) = executed::locate(
+                    remote.peer.regions.values().map(|r| (r.id, r.addr, r.len)),
+                    ra,
+                    len,
+                    None,
+                );
+                // Only regions in the memory space the local list is in.
+                let locals = self.local_table.iter().filter(|t| t.1 == space_l);
+                let (local_region, local_offset) =
+                    executed::locate(locals.map(|&(id, _, s, e)| (id, s, e - s)), la, len, None);
                 out.push(ReadDesc {
                     owner,
                     remote_region,

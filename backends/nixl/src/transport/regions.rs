@@ -1,6 +1,6 @@
 //! Local regions: what a registration holds, and `register`.
 
-use reshard_core::{Error, ErrorKind, MemoryBlock, MemoryKind, Registration, Result};
+use reshard_core::{regions, Error, ErrorKind, MemoryBlock, MemoryKind, Registration, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -64,13 +64,7 @@ impl NixlTransport {
             }
         }
         let (addr, len) = (block.addr(), block.len());
-        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
-            return Err(Error::new(
-                ErrorKind::OutOfBounds,
-                format!("block {addr:#x}+{len} is not a valid address range"),
-            )
-            .with_backend(SCHEME));
-        }
+        regions::check_block(SCHEME, block.as_ref())?;
         // Zero-length blocks get an id (ids stay aligned across backends) but nothing to
         // register: no read can touch them.
         let reg = if len == 0 {

@@ -2,7 +2,7 @@
 
 use std::rc::Rc;
 
-use reshard_core::{OwnerId, ReadDesc};
+use reshard_core::{executed, OwnerId, ReadDesc};
 
 use super::execute::Running;
 use super::peers::Peer;
@@ -71,16 +71,13 @@ impl Engine {
             None => (asked.owner, None),
         };
         let (remote_region, remote_offset) = remote.unwrap_or((0, op.remote_addr));
-        let dst = op.local as usize;
-        let mut locals: Vec<(u64, u64)> = run
+        let locals = run
             .res
             ._regions
             .iter()
-            .filter(|r| dst >= r.addr && dst + len as usize <= r.addr + r.len as usize)
-            .map(|r| (r.id, (dst - r.addr) as u64))
-            .collect();
-        locals.sort_unstable_by_key(|&(id, _)| (id != asked.local_region, id));
-        let (local_region, local_offset) = locals.first().copied().unwrap_or((0, dst as u64));
+            .map(|r| (r.id, r.addr as u64, r.len));
+        let (local_region, local_offset) =
+            executed::locate(locals, op.local as u64, len, Some(asked.local_region));
         log.record([ReadDesc {
             owner,
             remote_region,

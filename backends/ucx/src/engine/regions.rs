@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use reshard_core::{Error, ErrorKind, MemoryBlock, MemoryKind, Result};
+use reshard_core::{regions, Error, ErrorKind, MemoryBlock, MemoryKind, Result};
 
 use super::{ucx_err, Engine};
 use crate::alloc::Allocation;
@@ -70,13 +70,7 @@ impl Engine {
             )
             .with_backend(SCHEME));
         }
-        if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
-            return Err(Error::new(
-                ErrorKind::OutOfBounds,
-                format!("block {addr:#x}+{len} is not a valid address range"),
-            )
-            .with_backend(SCHEME));
-        }
+        regions::check_block(SCHEME, block.as_ref())?;
         let (mem, rkey) = if len == 0 {
             (None, Vec::new())
         } else {

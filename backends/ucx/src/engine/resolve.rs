@@ -6,7 +6,8 @@ use std::ops::Range;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use reshard_core::contract::{self, span, LocalLookup, RemoteLookup};
+use reshard_core::contract::{self, span, LocalLookup};
+use reshard_core::prepared;
 use reshard_core::{Error, ErrorKind, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result};
 
 use super::peers::{Peer, RemoteRegion};
@@ -137,22 +138,15 @@ impl Engine {
     /// Checks every read against loaded peers and local registrations and resolves it to the
     /// raw handles `ucp_get_nbx` takes.
     pub(super) fn translate(&self, batch: &ReadBatch) -> Result<Resolved> {
-        if u32::try_from(batch.reads.len()).is_err() {
-            return Err(
-                Error::new(ErrorKind::Unsupported, "more than 2^32 reads in one batch")
-                    .with_backend(SCHEME),
-            );
-        }
+        prepared::check_read_count(SCHEME, batch)?;
         contract::validate_batch(
             SCHEME,
             &self.agent,
             batch,
-            |owner, region| match self.peers.get(&owner) {
-                None => RemoteLookup::NoPeer,
-                Some(p) => p
-                    .regions
-                    .get(&region)
-                    .map_or(RemoteLookup::NoRegion, |r| RemoteLookup::Len(r.len)),
+            |owner, region| {
+                contract::remote_lookup(self.peers.get(&owner), |p| {
+                    p.regions.get(&region).map(|r| r.len)
+                })
             },
             |region| {
                 self.regions.get(&region).map(|l| LocalLookup {
