@@ -199,14 +199,8 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         return Ok(Outcome(verified));
     }
     println!(
-        "bench {} ({} layers{}) publishers {pubs} -> receivers {recv} over {}{}: per arm a warm-up + {} measured updates, all ranks",
-        model.name,
-        model.layers,
-        model
-            .moe
-            .as_ref()
-            .map(|m| format!(", {} experts", m.experts))
-            .unwrap_or_default(),
+        "bench {} publishers {pubs} -> receivers {recv} over {}{}: per arm a warm-up + {} measured updates, all ranks",
+        crate::describe_model(&model),
         cfg.transport.kind,
         if cluster.is_remote() {
             " (publishers in another process)"

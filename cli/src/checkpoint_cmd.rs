@@ -71,14 +71,8 @@ pub fn run(args: CheckpointArgs) -> Result<Outcome> {
         println!("{v}");
     } else {
         println!(
-            "wrote {} ({} layers{}) step {} to {}: {} tensors, {:.1} MiB in {} shard files",
-            model.name,
-            model.layers,
-            model
-                .moe
-                .as_ref()
-                .map(|m| format!(", {} experts", m.experts))
-                .unwrap_or_default(),
+            "wrote {} step {} to {}: {} tensors, {:.1} MiB in {} shard files",
+            crate::describe_model(&model),
             written.step,
             written.dir.display(),
             written.tensors,

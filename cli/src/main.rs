@@ -194,6 +194,16 @@ pub fn load_config(
     reshard_transports::registry().load_config(file, cli)
 }
 
+/// `name (N layers, M experts)`, as the commands' summaries name a model.
+pub fn describe_model(model: &ModelConfig) -> String {
+    let experts = model
+        .moe
+        .as_ref()
+        .map(|m| format!(", {} experts", m.experts))
+        .unwrap_or_default();
+    format!("{} ({} layers{experts})", model.name, model.layers)
+}
+
 /// What a subcommand returns on success: 0, or 1 when it ran but found a failure.
 pub struct Outcome(pub bool);
 

@@ -16,7 +16,7 @@ use reshard_core::{Error, ErrorKind, Result, Transport};
 use reshard_planner::topology::PublisherTopology;
 use reshard_runtime::ShardPublisher;
 
-use crate::rendezvous_arg::{connect, RendezvousArgs};
+use crate::rendezvous_arg::{connect, RendezvousArgs, TransportArgs};
 use crate::Outcome;
 
 /// Flags of `reshard publish`.
@@ -37,12 +37,8 @@ pub struct PublishArgs {
     /// This process's publisher rank.
     #[arg(long)]
     rank: u32,
-    /// Transport scheme (overrides `RESHARD_TRANSPORT__KIND` and `reshard.toml`).
-    #[arg(long)]
-    transport: Option<String>,
-    /// Config file (default: `$RESHARD_CONFIG`, else `./reshard.toml` when present).
-    #[arg(long)]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    transport: TransportArgs,
     /// How often to look for a newer complete checkpoint, in milliseconds.
     #[arg(long, default_value_t = 500)]
     poll_ms: u64,
@@ -92,7 +88,7 @@ fn line(json: bool, what: &str, rank: u32, step: u64, path: &Path, bytes: u64) {
 }
 
 async fn publish(args: PublishArgs) -> Result<Outcome> {
-    let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
+    let cfg = args.transport.load()?;
     let topology: PublisherTopology = args.publishers.parse()?;
     let poll = Duration::from_millis(args.poll_ms.max(10));
     let rendezvous = connect(&args.rendezvous).await?;

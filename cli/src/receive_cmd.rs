@@ -13,7 +13,7 @@ use reshard_core::{Error, ErrorKind, Result, Transport};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StepReport, Subscriber};
 
-use crate::rendezvous_arg::{connect, RendezvousArgs};
+use crate::rendezvous_arg::{connect, RendezvousArgs, TransportArgs};
 use crate::Outcome;
 
 /// Flags of `reshard receive`.
@@ -30,12 +30,8 @@ pub struct ReceiveArgs {
     /// This process's receiver rank.
     #[arg(long)]
     rank: u32,
-    /// Transport scheme (overrides `RESHARD_TRANSPORT__KIND` and `reshard.toml`).
-    #[arg(long)]
-    transport: Option<String>,
-    /// Config file (default: `$RESHARD_CONFIG`, else `./reshard.toml` when present).
-    #[arg(long)]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    transport: TransportArgs,
     /// Exit 0 after this many verified steps (default: run until killed).
     #[arg(long)]
     steps: Option<u64>,
@@ -124,7 +120,7 @@ fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
 }
 
 async fn receive(args: ReceiveArgs) -> Result<Outcome> {
-    let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
+    let cfg = args.transport.load()?;
     let topology: ReceiverTopology = args.receivers.parse()?;
     let timeout = Duration::from_secs(args.timeout_s);
     let rendezvous = connect(&args.rendezvous).await?;

@@ -495,14 +495,8 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         println!(
-            "refit {} ({} layers{}) publishers {pubs} -> receivers {recv} over {}{}: {} measured updates after a warm-up",
-            model.name,
-            model.layers,
-            model
-                .moe
-                .as_ref()
-                .map(|m| format!(", {} experts", m.experts))
-                .unwrap_or_default(),
+            "refit {} publishers {pubs} -> receivers {recv} over {}{}: {} measured updates after a warm-up",
+            crate::describe_model(&model),
             cfg.transport.kind,
             if cfg.planner.dedup { "" } else { " (no dedup)" },
             args.updates

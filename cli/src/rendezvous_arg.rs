@@ -1,4 +1,4 @@
-//! The `--rendezvous` flag shared by `publish`, `receive` and `status`.
+//! The flags `publish`, `receive` and `status` share: where to meet, and which transport.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +17,24 @@ pub struct RendezvousArgs {
     /// Seconds after a publisher's death before its announcement disappears (its lease TTL).
     #[arg(long, default_value_t = 10)]
     pub lease_ttl_s: u64,
+}
+
+/// The transport a deployed rank serves or reads over.
+#[derive(Args, Clone, Debug)]
+pub struct TransportArgs {
+    /// Transport scheme (overrides `RESHARD_TRANSPORT__KIND` and `reshard.toml`).
+    #[arg(long)]
+    pub transport: Option<String>,
+    /// Config file (default: `$RESHARD_CONFIG`, else `./reshard.toml` when present).
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+}
+
+impl TransportArgs {
+    /// The configuration these flags select.
+    pub fn load(&self) -> Result<reshard_core::config::Config> {
+        crate::load_config(self.transport.as_deref(), self.config.as_deref())
+    }
 }
 
 /// Connects to the rendezvous the flags name.
