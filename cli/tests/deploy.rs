@@ -4,23 +4,28 @@
 //! what they installed. Each dump is compared with slices cut directly from the checkpoint
 //! files by this test's own reading of vLLM's TP layout, not through reshard's planner.
 
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use reshard_checkpoint::Checkpoint;
 
 const R: &str = env!("CARGO_BIN_EXE_reshard");
 
+/// One cluster at a time: each is ten processes, and the machine has two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn scripts() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts")
 }
 
-/// Skips loudly where UCX or etcd is missing, unless `RESHARD_REQUIRE_BACKENDS` asks for all.
-fn available() -> bool {
-    let ucx =
-        reshard_conformance::backend_available("ucx", reshard_transports::registry().probe("ucx"));
-    if !ucx {
+/// Skips loudly where the transport or etcd is missing, unless `RESHARD_REQUIRE_BACKENDS`
+/// asks for every backend.
+fn available(transport: &str) -> bool {
+    let probe = reshard_transports::registry().probe(transport);
+    if !reshard_conformance::backend_available(transport, probe) {
         return false;
     }
     let etcd = Command::new("etcd").arg("--version").output().is_ok();
@@ -34,15 +39,24 @@ fn available() -> bool {
     etcd
 }
 
-/// Kills its processes and stops etcd when the test ends, whatever happened.
+/// A private etcd, a checkpoint folder, publisher and receiver processes; everything is killed
+/// and etcd stopped when the test ends, whatever happened.
 struct Cluster {
     dir: PathBuf,
-    children: Vec<Child>,
+    etcd: String,
+    transport: &'static str,
+    env: Vec<(&'static str, &'static str)>,
+    publishers: Vec<Option<Child>>,
+    receivers: Vec<(Child, mpsc::Receiver<serde_json::Value>)>,
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for c in &mut self.children {
+        for c in self.publishers.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for (c, _) in &mut self.receivers {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -51,13 +65,180 @@ impl Drop for Cluster {
             .arg("stop")
             .arg(self.dir.join("etcd"))
             .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The transport each test runs over, restricted to TCP as between hosts.
+fn transport_env(transport: &str) -> Vec<(&'static str, &'static str)> {
+    match transport {
+        "ucx" => vec![("RESHARD_BACKENDS__UCX__TLS", "tcp")],
+        _ => vec![("UCX_TLS", "tcp")],
+    }
+}
+
+impl Cluster {
+    fn start(name: &str, transport: &'static str) -> Cluster {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("deploy-{name}-{transport}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let start = Command::new("bash")
+            .arg(scripts().join("etcd.sh"))
+            .arg("start")
+            .arg(dir.join("etcd"))
+            .output()
+            .unwrap();
+        assert!(
+            start.status.success(),
+            "{}",
+            String::from_utf8_lossy(&start.stderr)
+        );
+        let etcd = String::from_utf8(start.stdout).unwrap().trim().to_string();
+        Cluster {
+            dir,
+            etcd,
+            transport,
+            env: transport_env(transport),
+            publishers: Vec::new(),
+            receivers: Vec::new(),
+        }
+    }
+
+    fn ckpts(&self) -> PathBuf {
+        self.dir.join("ckpts")
+    }
+
+    /// Starts receiver `t` of TP2; its JSON lines arrive on the channel kept with it.
+    fn receiver(&mut self, t: usize, steps: u64) {
+        let mut child = Command::new(R)
+            .args(["receive", "--rendezvous", &self.etcd, "--model", "q"])
+            .args(["--receivers", "tp=2", "--rank", &t.to_string()])
+            .args(["--transport", self.transport, "--steps", &steps.to_string()])
+            .args(["--json", "--timeout-s", "60", "--lease-ttl-s", "3"])
+            .arg("--dump")
+            .arg(self.dir.join(format!("dump-{t}")))
+            .envs(self.env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                let v: serde_json::Value = serde_json::from_str(&line).expect("JSON line");
+                if tx.send(v).is_err() {
+                    break;
+                }
+            }
+        });
+        self.receivers.push((child, rx));
+    }
+
+    /// Starts (or restarts) publisher rank `r` of EP8/DP8.
+    fn publisher(&mut self, r: usize) {
+        let child = Command::new(R)
+            .args([
+                "publish",
+                "--rendezvous",
+                &self.etcd,
+                "--model",
+                "q",
+                "--checkpoint",
+            ])
+            .arg(self.ckpts())
+            .args(["--publishers", "ep=8,dp=8", "--rank", &r.to_string()])
+            .args([
+                "--transport",
+                self.transport,
+                "--lease-ttl-s",
+                "3",
+                "--poll-ms",
+                "100",
+            ])
+            .envs(self.env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        if self.publishers.len() <= r {
+            self.publishers.resize_with(r + 1, || None);
+        }
+        self.publishers[r] = Some(child);
+    }
+
+    fn signal(&self, r: usize, sig: &str) {
+        let pid = self.publishers[r].as_ref().unwrap().id().to_string();
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    /// The next JSON line of receiver `t`.
+    fn line(&self, t: usize) -> serde_json::Value {
+        self.receivers[t]
+            .1
+            .recv_timeout(Duration::from_secs(90))
+            .unwrap_or_else(|_| panic!("receiver {t} printed nothing for 90 s"))
+    }
+
+    /// Waits for every receiver to exit 0.
+    fn receivers_succeed(&mut self) {
+        for (t, (c, _)) in self.receivers.iter_mut().enumerate() {
+            let status = c.wait().unwrap();
+            assert!(status.success(), "receiver {t} exited {status}");
+        }
+    }
+
+    /// Members `reshard status` shows, as (rank, step).
+    fn status(&self) -> Vec<(u64, u64)> {
+        let out = Command::new(R)
+            .args([
+                "status",
+                "--rendezvous",
+                &self.etcd,
+                "--model",
+                "q",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0]["publishers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["rank"].as_u64().unwrap(), p["step"].as_u64().unwrap()))
+            .collect()
+    }
+
+    /// Asserts an installed step's JSON line and its dump against the checkpoint files.
+    fn installed(&self, t: usize, v: &serde_json::Value, step: u64) {
+        assert_eq!(v["step"], step, "receiver {t}: {v}");
+        assert_eq!(v["verified"], true, "receiver {t}: {v}");
+        for key in ["reads", "wire_bytes", "stages_s", "e2e_s", "attribution"] {
+            assert!(v.get(key).is_some(), "receiver {t}: no {key} in {v}");
+        }
+        let ckpt = Checkpoint::open(self.ckpts().join(format!("step-{step}"))).unwrap();
+        let dump = self
+            .dir
+            .join(format!("dump-{t}/step-{step}/model.safetensors"));
+        check_dump(&dump, &ckpt, t, 2);
     }
 }
 
 fn checkpoint(dir: &Path, step: u64) {
     let out = Command::new(R)
         .args(["checkpoint", "--preset", "qwen3-30b-a3b", "--layers", "1"])
-        .args(["--experts", "4", "--vocab", "512", "--max-shard-mib", "16"])
+        .args(["--experts", "8", "--vocab", "512", "--max-shard-mib", "16"])
         .args(["--step", &step.to_string(), "--out"])
         .arg(dir.join(format!("step-{step}")))
         .output()
@@ -150,132 +331,132 @@ fn check_dump(dump: &Path, ckpt: &Checkpoint, t: usize, tp: usize) {
     }
 }
 
-#[test]
-fn publishers_and_receivers_meet_through_etcd_and_refit_every_step_byte_exact() {
-    if !available() {
+/// etcd, 8 publisher processes (EP8/DP8) and 2 receiver processes (TP2, started first: they
+/// wait), 3 steps of changing weights, every dump byte-exact against the checkpoint files.
+fn three_steps(transport: &'static str) {
+    if !available(transport) {
         return;
     }
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("deploy-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut cluster = Cluster {
-        dir: dir.clone(),
-        children: Vec::new(),
-    };
-    let start = Command::new("bash")
-        .arg(scripts().join("etcd.sh"))
-        .arg("start")
-        .arg(dir.join("etcd"))
-        .output()
-        .unwrap();
-    assert!(
-        start.status.success(),
-        "{}",
-        String::from_utf8_lossy(&start.stderr)
-    );
-    let etcd = String::from_utf8(start.stdout).unwrap().trim().to_string();
-    let ckpts = dir.join("ckpts");
-    let tp = 2;
-    // Receivers first: they wait for the publishers.
-    for t in 0..tp {
-        let child = Command::new(R)
-            .args(["receive", "--rendezvous", &etcd, "--model", "q"])
-            .args(["--receivers", "tp=2", "--rank", &t.to_string()])
-            .args([
-                "--transport",
-                "ucx",
-                "--steps",
-                "3",
-                "--json",
-                "--timeout-s",
-                "60",
-            ])
-            .arg("--dump")
-            .arg(dir.join(format!("dump-{t}")))
-            .env("RESHARD_BACKENDS__UCX__TLS", "tcp")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        cluster.children.push(child);
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("steps", transport);
+    for t in 0..2 {
+        c.receiver(t, 3);
     }
-    checkpoint(&ckpts, 1);
-    for r in 0..4 {
-        let child = Command::new(R)
-            .args([
-                "publish",
-                "--rendezvous",
-                &etcd,
-                "--model",
-                "q",
-                "--checkpoint",
-            ])
-            .arg(&ckpts)
-            .args(["--publishers", "ep=2,dp=4", "--rank", &r.to_string()])
-            .args([
-                "--transport",
-                "ucx",
-                "--lease-ttl-s",
-                "2",
-                "--poll-ms",
-                "100",
-            ])
-            .env("RESHARD_BACKENDS__UCX__TLS", "tcp")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        cluster.children.push(child);
+    checkpoint(&c.ckpts(), 1);
+    for r in 0..8 {
+        c.publisher(r);
     }
-    // Each receiver's first step, then two more as the trainer writes them.
-    for step in [2u64, 3] {
-        let want = dir.join(format!("dump-1/step-{}/model.safetensors", step - 1));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !(want.exists() && dir.join(format!("dump-0/step-{}", step - 1)).exists()) {
+    for step in 1..=3u64 {
+        if step > 1 {
+            checkpoint(&c.ckpts(), step);
+        }
+        for t in 0..2 {
+            let v = c.line(t);
+            c.installed(t, &v, step);
+            assert_eq!(v["plan_rebuilt"], step == 1, "planned once: {v}");
+        }
+    }
+    c.receivers_succeed();
+}
+
+/// A publisher killed during a refit: the receivers' refit fails naming it and their live
+/// weights and step stay; its lease expires; restarted, it is loaded again and refits succeed.
+///
+/// The kill lands between the announcement and the reads deterministically: rank 5 is stopped
+/// (SIGSTOP) so the set for step 2 cannot complete; rank 3 advances to step 2 and is killed
+/// (SIGKILL); rank 5 continues and advances; the receivers now see all eight ready at step 2
+/// (rank 3's record lives until its lease expires) and read from a dead process.
+fn killed_publisher(transport: &'static str) {
+    if !available(transport) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("kill", transport);
+    checkpoint(&c.ckpts(), 1);
+    for r in 0..8 {
+        c.publisher(r);
+    }
+    for t in 0..2 {
+        c.receiver(t, 3);
+    }
+    for t in 0..2 {
+        let v = c.line(t);
+        c.installed(t, &v, 1);
+    }
+    c.signal(5, "-STOP");
+    checkpoint(&c.ckpts(), 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.status().contains(&(3, 2)) {
+        assert!(
+            Instant::now() < deadline,
+            "rank 3 never advanced: {:?}",
+            c.status()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.signal(3, "-KILL");
+    let _ = c.publishers[3].take().unwrap().wait();
+    c.signal(5, "-CONT");
+    for t in 0..2 {
+        let v = c.line(t);
+        assert_eq!(
+            v["verified"], false,
+            "receiver {t} read from a dead publisher: {v}"
+        );
+        assert_eq!(v["error"]["owner"], 3, "the error names rank 3: {v}");
+        assert_eq!(v["live_step"], 1, "live step untouched: {v}");
+    }
+    // The lease runs out: rank 3 disappears.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.status().iter().any(|&(r, _)| r == 3) {
+        assert!(Instant::now() < deadline, "rank 3's lease never expired");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The dumps of step 1 are still what was live; restart rank 3 and refits succeed again.
+    c.publisher(3);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for t in 0..2 {
+        let v = loop {
+            let v = c.line(t);
+            if v["verified"] == true {
+                break v;
+            }
+            assert_eq!(v["live_step"], 1, "receiver {t}: {v}");
             assert!(
                 Instant::now() < deadline,
-                "step {} was not installed",
-                step - 1
+                "no recovery after the restart: {v}"
             );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        checkpoint(&ckpts, step);
-    }
-    for t in 0..tp {
-        let child = cluster.children.remove(0);
-        let out = child.wait_with_output().unwrap();
+        };
+        c.installed(t, &v, 2);
         assert!(
-            out.status.success(),
-            "receiver {t}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            v["peers_loaded"].as_u64().unwrap() >= 1,
+            "rank 3 reloaded: {v}"
         );
-        let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let steps: Vec<u64> = lines.iter().map(|v| v["step"].as_u64().unwrap()).collect();
-        assert_eq!(steps, [1, 2, 3], "receiver {t}");
-        for v in &lines {
-            for key in [
-                "step",
-                "verified",
-                "reads",
-                "wire_bytes",
-                "stages_s",
-                "e2e_s",
-                "attribution",
-            ] {
-                assert!(v.get(key).is_some(), "receiver {t}: no {key} in {v}");
-            }
-            assert_eq!(v["verified"], true);
-        }
-        assert_eq!(lines[1]["plan_rebuilt"], false, "planned once");
-        for step in 1..=3 {
-            let ckpt = Checkpoint::open(ckpts.join(format!("step-{step}"))).unwrap();
-            let dump = dir.join(format!("dump-{t}/step-{step}/model.safetensors"));
-            check_dump(&dump, &ckpt, t, tp);
-        }
     }
-    drop(cluster);
-    let _ = std::fs::remove_dir_all(&dir);
+    checkpoint(&c.ckpts(), 3);
+    for t in 0..2 {
+        let v = c.line(t);
+        c.installed(t, &v, 3);
+    }
+    c.receivers_succeed();
+}
+
+#[test]
+fn ucx_publishers_and_receivers_meet_through_etcd_and_refit_every_step_byte_exact() {
+    three_steps("ucx");
+}
+
+#[test]
+fn nixl_publishers_and_receivers_meet_through_etcd_and_refit_every_step_byte_exact() {
+    three_steps("nixl");
+}
+
+#[test]
+fn ucx_a_killed_publisher_fails_the_refit_naming_it_and_a_restart_recovers() {
+    killed_publisher("ucx");
+}
+
+#[test]
+fn nixl_a_killed_publisher_fails_the_refit_naming_it_and_a_restart_recovers() {
+    killed_publisher("nixl");
 }
