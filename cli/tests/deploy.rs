@@ -357,6 +357,21 @@ fn three_steps(transport: &'static str) {
         }
     }
     c.receivers_succeed();
+    // SIGTERM: every publisher withdraws at once (well inside its 3 s lease) and exits 0.
+    let stopped = Instant::now();
+    for r in 0..8 {
+        c.signal(r, "-TERM");
+    }
+    for r in 0..8 {
+        let status = c.publishers[r].take().unwrap().wait().unwrap();
+        assert!(status.success(), "publisher {r} exited {status}");
+    }
+    assert!(c.status().is_empty(), "withdrawn: {:?}", c.status());
+    assert!(
+        stopped.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        stopped.elapsed()
+    );
 }
 
 /// A publisher killed during a refit: the receivers' refit fails naming it and their live
