@@ -39,6 +39,23 @@ pub struct Announcement {
     pub config: Bytes,
 }
 
+impl Announcement {
+    /// Checks what every implementation refuses before announcing: a rank outside the world.
+    pub fn check(&self) -> Result<()> {
+        if self.rank >= self.world {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "publisher rank {} of model {:?} is outside its world of {} ranks",
+                    self.rank, self.model, self.world
+                ),
+            )
+            .with_owner(self.rank));
+        }
+        Ok(())
+    }
+}
+
 /// What a rendezvous knows of one member without fetching its table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Member {

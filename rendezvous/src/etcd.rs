@@ -436,16 +436,7 @@ impl Rendezvous for Etcd {
     }
 
     async fn announce(&self, a: Announcement) -> Result<Box<dyn Announced>> {
-        if a.rank >= a.world {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "publisher rank {} of model {:?} is outside its world of {} ranks",
-                    a.rank, a.model, a.world
-                ),
-            )
-            .with_owner(a.rank));
-        }
+        a.check()?;
         let ttl = self.options.lease_ttl;
         let lease = self
             .client

@@ -168,16 +168,7 @@ impl Rendezvous for InProcess {
     }
 
     async fn announce(&self, announcement: Announcement) -> Result<Box<dyn Announced>> {
-        if announcement.rank >= announcement.world {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "publisher rank {} of model {:?} is outside its world of {} ranks",
-                    announcement.rank, announcement.model, announcement.world
-                ),
-            )
-            .with_owner(announcement.rank));
-        }
+        announcement.check()?;
         let lease = {
             let mut state = self.hub.state.lock();
             state.next_lease += 1;
