@@ -469,6 +469,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             "verified": verified,
             "failures": failures,
             "transport": cfg.transport.kind,
+            "rendezvous": cluster.meeting().hub().endpoint(),
             "preset": model.name,
             "layers": model.layers,
             "experts": model.moe.as_ref().map(|m| m.experts),
@@ -510,6 +511,10 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         }
         println!("    {:<17} {:>10.4}", "end-to-end", med_e2e);
         println!("  attribution       {:.1}%", attribution * 100.0);
+        println!(
+            "  rendezvous        {} (tables and metadata taken from discovery)",
+            cluster.meeting().hub().endpoint()
+        );
         println!("  reads             {reads} ({coalesced} on the wire after coalescing)");
         println!(
             "  wire bytes        {wire_bytes} ({:.2} GiB)",

@@ -650,6 +650,9 @@ fn refit_in_another_process(backend: &str) {
     );
     let v = json(&out);
     assert_eq!(v["transport"], backend);
+    // Publishers in the child process are announced on the in-process rendezvous, and the
+    // receivers take their metadata and tables from discovery.
+    assert_eq!(v["rendezvous"], "in-process");
     assert_eq!(v["publisher_process"], true);
     assert_eq!(v["verified"], true, "{v}");
     assert!(v["failures"].as_array().unwrap().is_empty(), "{v}");

@@ -59,6 +59,8 @@ enum Request {
 #[serde(tag = "reply", rename_all = "snake_case")]
 enum Reply {
     Cluster {
+        /// The transport the child's publishers serve reads over.
+        transport: String,
         arena_bytes: u64,
         metadata: Vec<(OwnerId, Vec<u8>)>,
         tables: Vec<Vec<u8>>,
@@ -187,6 +189,7 @@ async fn handle(
                 .map(|(r, b)| (r, b.to_vec()))
                 .collect();
             let reply = Reply::Cluster {
+                transport: c.transport_name().to_string(),
                 arena_bytes: c.arena_bytes(),
                 metadata,
                 tables: encode_tables(&c),
@@ -268,6 +271,7 @@ pub struct RemoteCluster {
     specs: Vec<TensorSpec>,
     seed: u64,
     step: u64,
+    transport: String,
     arena_bytes: u64,
     metadata: Vec<(OwnerId, Bytes)>,
     tables: Vec<ShardTable>,
@@ -382,6 +386,7 @@ impl RemoteCluster {
             topology,
             seed,
             step: 0,
+            transport: String::new(),
             arena_bytes: 0,
             metadata: Vec::new(),
             tables: Vec::new(),
@@ -394,10 +399,12 @@ impl RemoteCluster {
         })?;
         match reply {
             Reply::Cluster {
+                transport,
                 arena_bytes,
                 metadata,
                 tables,
             } => {
+                cluster.transport = transport;
                 cluster.arena_bytes = arena_bytes;
                 cluster.metadata = metadata
                     .into_iter()
@@ -461,6 +468,11 @@ impl RemoteCluster {
     /// One shard table per rank, for the current step.
     pub fn tables(&self) -> Vec<ShardTable> {
         self.tables.clone()
+    }
+
+    /// The name of the transport the child's publishers serve reads over.
+    pub fn transport_name(&self) -> &str {
+        &self.transport
     }
 
     /// Every rank's transport metadata.

@@ -7,7 +7,6 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use reshard_core::encoding::encode_table;
 use reshard_core::{Error, ErrorKind, HostBuffer, Result, Transport, WantedLayout};
 use reshard_planner::layouts::ReceiverLayouts;
 use reshard_planner::presets::ModelConfig;
@@ -37,31 +36,38 @@ pub async fn start_publishers(
     make: impl Fn(&str) -> Result<Arc<dyn Transport>>,
 ) -> Result<Publishers> {
     Ok(match site {
-        PublisherSite::Local => Publishers::Local(
-            SyntheticCluster::with_placement(model, topo, seed, placement, |rank| {
-                make(&format!("publisher-{rank}"))
-            })
-            .await?,
-        ),
-        PublisherSite::Process(cmd) => Publishers::Remote(
-            // Spawning and the first reply block; keep them off the runtime's workers.
-            tokio::task::spawn_blocking(move || {
-                RemoteCluster::spawn_with_placement(
-                    cmd,
-                    model,
-                    topo,
-                    seed,
-                    placement,
-                    DEFAULT_TIMEOUT,
-                )
-            })
-            .await
-            .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
-        ),
+        PublisherSite::Local => {
+            Publishers::local(
+                SyntheticCluster::with_placement(model, topo, seed, placement, |rank| {
+                    make(&format!("publisher-{rank}"))
+                })
+                .await?,
+            )
+            .await?
+        }
+        PublisherSite::Process(cmd) => {
+            Publishers::remote(
+                // Spawning and the first reply block; keep them off the runtime's workers.
+                tokio::task::spawn_blocking(move || {
+                    RemoteCluster::spawn_with_placement(
+                        cmd,
+                        model,
+                        topo,
+                        seed,
+                        placement,
+                        DEFAULT_TIMEOUT,
+                    )
+                })
+                .await
+                .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn task: {e}")))??,
+            )
+            .await?
+        }
     })
 }
 
-/// A receiver for `layout` over `transport`, which first loads every publisher's metadata.
+/// A receiver for `layout` over `transport`, which first loads every publisher's metadata as
+/// the rig's rendezvous announces it.
 pub async fn connect_receiver(
     cluster: &Publishers,
     transport: Arc<dyn Transport>,
@@ -173,11 +179,16 @@ pub async fn run_updates(
             on_event(RigEvent::Publishing { step });
             cluster.publish_step(step)?;
         }
-        // Publishers send encoded tables; decoding them is the receiver's discover stage.
-        let encoded: Vec<Vec<u8>> = cluster.tables().iter().map(encode_table).collect();
+        cluster.announce().await?;
         for (i, rx) in receivers.iter_mut().enumerate() {
             let rank = rx.layout().receiver_rank;
             on_event(RigEvent::Updating { step, rank });
+            // Each receiver takes the step's encoded tables from the rendezvous, as a deployed
+            // receiver does; decoding them is the receiver's discover stage.
+            let encoded = cluster
+                .meeting()
+                .tables(step.checked_sub(1), rx.transport().as_ref())
+                .await?;
             let report = rx.update_encoded(&encoded).await?;
             let want = cluster.expected_params(rx.layout())?;
             let live = rx

@@ -392,6 +392,11 @@ impl SyntheticCluster {
             .collect()
     }
 
+    /// The name of the transport the publishers serve reads over.
+    pub fn transport_name(&self) -> &'static str {
+        self.ranks.first().map_or("", |r| r.transport.name())
+    }
+
     /// Every rank's transport metadata, for receivers to load.
     pub async fn metadata(&self) -> Result<Vec<(OwnerId, Bytes)>> {
         let mut out = Vec::with_capacity(self.ranks.len());

@@ -133,11 +133,14 @@ impl Receiver {
     }
 
     /// Refits from encoded shard tables (decoding is the discover stage).
-    pub async fn update_encoded(&mut self, encoded: &[Vec<u8>]) -> Result<UpdateReport> {
+    pub async fn update_encoded<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        encoded: &[B],
+    ) -> Result<UpdateReport> {
         let t0 = Instant::now();
         let tables = encoded
             .iter()
-            .map(|b| reshard_core::encoding::decode_table(b))
+            .map(|b| reshard_core::encoding::decode_table(b.as_ref()))
             .collect::<Result<Vec<_>>>()?;
         self.run(&tables, t0).await
     }
