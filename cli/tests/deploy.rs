@@ -48,6 +48,8 @@ struct Cluster {
     env: Vec<(&'static str, &'static str)>,
     publishers: Vec<Option<Child>>,
     receivers: Vec<(Child, mpsc::Receiver<serde_json::Value>)>,
+    /// Publishers' lease: short, so a killed one expires within a test.
+    lease_ttl_s: &'static str,
 }
 
 impl Drop for Cluster {
@@ -102,6 +104,7 @@ impl Cluster {
             env: transport_env(transport),
             publishers: Vec::new(),
             receivers: Vec::new(),
+            lease_ttl_s: "3",
         }
     }
 
@@ -153,7 +156,7 @@ impl Cluster {
                 "--transport",
                 self.transport,
                 "--lease-ttl-s",
-                "3",
+                self.lease_ttl_s,
                 "--poll-ms",
                 "100",
             ])
@@ -456,6 +459,69 @@ fn killed_publisher(transport: &'static str) {
     c.receivers_succeed();
 }
 
+/// A publisher that exits cleanly (SIGTERM) after announcing a step the receivers have not read
+/// yet: it withdraws before it releases its memory, so the receivers never read from it and
+/// never fail; they wait for a complete set and install the step once it is restarted.
+///
+/// Deterministic as in [`killed_publisher`]: rank 5 is stopped so the set for step 2 cannot
+/// complete while rank 3 (already at step 2) exits.
+fn withdrawn_publisher(transport: &'static str) {
+    if !available(transport) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("withdraw", transport);
+    // Rank 5 stays stopped while rank 3 exits: a lease that outlives the stop keeps it a member
+    // (a publisher whose lease ran out exits with an error for its supervisor to restart).
+    c.lease_ttl_s = "30";
+    checkpoint(&c.ckpts(), 1);
+    for r in 0..8 {
+        c.publisher(r);
+    }
+    for t in 0..2 {
+        c.receiver(t, 2);
+    }
+    for t in 0..2 {
+        let v = c.line(t);
+        c.installed(t, &v, 1);
+    }
+    c.signal(5, "-STOP");
+    checkpoint(&c.ckpts(), 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.status().contains(&(3, 2)) {
+        assert!(
+            Instant::now() < deadline,
+            "rank 3 never advanced: {:?}",
+            c.status()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.signal(3, "-TERM");
+    let status = c.publishers[3].take().unwrap().wait().unwrap();
+    assert!(status.success(), "rank 3 exited {status} on SIGTERM");
+    // Withdrawn at once, not when its lease runs out.
+    assert!(
+        !c.status().iter().any(|&(r, _)| r == 3),
+        "rank 3 still announced after its clean exit: {:?}",
+        c.status()
+    );
+    c.signal(5, "-CONT");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.status().contains(&(5, 2)) {
+        assert!(Instant::now() < deadline, "rank 5 never advanced");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Seven of eight at step 2: the receivers wait (a failed line here would be a read from
+    // the exited publisher). Restarted, rank 3 completes the set and step 2 installs.
+    std::thread::sleep(Duration::from_millis(500));
+    c.publisher(3);
+    for t in 0..2 {
+        let v = c.line(t);
+        c.installed(t, &v, 2);
+    }
+    c.receivers_succeed();
+}
+
 #[test]
 fn ucx_publishers_and_receivers_meet_through_etcd_and_refit_every_step_byte_exact() {
     three_steps("ucx");
@@ -474,4 +540,9 @@ fn ucx_a_killed_publisher_fails_the_refit_naming_it_and_a_restart_recovers() {
 #[test]
 fn nixl_a_killed_publisher_fails_the_refit_naming_it_and_a_restart_recovers() {
     killed_publisher("nixl");
+}
+
+#[test]
+fn ucx_a_publisher_that_exits_cleanly_is_withdrawn_and_never_read_from() {
+    withdrawn_publisher("ucx");
 }
