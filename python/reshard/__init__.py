@@ -108,12 +108,20 @@ _NUMPY = {
 }
 
 
+def _invalid(message: str, tensor: Optional[str] = None, owner: Optional[int] = None):
+    """A reshard.InvalidInput raised from Python, with the attributes the native ones carry."""
+    err = InvalidInput(f"invalid_input: {message}")
+    err.kind, err.tensor, err.owner = "invalid_input", tensor, owner
+    err.byte_range, err.backend, err.retryable = None, None, False
+    return err
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     """The numpy dtype that holds reshard dtype ``dtype`` (bf16 and f8 as raw unsigned bits)."""
     try:
         return np.dtype(_NUMPY[dtype])
     except KeyError:
-        raise InvalidInput(f"unknown dtype {dtype!r}") from None
+        raise _invalid(f"unknown dtype {dtype!r}") from None
 
 
 def _model_json(model: Model) -> str:
@@ -232,12 +240,25 @@ class Publisher:
         :meth:`publish`; the array stays referenced until :meth:`close`."""
         self._native.register(name, _exported(array))
 
-    def empty(self, name: str) -> np.ndarray:
-        """A new zeroed array of tensor ``name``'s shape and dtype, registered as it."""
-        _, shape, dtype = self.tensors[name]
-        array = np.zeros(shape, dtype=numpy_dtype(dtype))
-        self.register(name, array)
-        return array
+    def empty(self, name: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray:
+        """A new zeroed array for tensor ``name``, registered as it, backed by memory the
+        transport allocates for fast sharing with its peers where it has an allocator (plain
+        host memory otherwise). ``shape`` and ``dtype``, when given, must be the tensor's
+        (:attr:`tensors`); the array is writable in place like any registered array."""
+        tensors = self.tensors
+        if name not in tensors:
+            raise _invalid(f"publisher rank {self.rank} holds no tensor {name!r}", name, self.rank)
+        _, want_shape, want_dtype = tensors[name]
+        np_dtype = numpy_dtype(want_dtype)
+        if shape is not None and tuple(shape) != want_shape:
+            raise _invalid(f"tensor {name!r} has shape {want_shape}, not {tuple(shape)}",
+                           name, self.rank)
+        if dtype is not None and dtype != want_dtype and np.dtype(dtype) != np_dtype:
+            raise _invalid(f"tensor {name!r} is {want_dtype} ({np_dtype}), not {dtype}",
+                           name, self.rank)
+        buffer = self._native.empty(name)
+        # numpy keeps `buffer` (and so the memory) alive as the array's base.
+        return np.frombuffer(buffer, dtype=np_dtype).reshape(want_shape)
 
     def unready(self) -> None:
         """Tells receivers not to start reading: call before rewriting the arrays. Optional;

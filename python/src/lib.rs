@@ -279,6 +279,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::add(m)?;
     m.add_class::<InProcessHub>()?;
     m.add_class::<publisher::NativePublisher>()?;
+    m.add_class::<publisher::TransportBuffer>()?;
     m.add_class::<receiver::NativeReceiver>()?;
     m.add_function(wrap_pyfunction!(model_config, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_params, m)?)?;

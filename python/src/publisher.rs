@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -36,6 +36,56 @@ pub fn tensor_rows<'py>(py: Python<'py>, tensors: &[HeldTensor]) -> PyResult<Bou
     PyList::new(py, rows)
 }
 
+/// Memory a transport allocated for a tensor (`Publisher.empty`), exported to Python as a
+/// writable byte buffer that numpy wraps without copying. The exporter keeps the memory alive
+/// while any array over it lives; the publisher's registration keeps it alive after that.
+#[pyclass(module = "reshard._reshard", frozen)]
+pub struct TransportBuffer {
+    memory: Arc<dyn HostMemory>,
+    /// Whether the transport allocated it (false: plain host memory, the transport has none).
+    #[pyo3(get)]
+    transport_memory: bool,
+}
+
+#[pymethods]
+impl TransportBuffer {
+    /// Fills `view` with the whole memory, writable, one dimension of bytes.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (addr, len) = {
+            let me = slf.get();
+            (me.memory.addr(), me.memory.len())
+        };
+        // SAFETY: `view` comes from the interpreter; the memory stays valid while `slf` (which
+        // FillInfo references from the view) lives; writes through it follow the MemoryBlock
+        // contract (not while a publish digests it or a read may touch it).
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                addr as *mut std::os::raw::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to free: FillInfo's format is static and the object reference is the view's.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.memory.len()
+    }
+}
+
 /// What a live publisher holds. Field order is drop order: the announcement is withdrawn (or
 /// left to expire) before the registrations and the arrays go.
 struct State {
@@ -56,8 +106,23 @@ pub struct NativePublisher {
 }
 
 impl NativePublisher {
+    /// The state's lock, or an error when another thread holds it: waiting for it with the GIL
+    /// held could deadlock a publish that needs the GIL to check for Ctrl-C.
+    fn lock(&self) -> PyResult<MutexGuard<'_, Option<State>>> {
+        self.state.try_lock().ok_or_else(|| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "publisher rank {} is busy in another thread (one thread per publisher)",
+                    self.rank
+                ),
+                None,
+            )
+        })
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut State) -> PyResult<T>) -> PyResult<T> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock()?;
         match guard.as_mut() {
             Some(s) => f(s),
             None => Err(invalid(
@@ -169,8 +234,7 @@ impl NativePublisher {
             ));
         }
         let memory: Arc<dyn HostMemory> = Arc::new(memory);
-        // The state lock is held across the registration: one Python thread per publisher.
-        let mut guard = self.state.lock();
+        let mut guard = self.lock()?;
         let s = guard
             .as_mut()
             .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
@@ -178,11 +242,59 @@ impl NativePublisher {
         wait(py, None, publisher.register(name, memory))
     }
 
+    /// Allocates tensor `name`'s array from the transport (plain host memory when the
+    /// transport has no allocator of its own), registers it, and returns it as a buffer.
+    fn empty(&self, py: Python<'_>, name: &str) -> PyResult<TransportBuffer> {
+        let (bytes, transport) = self.with(|s| {
+            let t = s.publisher.tensors().into_iter().find(|t| t.name == name);
+            let t = t.ok_or_else(|| {
+                invalid(
+                    ErrorKind::InvalidInput,
+                    format!("publisher rank {} holds no tensor {name:?}", self.rank),
+                    Some(name),
+                )
+            })?;
+            Ok((
+                t.bounds.elements() * t.dtype.size(),
+                s.publisher.transport().clone(),
+            ))
+        })?;
+        let len = usize::try_from(bytes).map_err(|_| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!("tensor {name:?} does not fit this machine"),
+                Some(name),
+            )
+        })?;
+        let allocated = wait(py, None, async move { transport.allocate_host(len).await })?;
+        let transport_memory = allocated.is_some();
+        let memory = allocated.unwrap_or_else(|| {
+            Arc::new(reshard_core::HostBuffer::zeroed(len)) as Arc<dyn HostMemory>
+        });
+        let mut guard = self.lock()?;
+        let s = guard
+            .as_mut()
+            .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
+        if s.announced.is_some() {
+            return Err(invalid(
+                ErrorKind::InvalidInput,
+                format!("tensor {name:?} allocated after the first publish"),
+                Some(name),
+            ));
+        }
+        let publisher = &mut s.publisher;
+        wait(py, None, publisher.register(name, memory.clone()))?;
+        Ok(TransportBuffer {
+            memory,
+            transport_memory,
+        })
+    }
+
     /// Marks the announcement not ready: call before rewriting the arrays while receivers may
     /// be reading them (optional: a receiver that reads during a rewrite fails verification
     /// and keeps its previous weights).
     fn unready(&self, py: Python<'_>) -> PyResult<()> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock()?;
         let Some(s) = guard.as_mut() else {
             return Ok(());
         };
@@ -194,7 +306,7 @@ impl NativePublisher {
 
     /// Digests every array and announces step `step` (the first call announces the rank).
     fn publish(&self, py: Python<'_>, step: u64) -> PyResult<()> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock()?;
         let s = guard.as_mut().ok_or_else(|| {
             invalid(
                 ErrorKind::InvalidInput,
@@ -263,7 +375,7 @@ impl NativePublisher {
 
     /// Withdraws the announcement, then releases the registrations and the arrays.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(mut s) = self.state.lock().take() else {
+        let Some(mut s) = self.lock()?.take() else {
             return Ok(());
         };
         let announced = s.announced.take();

@@ -16,7 +16,7 @@ def main():
     url, model, topology, rank, transport = sys.argv[1:6]
     model = json.loads(model)
     with reshard.Publisher(model=model, topology=topology, rank=int(rank), rendezvous=url,
-                           transport=transport, lease_ttl=3.0) as pub:
+                           transport=transport, lease_ttl=10.0) as pub:
         arrays = trainer_arrays(pub.tensors, 1)
         for name, array in arrays.items():
             pub.register(name, array)

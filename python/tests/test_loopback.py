@@ -109,17 +109,34 @@ def test_empty_gives_a_registered_array(hub, name):
     for rank in range(4):
         p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
                               transport="loopback")
-        for tname, (offset, shape, dtype) in p.tensors.items():
-            a = p.empty(tname)
-            assert a.shape == shape and not a.any()
+        for i, (tname, (offset, shape, dtype)) in enumerate(p.tensors.items()):
+            a = p.empty(tname) if i % 2 else p.empty(tname, shape, dtype)
+            assert a.shape == shape and a.flags.writeable and not a.any()
             a[...] = trainer_arrays({tname: (offset, shape, dtype)}, 1)[tname]
         p.publish(1)
         pubs.append(p)
     rx = receiver(model, hub)
     rx.refit(timeout=10)
     assert_exact(rx.params, expected(model, LAYOUT, 0, 1))
+    # The arrays are the registered memory: rewriting them is the next step.
     for p in pubs:
         p.close()
+
+
+def test_empty_refuses_another_shape_or_dtype(hub, name):
+    p = reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0, rendezvous=hub,
+                          transport="loopback")
+    tname, (offset, shape, dtype) = next(iter(p.tensors.items()))
+    with pytest.raises(reshard.InvalidInput) as e:
+        p.empty(tname, (1,) + shape, dtype)
+    assert e.value.tensor == tname and e.value.owner == 0
+    with pytest.raises(reshard.InvalidInput) as e:
+        p.empty(tname, shape, np.float64)
+    assert e.value.tensor == tname
+    with pytest.raises(reshard.InvalidInput) as e:
+        p.empty("no.such.tensor")
+    assert e.value.tensor == "no.such.tensor"
+    p.close()
 
 
 def test_receiver_refuses_missing_and_mismatched_params_naming_them(hub, name):
@@ -259,3 +276,37 @@ def test_context_managers_withdraw_and_release(hub, name):
             pass
     with pytest.raises(reshard.Timeout):
         receiver(model, hub, timeout=0.3)
+
+
+class DLPackOnly:
+    """An array that exports only __dlpack__ (as a torch CPU tensor does), not the buffer
+    protocol: torch is not installed here, so a numpy array stands behind it."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_dlpack_only_arrays_are_published_and_refit_in_place(hub, name):
+    model = tiny_model(name)
+    pubs = []
+    for rank in range(4):
+        p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
+                              transport="loopback")
+        for n, arr in trainer_arrays(p.tensors, 1).items():
+            with pytest.raises(TypeError):
+                memoryview(DLPackOnly(arr))
+            p.register(n, DLPackOnly(arr))
+        p.publish(1)
+        pubs.append(p)
+    engine = engine_arrays(model, LAYOUT, 0)
+    rx = receiver(model, hub, params={k: DLPackOnly(v) for k, v in engine.items()})
+    rx.refit(timeout=10)
+    assert_exact(engine, expected(model, LAYOUT, 0, 1))
+    for p in pubs:
+        p.close()

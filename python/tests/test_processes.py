@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import reshard
@@ -186,3 +187,21 @@ def test_dead_publisher_fails_the_refit_naming_it_arrays_untouched(etcd, transpo
 # UCX over TCP reports the dead peer as UCS_ERR_ENDPOINT_TIMEOUT (reshard.Timeout) or a reset
 # connection (reshard.Transport); NIXL reports a failed transfer (reshard.Transport).
 DEAD_PUBLISHER = (reshard.Transport, reshard.Timeout)
+
+
+def test_empty_is_backed_by_ucx_memory(name):
+    """On UCX, Publisher.empty hands out memory UCX allocated (mapped for its peers), and the
+    numpy array is a view of it, not a copy."""
+    available("ucx")
+    p = reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0,
+                          rendezvous=reshard.InProcessHub(), transport="ucx")
+    tname = next(iter(p.tensors))
+    a = p.empty(tname)
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    owner = base.obj if isinstance(base, memoryview) else base
+    assert isinstance(owner, reshard._reshard.TransportBuffer), type(owner)
+    assert owner.transport_memory
+    assert len(owner) == a.nbytes and a.flags.writeable
+    p.close()
