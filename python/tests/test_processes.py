@@ -1,4 +1,5 @@
-"""Across processes over ucx and nixl (TCP only, as between hosts) through a private etcd
+"""Across processes over ucx and nixl (TCP only, as between hosts) and cma (same host by
+design) through a private etcd
 (scripts/etcd.sh): trainer ranks are Python processes (publisher_proc.py) publishing their numpy
 arrays in place; the engine ranks receive in this process into their own numpy arrays. A
 publisher SIGKILLed between its announcement and the reads fails the refit naming it, with the
@@ -32,6 +33,7 @@ LAYOUT = {"tp": 2}
 TRANSPORT_ENV = {
     "ucx": {"RESHARD_BACKENDS__UCX__TLS": "tcp"},
     "nixl": {"UCX_TLS": "tcp"},
+    "cma": {},  # same host by design: process_vm_readv from the publisher's process
 }
 
 
@@ -109,7 +111,7 @@ def available(transport):
         pytest.skip(f"SKIPPED: {transport} runtime not installed: {e}")
 
 
-@pytest.mark.parametrize("transport", ["ucx", "nixl"])
+@pytest.mark.parametrize("transport", ["ucx", "nixl", "cma"])
 def test_publisher_processes_to_engine_arrays_through_etcd_byte_exact(etcd, transport, name):
     available(transport)
     c = Cluster(etcd, transport, name)
@@ -146,7 +148,7 @@ def test_publisher_processes_to_engine_arrays_through_etcd_byte_exact(etcd, tran
         c.close()
 
 
-@pytest.mark.parametrize("transport", ["ucx", "nixl"])
+@pytest.mark.parametrize("transport", ["ucx", "nixl", "cma"])
 def test_dead_publisher_fails_the_refit_naming_it_arrays_untouched(etcd, transport, name):
     available(transport)
     c = Cluster(etcd, transport, name)
@@ -185,7 +187,8 @@ def test_dead_publisher_fails_the_refit_naming_it_arrays_untouched(etcd, transpo
 
 # What a read from a SIGKILLed publisher raises: how the transport notices decides the kind.
 # UCX over TCP reports the dead peer as UCS_ERR_ENDPOINT_TIMEOUT (reshard.Timeout) or a reset
-# connection (reshard.Transport); NIXL reports a failed transfer (reshard.Transport).
+# connection (reshard.Transport); NIXL reports a failed transfer, cma a gone process (both
+# reshard.Transport).
 DEAD_PUBLISHER = (reshard.Transport, reshard.Timeout)
 
 
