@@ -57,6 +57,14 @@ fn registry() -> &'static Registry {
     REG.get_or_init(reshard_transports::registry)
 }
 
+/// A transport agent name unique in this process (`base`, the pid and a counter): endpoints of
+/// one loopback fabric must not share a name, and one process may hold several of one rank.
+fn agent_name(base: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{base}-{}-{n}", std::process::id())
+}
+
 /// The transport configuration: `config` (a JSON object, as `reshard.toml` would give it) with
 /// the scheme `transport` on top; environment variables apply as in the CLI.
 fn load_config(transport: Option<&str>, config: Option<&str>) -> Result<Config> {
@@ -132,7 +140,7 @@ fn rendezvous(
     Ok(Arc::new(etcd))
 }
 
-/// Runs `fut` to completion on the runtime with the GIL released. Every 50 ms it looks for
+/// Runs `fut` to completion on the runtime with the GIL released. Every 10 ms it looks for
 /// Ctrl-C (`check_signals`, which raises KeyboardInterrupt) and for `cancel`; either drops the
 /// future, which is cancel-safe in reshard (docs/in-flight-safety.md: a receiver whose wire leg
 /// is cut short discards the buffers it targeted, the live weights stay).
@@ -146,7 +154,7 @@ where
         let mut fut = std::pin::pin!(fut);
         loop {
             let polled = rt.block_on(async {
-                tokio::time::timeout(Duration::from_millis(50), fut.as_mut()).await
+                tokio::time::timeout(Duration::from_millis(10), fut.as_mut()).await
             });
             if let Ok(done) = polled {
                 return done.py_err();

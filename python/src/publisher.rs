@@ -154,7 +154,7 @@ impl NativePublisher {
         let topo: PublisherTopology = topology.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
         let rendezvous = rendezvous(py, rendezvous_arg, lease_ttl_s)?;
-        let agent = format!("{}-publisher-{rank}", model.name);
+        let agent = crate::agent_name(&format!("{}-publisher-{rank}", model.name));
         let rt = runtime().py_err()?;
         let t: Arc<dyn Transport> = {
             let _guard = rt.enter();

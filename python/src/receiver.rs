@@ -88,7 +88,7 @@ impl NativeReceiver {
         let topo: ReceiverTopology = layout.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
         let rendezvous = rendezvous(py, rendezvous_arg, 10.0)?;
-        let agent = format!("{model}-receiver-{rank}-{}", std::process::id());
+        let agent = crate::agent_name(&format!("{model}-receiver-{rank}"));
         let rt = runtime().py_err()?;
         let t = {
             let _guard = rt.enter();
