@@ -10,7 +10,9 @@
 # - libucx0: the UCP runtime backends/ucx opens at run time (libucp.so.0); the crate's bindings
 #   are checked in (backends/ucx/src/raw/bindings.rs), so no UCX headers are needed to build;
 #   ucx-utils: ucx_info, named by the ucx backend's errors for diagnosing transports;
-# - python3 and pip: only to fetch the NIXL runtime, the PyPI wheel nixl-cu12, unpacked (no CUDA
+# - python3, pip and python3-venv: the Python package (python/) is built with maturin and
+#   tested with pytest and numpy inside the git-ignored virtualenv .deps/venv (Debian's python
+#   refuses pip installs outside one); the same pip fetches the NIXL runtime, the PyPI wheel nixl-cu12, unpacked (no CUDA
 #   needed for host memory) into the git-ignored folder .deps/nixl for backends/nixl.
 #   RESHARD_NIXL_HOME overrides the folder.
 # - procps: `kill`, with which the conformance suite stops and kills publisher processes.
@@ -27,7 +29,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3 procps
+apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3 python3-venv procps
               protobuf-compiler libprotobuf-dev etcd-server)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
@@ -102,4 +104,15 @@ for f in "$nixl_capi" "$nixl_home/.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.
         exit 1
     fi
 done
-echo "install-deps: system dependencies present (NIXL runtime in $nixl_home)"
+# The Python package's build and test tools, in a virtualenv of the same python: maturin (the
+# PEP 517 backend of python/pyproject.toml), numpy (the arrays the bindings register) and pytest.
+venv=$root/.deps/venv
+if [ ! -x "$venv/bin/python" ]; then
+    echo "install-deps: creating the virtualenv $venv"
+    "$python" -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c 'import maturin, numpy, pytest' >/dev/null 2>&1; then
+    echo "install-deps: installing maturin, numpy and pytest into $venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest
+fi
+echo "install-deps: system dependencies present (NIXL runtime in $nixl_home, Python tools in $venv)"

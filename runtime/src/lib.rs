@@ -6,8 +6,10 @@ pub mod layers;
 pub mod publisher;
 pub mod receiver;
 pub mod subscriber;
+pub mod tensor_publisher;
 
 pub use layers::{Layer, PostLimitLayer, RetryLayer, TimeoutLayer, WavesLayer};
 pub use publisher::ShardPublisher;
 pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
 pub use subscriber::{StepReport, Subscriber};
+pub use tensor_publisher::{HeldTensor, TensorPublisher};

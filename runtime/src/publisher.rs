@@ -22,6 +22,16 @@ use reshard_planner::topology::{publisher_geometry, PublisherTopology};
 /// whose rows divide by 8 is whole chunks, so a receiver reading only its slice can check it.
 pub const CHUNKS_PER_OFFER: u64 = 8;
 
+/// The whole digest of one offer's `bytes` (`rows` dim-0 rows), and its chunk digests when it
+/// has at least two rows: what every publisher puts in its table, whoever owns the memory.
+pub(crate) fn offer_digests(bytes: &[u8], rows: u64) -> (Digest, Option<ChunkDigests>) {
+    if rows < 2 {
+        return (Digest::of(bytes), None);
+    }
+    let (whole, chunks) = ChunkDigests::with_whole(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER));
+    (whole, Some(chunks))
+}
+
 /// One offer of this rank: a box of a tensor at an offset of the rank's region.
 #[derive(Debug, Clone)]
 struct Shard {
@@ -152,14 +162,10 @@ impl ShardPublisher {
             self.shards
                 .par_iter()
                 .map(|s| {
-                    let bytes = &memory[s.offset as usize..(s.offset + s.bytes) as usize];
-                    let rows = s.tensor_box.extent[0];
-                    if rows < 2 {
-                        return (Digest::of(bytes), None);
-                    }
-                    let (whole, chunks) =
-                        ChunkDigests::with_whole(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER));
-                    (whole, Some(chunks))
+                    offer_digests(
+                        &memory[s.offset as usize..(s.offset + s.bytes) as usize],
+                        s.tensor_box.extent[0],
+                    )
                 })
                 .collect::<Vec<_>>()
         };

@@ -1,0 +1,388 @@
+"""reshard: move model weights from trainer ranks to inference-engine ranks, in place, verified.
+
+A trainer rank registers the arrays it already holds and publishes each step::
+
+    with reshard.Publisher(model=cfg, topology={"ep": 8, "dp": 8}, rank=r,
+                           rendezvous="etcd://127.0.0.1:2379", transport="ucx") as pub:
+        for name, array in my_tensors.items():
+            pub.register(name, array)
+        pub.publish(step)
+
+An engine rank hands its own parameter arrays and refits them between generation calls::
+
+    rx = reshard.Receiver(model="qwen3", layout={"tp": 2}, rank=t,
+                          rendezvous="etcd://127.0.0.1:2379", transport="ucx", params=engine_params)
+    report = rx.refit(timeout=60)
+
+Every failure is a ``reshard.ReshardError`` subclass named after its kind (``reshard.Transport``,
+``reshard.Timeout``, ``reshard.InvalidInput``, ...) with ``kind``, ``tensor``, ``owner``,
+``byte_range``, ``backend`` and ``retryable`` attributes. A failed refit leaves the engine's
+arrays untouched: the new weights land in reshard's own buffers, are verified against the
+publishers' digests, and only then are copied into the engine's arrays (``report.copy_s``).
+The GIL is released while a refit plans, moves bytes and verifies; Ctrl-C cancels it safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from . import _reshard
+from ._reshard import (
+    Aborted,
+    Config,
+    Decode,
+    Guard,
+    InconsistentTensor,
+    InProcessHub,
+    Internal,
+    InvalidInput,
+    InvalidTable,
+    Layout,
+    MissingCoverage,
+    OutOfBounds,
+    OverlappingOffers,
+    PeerUnknown,
+    ReplicaDivergence,
+    ReshardError,
+    Timeout,
+    Transport,
+    Unavailable,
+    Unsupported,
+    Verification,
+)
+
+__all__ = [
+    "Publisher",
+    "Receiver",
+    "RefitReport",
+    "InProcessHub",
+    "model_config",
+    "receiver_params",
+    "publisher_tensors",
+    "numpy_dtype",
+    "ReshardError",
+    "Aborted",
+    "Config",
+    "Decode",
+    "Guard",
+    "InconsistentTensor",
+    "Internal",
+    "InvalidInput",
+    "InvalidTable",
+    "Layout",
+    "MissingCoverage",
+    "OutOfBounds",
+    "OverlappingOffers",
+    "PeerUnknown",
+    "ReplicaDivergence",
+    "Timeout",
+    "Transport",
+    "Unavailable",
+    "Unsupported",
+    "Verification",
+]
+
+Model = Union[str, Mapping[str, Any]]
+"""A preset name (``"qwen3-30b-a3b"``) or a model configuration dict (see :func:`model_config`)."""
+
+# numpy dtypes that hold each reshard dtype bit for bit (numpy has no bfloat16 or 8-bit floats:
+# their bits travel as unsigned integers of the same width).
+_NUMPY = {
+    "bf16": np.uint16,
+    "f16": np.float16,
+    "f32": np.float32,
+    "f64": np.float64,
+    "f8_e4m3": np.uint8,
+    "f8_e5m2": np.uint8,
+    "i8": np.int8,
+    "i16": np.int16,
+    "i32": np.int32,
+    "i64": np.int64,
+    "u8": np.uint8,
+    "bool": np.bool_,
+}
+
+
+def _invalid(message: str, tensor: Optional[str] = None, owner: Optional[int] = None):
+    """A reshard.InvalidInput raised from Python, with the attributes the native ones carry."""
+    err = InvalidInput(f"invalid_input: {message}")
+    err.kind, err.tensor, err.owner = "invalid_input", tensor, owner
+    err.byte_range, err.backend, err.retryable = None, None, False
+    return err
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype that holds reshard dtype ``dtype`` (bf16 and f8 as raw unsigned bits)."""
+    try:
+        return np.dtype(_NUMPY[dtype])
+    except KeyError:
+        raise _invalid(f"unknown dtype {dtype!r}") from None
+
+
+def _model_json(model: Model) -> str:
+    if isinstance(model, str):
+        return model
+    return json.dumps(dict(model))
+
+
+def _pairs(topology: Union[str, Mapping[str, int]]) -> str:
+    if isinstance(topology, str):
+        return topology
+    return ",".join(f"{k}={int(v)}" for k, v in topology.items())
+
+
+def _config(config: Optional[Mapping[str, Any]]) -> Optional[str]:
+    return None if config is None else json.dumps(dict(config))
+
+
+def _exported(array: Any) -> Any:
+    """The object whose buffer is registered: the array itself when it exports the buffer
+    protocol (numpy), else a zero-copy numpy view of its ``__dlpack__`` export (torch CPU
+    tensors)."""
+    try:
+        memoryview(array).release()
+        return array
+    except TypeError:
+        if hasattr(array, "__dlpack__"):
+            return np.from_dlpack(array)
+        raise
+
+
+def model_config(
+    preset: str,
+    *,
+    layers: Optional[int] = None,
+    experts: Optional[int] = None,
+    vocab: Optional[int] = None,
+    dtype: Optional[str] = None,
+    name: Optional[str] = None,
+) -> dict:
+    """Preset ``preset``'s configuration as a dict, scaled down (``layers``, ``experts``,
+    ``vocab`` only shrink), with every tensor's ``dtype`` and the rendezvous ``name`` replaced
+    when given."""
+    cfg = json.loads(_reshard.model_config(preset, layers, experts, vocab))
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    if name is not None:
+        cfg["name"] = name
+    return cfg
+
+
+def receiver_params(model: Model, layout: Union[str, Mapping[str, int]], rank: int) -> dict:
+    """``{name: (shape, dtype)}`` of receiver rank ``rank``'s parameters (engine naming:
+    ``qkv_proj``, ``gate_up_proj``, experts ``w13``/``w2``), in engine order: the arrays to
+    allocate and hand to :class:`Receiver`."""
+    rows = _reshard.receiver_params(_model_json(model), _pairs(layout), rank)
+    return {name: (tuple(shape), dtype) for name, dtype, shape in rows}
+
+
+def publisher_tensors(model: Model, topology: Union[str, Mapping[str, int]], rank: int) -> dict:
+    """``{name: (offset, shape, dtype)}`` of the tensors publisher rank ``rank`` holds: each is
+    the rank's box of the global tensor, starting at ``offset`` in global coordinates."""
+    rows = _reshard.publisher_tensors(_model_json(model), _pairs(topology), rank)
+    return {name: (tuple(offset), tuple(shape), dtype) for name, dtype, offset, shape in rows}
+
+
+class Publisher:
+    """One trainer rank publishing the tensors it holds, in place.
+
+    ``model`` is a preset name or a configuration dict (its ``name`` is what receivers ask for);
+    ``topology`` the trainer's parallelism (``{"ep": 8, "dp": 8}``, keys tp/ep/dp/pp);
+    ``rendezvous`` an :class:`InProcessHub` or ``"etcd://HOST:PORT"``; ``transport`` a scheme
+    (``"loopback"``, ``"ucx"``, ``"nixl"``, ``"cma"``); ``config`` a dict as ``reshard.toml``
+    would give it (e.g. ``{"backends": {"ucx": {"tls": "tcp"}}}``). ``lease_ttl`` is how long a
+    dead publisher's announcement outlives it.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Model,
+        topology: Union[str, Mapping[str, int]],
+        rank: int,
+        rendezvous: Union[str, InProcessHub],
+        transport: Optional[str] = None,
+        config: Optional[Mapping[str, Any]] = None,
+        lease_ttl: float = 10.0,
+    ) -> None:
+        self._native = _reshard.NativePublisher(
+            _model_json(model),
+            _pairs(topology),
+            rank,
+            rendezvous,
+            transport,
+            _config(config),
+            lease_ttl,
+        )
+        self.rank = rank
+
+    @property
+    def tensors(self) -> dict:
+        """``{name: (offset, shape, dtype)}`` of every tensor this rank must register."""
+        return {
+            name: (tuple(offset), tuple(shape), dtype)
+            for name, dtype, offset, shape in self._native.tensors()
+        }
+
+    @property
+    def step(self) -> Optional[int]:
+        """The last step published."""
+        return self._native.step
+
+    def register(self, name: str, array: Any) -> None:
+        """Registers ``array`` (buffer protocol or ``__dlpack__``, C-contiguous, the tensor's
+        shape and dtype) as tensor ``name``, zero-copy. Register every tensor before the first
+        :meth:`publish`; the array stays referenced until :meth:`close`."""
+        self._native.register(name, _exported(array))
+
+    def empty(self, name: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray:
+        """A new zeroed array for tensor ``name``, registered as it, backed by memory the
+        transport allocates for fast sharing with its peers where it has an allocator (plain
+        host memory otherwise). ``shape`` and ``dtype``, when given, must be the tensor's
+        (:attr:`tensors`); the array is writable in place like any registered array."""
+        tensors = self.tensors
+        if name not in tensors:
+            raise _invalid(f"publisher rank {self.rank} holds no tensor {name!r}", name, self.rank)
+        _, want_shape, want_dtype = tensors[name]
+        np_dtype = numpy_dtype(want_dtype)
+        if shape is not None and tuple(shape) != want_shape:
+            raise _invalid(f"tensor {name!r} has shape {want_shape}, not {tuple(shape)}",
+                           name, self.rank)
+        if dtype is not None and dtype != want_dtype and np.dtype(dtype) != np_dtype:
+            raise _invalid(f"tensor {name!r} is {want_dtype} ({np_dtype}), not {dtype}",
+                           name, self.rank)
+        buffer = self._native.empty(name)
+        # numpy keeps `buffer` (and so the memory) alive as the array's base.
+        return np.frombuffer(buffer, dtype=np_dtype).reshape(want_shape)
+
+    def unready(self) -> None:
+        """Tells receivers not to start reading: call before rewriting the arrays. Optional;
+        a receiver that reads during a rewrite fails verification and keeps its weights."""
+        self._native.unready()
+
+    def publish(self, step: int) -> None:
+        """Digests every registered array and announces step ``step`` (newer than the last)."""
+        self._native.publish(step)
+
+    def close(self) -> None:
+        """Withdraws the announcement and releases the arrays."""
+        self._native.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass
+class RefitReport:
+    """What one refit did. ``stages`` maps each stage (discover, merge, dedup, plan, register,
+    descriptor_build, wire, reslice, install, verify) to seconds; ``e2e_s`` is the Rust
+    refit's end to end, ``rust_s`` the same call including discovery, ``copy_s`` the copy into
+    the engine's arrays, ``native_s`` the whole native call and ``python_s`` the whole
+    :meth:`Receiver.refit` as Python saw it."""
+
+    step: int
+    verified: bool
+    reads: int
+    wire_bytes: int
+    stages: dict
+    e2e_s: float
+    attribution: float
+    discovery_s: float
+    peers_loaded: int
+    plan_rebuilt: bool
+    checked_bytes: int
+    rust_s: float
+    copy_s: float
+    native_s: float
+    python_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Receiver:
+    """One engine rank refitting its own parameter arrays.
+
+    ``model`` is the name publishers announce under (a dict's ``name`` is used);
+    ``layout`` the engine's parallelism (``{"tp": 2}``, keys tp/dp/ep); ``params`` maps every
+    parameter name of the rank (see :func:`receiver_params`) to a writable C-contiguous array
+    of its shape and dtype. Construction waits up to ``timeout`` seconds for the publishers.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Model,
+        layout: Union[str, Mapping[str, int]],
+        rank: int,
+        rendezvous: Union[str, InProcessHub],
+        params: Mapping[str, Any],
+        transport: Optional[str] = None,
+        config: Optional[Mapping[str, Any]] = None,
+        timeout: float = 300.0,
+    ) -> None:
+        name = model if isinstance(model, str) else str(model["name"])
+        self.params = {k: _exported(v) for k, v in params.items()}
+        self._native = _reshard.NativeReceiver(
+            name, _pairs(layout), rank, rendezvous, self.params, transport, _config(config), timeout
+        )
+        self.rank = rank
+
+    @property
+    def live_step(self) -> Optional[int]:
+        """The step of the weights in the engine's arrays (None before the first refit)."""
+        return self._native.live_step
+
+    def refit(self, timeout: float = 300.0) -> RefitReport:
+        """Installs the next step into the engine's arrays, waiting up to ``timeout`` seconds
+        for the publishers to be ready at it. Raises a :class:`ReshardError` subclass on
+        failure, with the arrays untouched."""
+        import time
+
+        t0 = time.perf_counter()
+        d = self._native.refit(timeout)
+        report = RefitReport(**d)
+        report.python_s = time.perf_counter() - t0
+        return report
+
+    async def refit_async(self, timeout: float = 300.0) -> RefitReport:
+        """:meth:`refit` on a worker thread; cancelling the task cancels the refit (the arrays
+        stay untouched)."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, self.refit, timeout)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self._native.cancel()
+            try:
+                await future
+            except ReshardError:
+                pass
+            raise
+
+    def wait_for_step(self, step: int, timeout: float = 300.0) -> Optional[RefitReport]:
+        """Refits until the live step is at least ``step``; returns the last report (None when
+        it already was)."""
+        report = None
+        live = self.live_step
+        if live is not None and live >= step:
+            return None
+        while report is None or report.step < step:
+            report = self.refit(timeout)
+        return report
+
+    def close(self) -> None:
+        """Releases reshard's buffers and its hold on the engine's arrays."""
+        self._native.close()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

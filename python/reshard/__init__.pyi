@@ -1,0 +1,99 @@
+"""Type stubs of `reshard` (the implementation and its docstrings are in __init__.py)."""
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from ._reshard import (
+    Aborted as Aborted,
+    Config as Config,
+    Decode as Decode,
+    Guard as Guard,
+    InconsistentTensor as InconsistentTensor,
+    InProcessHub as InProcessHub,
+    Internal as Internal,
+    InvalidInput as InvalidInput,
+    InvalidTable as InvalidTable,
+    Layout as Layout,
+    MissingCoverage as MissingCoverage,
+    OutOfBounds as OutOfBounds,
+    OverlappingOffers as OverlappingOffers,
+    PeerUnknown as PeerUnknown,
+    ReplicaDivergence as ReplicaDivergence,
+    ReshardError as ReshardError,
+    Timeout as Timeout,
+    Transport as Transport,
+    Unavailable as Unavailable,
+    Unsupported as Unsupported,
+    Verification as Verification,
+)
+
+Model = Union[str, Mapping[str, Any]]
+Topology = Union[str, Mapping[str, int]]
+
+def numpy_dtype(dtype: str) -> np.dtype: ...
+def model_config(
+    preset: str, *, layers: Optional[int] = None, experts: Optional[int] = None,
+    vocab: Optional[int] = None, dtype: Optional[str] = None, name: Optional[str] = None,
+) -> dict: ...
+def receiver_params(model: Model, layout: Topology, rank: int) -> dict[str, tuple[tuple[int, ...], str]]: ...
+def publisher_tensors(
+    model: Model, topology: Topology, rank: int
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str]]: ...
+
+class Publisher:
+    rank: int
+    def __init__(
+        self, *, model: Model, topology: Topology, rank: int,
+        rendezvous: Union[str, InProcessHub], transport: Optional[str] = None,
+        config: Optional[Mapping[str, Any]] = None, lease_ttl: float = 10.0,
+    ) -> None: ...
+    @property
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str]]: ...
+    @property
+    def step(self) -> Optional[int]: ...
+    def register(self, name: str, array: Any) -> None: ...
+    def empty(self, name: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray: ...
+    def unready(self) -> None: ...
+    def publish(self, step: int) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Publisher: ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+@dataclass
+class RefitReport:
+    step: int
+    verified: bool
+    reads: int
+    wire_bytes: int
+    stages: dict[str, float]
+    e2e_s: float
+    attribution: float
+    discovery_s: float
+    peers_loaded: int
+    plan_rebuilt: bool
+    checked_bytes: int
+    rust_s: float
+    copy_s: float
+    native_s: float
+    python_s: float = ...
+    extra: dict = ...
+
+class Receiver:
+    rank: int
+    params: dict[str, Any]
+    def __init__(
+        self, *, model: Model, layout: Topology, rank: int,
+        rendezvous: Union[str, InProcessHub], params: Mapping[str, Any],
+        transport: Optional[str] = None, config: Optional[Mapping[str, Any]] = None,
+        timeout: float = 300.0,
+    ) -> None: ...
+    @property
+    def live_step(self) -> Optional[int]: ...
+    def refit(self, timeout: float = 300.0) -> RefitReport: ...
+    async def refit_async(self, timeout: float = 300.0) -> RefitReport: ...
+    def wait_for_step(self, step: int, timeout: float = 300.0) -> Optional[RefitReport]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Receiver: ...
+    def __exit__(self, *exc: Any) -> None: ...

@@ -1,0 +1,297 @@
+//! `reshard._reshard`, the native half of the `reshard` Python package (python/reshard/): the
+//! publisher and receiver of the deployment path (docs/deployment.md) driven in-process, over
+//! arrays the caller owns. The pure-Python half adds the context manager, `refit_async` and the
+//! report class; this file holds what both classes share: one tokio runtime, one transport
+//! registry (so in-process loopback endpoints share a fabric), rendezvous and model arguments,
+//! and waiting with the GIL released while Ctrl-C stays live.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use reshard_core::config::Config;
+use reshard_core::registry::Registry;
+use reshard_core::rendezvous::Rendezvous;
+use reshard_core::{Error, ErrorKind, Result};
+use reshard_planner::layouts::receiver_layout;
+use reshard_planner::presets::{preset, ModelConfig};
+use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
+use reshard_rendezvous::{Etcd, EtcdOptions, InProcess};
+
+mod errors;
+mod memory;
+mod publisher;
+mod receiver;
+
+use errors::IntoPy;
+
+/// The runtime every call blocks on (two workers: transfers are driven by the backends' own
+/// threads, the runtime only sequences them).
+fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("reshard")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| {
+        Error::new(
+            ErrorKind::Internal,
+            format!("cannot start the async runtime: {e}"),
+        )
+    })
+}
+
+/// One registry per process: its loopback fabric is what lets an in-process publisher and
+/// receiver reach each other.
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(reshard_transports::registry)
+}
+
+/// A transport agent name unique in this process (`base`, the pid and a counter): endpoints of
+/// one loopback fabric must not share a name, and one process may hold several of one rank.
+fn agent_name(base: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{base}-{}-{n}", std::process::id())
+}
+
+/// The transport configuration: `config` (a JSON object, as `reshard.toml` would give it) with
+/// the scheme `transport` on top; environment variables apply as in the CLI.
+fn load_config(transport: Option<&str>, config: Option<&str>) -> Result<Config> {
+    let mut cli = match config {
+        Some(text) => serde_json::from_str::<serde_json::Value>(text).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("config is not a JSON object: {e}"),
+            )
+        })?,
+        None => serde_json::json!({}),
+    };
+    if let Some(kind) = transport {
+        if !cli.is_object() {
+            return Err(Error::new(ErrorKind::Config, "config must be a dict"));
+        }
+        cli["transport"]["kind"] = serde_json::Value::from(kind);
+    }
+    registry().load_config(None, Some(cli))
+}
+
+/// An in-process rendezvous: publishers and receivers of one Python process meet through it.
+#[pyclass(module = "reshard._reshard", frozen)]
+pub struct InProcessHub {
+    hub: Arc<InProcess>,
+}
+
+#[pymethods]
+impl InProcessHub {
+    #[new]
+    fn new() -> Self {
+        InProcessHub {
+            hub: Arc::new(InProcess::new()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        "InProcessHub()".to_string()
+    }
+}
+
+/// The rendezvous `arg` names: an [`InProcessHub`], or `etcd://HOST:PORT[,...]`.
+fn rendezvous(
+    py: Python<'_>,
+    arg: &Bound<'_, PyAny>,
+    lease_ttl_s: f64,
+) -> PyResult<Arc<dyn Rendezvous>> {
+    if let Ok(hub) = arg.downcast::<InProcessHub>() {
+        return Ok(hub.get().hub.clone() as Arc<dyn Rendezvous>);
+    }
+    let url: String = arg.extract().map_err(|_| {
+        errors::invalid(
+            ErrorKind::Config,
+            "rendezvous must be an InProcessHub or an etcd://HOST:PORT string".into(),
+            None,
+        )
+    })?;
+    if !url.starts_with("etcd://") {
+        return Err(errors::invalid(
+            ErrorKind::Config,
+            format!(
+                "rendezvous {url:?} is not supported: processes meet through etcd \
+                 (etcd://HOST:PORT), one process through reshard.InProcessHub()"
+            ),
+            None,
+        ));
+    }
+    let options = EtcdOptions {
+        lease_ttl: Duration::from_secs_f64(lease_ttl_s.max(1.0)),
+        ..EtcdOptions::default()
+    };
+    let etcd = wait(py, None, async move { Etcd::connect(&url, options).await })?;
+    Ok(Arc::new(etcd))
+}
+
+/// Runs `fut` to completion on the runtime with the GIL released. Every 10 ms it looks for
+/// Ctrl-C (`check_signals`, which raises KeyboardInterrupt) and for `cancel`; either drops the
+/// future, which is cancel-safe in reshard (docs/in-flight-safety.md: a receiver whose wire leg
+/// is cut short discards the buffers it targeted, the live weights stay).
+fn wait<T, F>(py: Python<'_>, cancel: Option<&AtomicBool>, fut: F) -> PyResult<T>
+where
+    T: Send,
+    F: Future<Output = Result<T>> + Send,
+{
+    let rt = runtime().py_err()?;
+    py.allow_threads(|| {
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            let polled = rt.block_on(async {
+                tokio::time::timeout(Duration::from_millis(10), fut.as_mut()).await
+            });
+            if let Ok(done) = polled {
+                return done.py_err();
+            }
+            if cancel.is_some_and(|c| c.swap(false, Ordering::SeqCst)) {
+                return Err(errors::invalid(
+                    ErrorKind::Aborted,
+                    "cancelled; the live weights are untouched".into(),
+                    None,
+                ));
+            }
+            Python::with_gil(|py| py.check_signals())?;
+        }
+    })
+}
+
+/// A model configuration: `model` is a preset name or a JSON object of one.
+fn model_from(text: &str) -> Result<ModelConfig> {
+    if text.trim_start().starts_with('{') {
+        let m: ModelConfig = serde_json::from_str(text).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("model is not a model configuration: {e}"),
+            )
+        })?;
+        m.validate()?;
+        Ok(m)
+    } else {
+        preset(text)
+    }
+}
+
+/// JSON of preset `name`, scaled down by `layers`, `experts`, `vocab`.
+#[pyfunction]
+#[pyo3(signature = (name, layers=None, experts=None, vocab=None))]
+fn model_config(
+    name: &str,
+    layers: Option<u64>,
+    experts: Option<u64>,
+    vocab: Option<u64>,
+) -> PyResult<String> {
+    let m = preset(name)
+        .and_then(|m| m.with_overrides(layers, experts, vocab))
+        .py_err()?;
+    serde_json::to_string(&m).map_err(|e| errors::invalid(ErrorKind::Internal, e.to_string(), None))
+}
+
+/// `[(name, dtype, shape)]` of receiver rank `rank` of `layout` (e.g. `tp=2`): the arrays an
+/// engine hands to the receiver, in engine order.
+#[pyfunction]
+fn receiver_params<'py>(
+    py: Python<'py>,
+    model: &str,
+    layout: &str,
+    rank: u32,
+) -> PyResult<Bound<'py, PyList>> {
+    let m = model_from(model).py_err()?;
+    let topo: ReceiverTopology = layout.parse().py_err()?;
+    let l = receiver_layout(&m, &topo, rank).py_err()?;
+    let rows: Vec<(String, String, Vec<u64>)> = l
+        .params
+        .into_iter()
+        .map(|p| (p.name, p.dtype.to_string(), p.shape))
+        .collect();
+    PyList::new(py, rows)
+}
+
+/// `[(param, [(tensor, offset, extent, dst_offset, dst_strides)])]` of receiver rank `rank`:
+/// which box of which tensor lands where in each parameter (byte offset, element strides), so
+/// tests can compute what a parameter must hold from what the trainers wrote.
+#[pyfunction]
+fn receiver_copies<'py>(
+    py: Python<'py>,
+    model: &str,
+    layout: &str,
+    rank: u32,
+) -> PyResult<Bound<'py, PyList>> {
+    let m = model_from(model).py_err()?;
+    let topo: ReceiverTopology = layout.parse().py_err()?;
+    let l = receiver_layout(&m, &topo, rank).py_err()?;
+    type Copy = (String, Vec<u64>, Vec<u64>, u64, Vec<u64>);
+    let rows: Vec<(String, Vec<Copy>)> = l
+        .params
+        .into_iter()
+        .map(|p| {
+            let copies = p
+                .copies
+                .into_iter()
+                .map(|c| {
+                    (
+                        c.tensor,
+                        c.src_box.offset,
+                        c.src_box.extent,
+                        c.dst_offset,
+                        c.dst_strides,
+                    )
+                })
+                .collect();
+            (p.name, copies)
+        })
+        .collect();
+    PyList::new(py, rows)
+}
+
+/// `[(name, dtype, offset, shape)]` of publisher rank `rank` of `topology` (e.g. `ep=8,dp=8`):
+/// the arrays a trainer registers (each the rank's box of the tensor, at `offset` in global
+/// coordinates).
+#[pyfunction]
+fn publisher_tensors<'py>(
+    py: Python<'py>,
+    model: &str,
+    topology: &str,
+    rank: u32,
+) -> PyResult<Bound<'py, PyList>> {
+    let m = model_from(model).py_err()?;
+    let topo: PublisherTopology = topology.parse().py_err()?;
+    let rt = runtime().py_err()?;
+    // The geometry needs an endpoint only to name itself; a private loopback one costs nothing.
+    let t = {
+        let _guard = rt.enter();
+        registry().create_default("loopback", "geometry").py_err()?
+    };
+    let p = reshard_runtime::TensorPublisher::new(t, &m, &topo, rank).py_err()?;
+    publisher::tensor_rows(py, &p.tensors())
+}
+
+/// The native module.
+#[pymodule]
+fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::add(m)?;
+    m.add_class::<InProcessHub>()?;
+    m.add_class::<publisher::NativePublisher>()?;
+    m.add_class::<publisher::TransportBuffer>()?;
+    m.add_class::<receiver::NativeReceiver>()?;
+    m.add_function(wrap_pyfunction!(model_config, m)?)?;
+    m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
+    m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(receiver_copies, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,391 @@
+//! The native publisher: one trainer rank's tensors, registered in place from the caller's
+//! arrays ([`TensorPublisher`]), announced through a rendezvous the way `reshard publish` does
+//! (cli/src/publish_cmd.rs): announce, then for every later step unready, digest, advance; and
+//! withdraw on close.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::{Mutex, MutexGuard};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use reshard_core::encoding::encode_table;
+use reshard_core::rendezvous::{Announced, Announcement, Rendezvous};
+use reshard_core::{Error, ErrorKind, HostMemory, Transport};
+use reshard_planner::topology::PublisherTopology;
+use reshard_runtime::{HeldTensor, TensorPublisher};
+
+use crate::errors::{invalid, IntoPy};
+use crate::memory::ArrayMemory;
+use crate::{load_config, model_from, registry, rendezvous, runtime, wait};
+
+/// `[(name, dtype, offset, shape)]` of a rank's tensors.
+pub fn tensor_rows<'py>(py: Python<'py>, tensors: &[HeldTensor]) -> PyResult<Bound<'py, PyList>> {
+    let rows: Vec<(String, String, Vec<u64>, Vec<u64>)> = tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dtype.to_string(),
+                t.bounds.offset.clone(),
+                t.bounds.extent.clone(),
+            )
+        })
+        .collect();
+    PyList::new(py, rows)
+}
+
+/// Memory a transport allocated for a tensor (`Publisher.empty`), exported to Python as a
+/// writable byte buffer that numpy wraps without copying. The exporter keeps the memory alive
+/// while any array over it lives; the publisher's registration keeps it alive after that.
+#[pyclass(module = "reshard._reshard", frozen)]
+pub struct TransportBuffer {
+    memory: Arc<dyn HostMemory>,
+    /// Whether the transport allocated it (false: plain host memory, the transport has none).
+    #[pyo3(get)]
+    transport_memory: bool,
+}
+
+#[pymethods]
+impl TransportBuffer {
+    /// Fills `view` with the whole memory, writable, one dimension of bytes.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (addr, len) = {
+            let me = slf.get();
+            (me.memory.addr(), me.memory.len())
+        };
+        // SAFETY: `view` comes from the interpreter; the memory stays valid while `slf` (which
+        // FillInfo references from the view) lives; writes through it follow the MemoryBlock
+        // contract (not while a publish digests it or a read may touch it).
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                addr as *mut std::os::raw::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to free: FillInfo's format is static and the object reference is the view's.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.memory.len()
+    }
+}
+
+/// What a live publisher holds. Field order is drop order: the announcement is withdrawn (or
+/// left to expire) before the registrations and the arrays go.
+struct State {
+    announced: Option<Box<dyn Announced>>,
+    publisher: TensorPublisher,
+    rendezvous: Arc<dyn Rendezvous>,
+    name: String,
+    world: u32,
+    config: Bytes,
+    step: Option<u64>,
+}
+
+/// One publisher rank (use `reshard.Publisher`).
+#[pyclass(module = "reshard._reshard", frozen)]
+pub struct NativePublisher {
+    state: Mutex<Option<State>>,
+    rank: u32,
+}
+
+impl NativePublisher {
+    /// The state's lock, or an error when another thread holds it: waiting for it with the GIL
+    /// held could deadlock a publish that needs the GIL to check for Ctrl-C.
+    fn lock(&self) -> PyResult<MutexGuard<'_, Option<State>>> {
+        self.state.try_lock().ok_or_else(|| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "publisher rank {} is busy in another thread (one thread per publisher)",
+                    self.rank
+                ),
+                None,
+            )
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut State) -> PyResult<T>) -> PyResult<T> {
+        let mut guard = self.lock()?;
+        match guard.as_mut() {
+            Some(s) => f(s),
+            None => Err(invalid(
+                ErrorKind::InvalidInput,
+                format!("publisher rank {} is closed", self.rank),
+                None,
+            )),
+        }
+    }
+}
+
+#[pymethods]
+impl NativePublisher {
+    /// See `reshard.Publisher`.
+    #[new]
+    #[pyo3(signature = (model, topology, rank, rendezvous_arg, transport=None, config=None, lease_ttl_s=10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model: &str,
+        topology: &str,
+        rank: u32,
+        rendezvous_arg: &Bound<'_, PyAny>,
+        transport: Option<&str>,
+        config: Option<&str>,
+        lease_ttl_s: f64,
+    ) -> PyResult<Self> {
+        let model = model_from(model).py_err()?;
+        let topo: PublisherTopology = topology.parse().py_err()?;
+        let cfg = load_config(transport, config).py_err()?;
+        let rendezvous = rendezvous(py, rendezvous_arg, lease_ttl_s)?;
+        let agent = crate::agent_name(&format!("{}-publisher-{rank}", model.name));
+        let rt = runtime().py_err()?;
+        let t: Arc<dyn Transport> = {
+            let _guard = rt.enter();
+            registry().create(&agent, &cfg.transport).py_err()?
+        };
+        let publisher = TensorPublisher::new(t, &model, &topo, rank).py_err()?;
+        let config = Bytes::from(serde_json::to_vec(&model).map_err(|e| {
+            invalid(
+                ErrorKind::Internal,
+                format!("model configuration to JSON: {e}"),
+                None,
+            )
+        })?);
+        Ok(NativePublisher {
+            state: Mutex::new(Some(State {
+                announced: None,
+                publisher,
+                rendezvous,
+                name: model.name.clone(),
+                world: topo.world(),
+                config,
+                step: None,
+            })),
+            rank,
+        })
+    }
+
+    /// `[(name, dtype, offset, shape)]` of the tensors this rank holds.
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let tensors = self.with(|s| Ok(s.publisher.tensors()))?;
+        tensor_rows(py, &tensors)
+    }
+
+    /// Tensors not registered yet.
+    fn missing(&self) -> PyResult<Vec<String>> {
+        self.with(|s| Ok(s.publisher.missing()))
+    }
+
+    /// Registers `array` (buffer protocol, C-contiguous) as tensor `name`, in place.
+    fn register(&self, py: Python<'_>, name: &str, array: &Bound<'_, PyAny>) -> PyResult<()> {
+        let held = self.with(|s| {
+            if s.announced.is_some() {
+                return Err(invalid(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "tensor {name:?} registered after the first publish: publisher rank {} \
+                         announced its memory already; register every array first",
+                        self.rank
+                    ),
+                    Some(name),
+                ));
+            }
+            let t = s.publisher.tensors().into_iter().find(|t| t.name == name);
+            t.ok_or_else(|| {
+                invalid(
+                    ErrorKind::InvalidInput,
+                    format!("publisher rank {} holds no tensor {name:?}", self.rank),
+                    Some(name),
+                )
+            })
+        })?;
+        let memory = ArrayMemory::export(array, false, name)?;
+        if memory.shape != held.bounds.extent || !memory.holds(held.dtype) {
+            return Err(invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "tensor {name:?} on publisher rank {} is {} {:?}; the array given has \
+                     format {:?} ({} bytes per element) and shape {:?}",
+                    self.rank,
+                    held.dtype,
+                    held.bounds.extent,
+                    memory.format,
+                    memory.itemsize,
+                    memory.shape
+                ),
+                Some(name),
+            ));
+        }
+        let memory: Arc<dyn HostMemory> = Arc::new(memory);
+        let mut guard = self.lock()?;
+        let s = guard
+            .as_mut()
+            .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
+        let publisher = &mut s.publisher;
+        wait(py, None, publisher.register(name, memory))
+    }
+
+    /// Allocates tensor `name`'s array from the transport (plain host memory when the
+    /// transport has no allocator of its own), registers it, and returns it as a buffer.
+    fn empty(&self, py: Python<'_>, name: &str) -> PyResult<TransportBuffer> {
+        let (bytes, transport) = self.with(|s| {
+            let t = s.publisher.tensors().into_iter().find(|t| t.name == name);
+            let t = t.ok_or_else(|| {
+                invalid(
+                    ErrorKind::InvalidInput,
+                    format!("publisher rank {} holds no tensor {name:?}", self.rank),
+                    Some(name),
+                )
+            })?;
+            Ok((
+                t.bounds.elements() * t.dtype.size(),
+                s.publisher.transport().clone(),
+            ))
+        })?;
+        let len = usize::try_from(bytes).map_err(|_| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!("tensor {name:?} does not fit this machine"),
+                Some(name),
+            )
+        })?;
+        let allocated = wait(py, None, async move { transport.allocate_host(len).await })?;
+        let transport_memory = allocated.is_some();
+        let memory = allocated.unwrap_or_else(|| {
+            Arc::new(reshard_core::HostBuffer::zeroed(len)) as Arc<dyn HostMemory>
+        });
+        let mut guard = self.lock()?;
+        let s = guard
+            .as_mut()
+            .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
+        if s.announced.is_some() {
+            return Err(invalid(
+                ErrorKind::InvalidInput,
+                format!("tensor {name:?} allocated after the first publish"),
+                Some(name),
+            ));
+        }
+        let publisher = &mut s.publisher;
+        wait(py, None, publisher.register(name, memory.clone()))?;
+        Ok(TransportBuffer {
+            memory,
+            transport_memory,
+        })
+    }
+
+    /// Marks the announcement not ready: call before rewriting the arrays while receivers may
+    /// be reading them (optional: a receiver that reads during a rewrite fails verification
+    /// and keeps its previous weights).
+    fn unready(&self, py: Python<'_>) -> PyResult<()> {
+        let mut guard = self.lock()?;
+        let Some(s) = guard.as_mut() else {
+            return Ok(());
+        };
+        match s.announced.as_ref() {
+            Some(a) => wait(py, None, a.unready()),
+            None => Ok(()),
+        }
+    }
+
+    /// Digests every array and announces step `step` (the first call announces the rank).
+    fn publish(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        let mut guard = self.lock()?;
+        let s = guard.as_mut().ok_or_else(|| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!("publisher rank {} is closed", self.rank),
+                None,
+            )
+        })?;
+        let rank = self.rank;
+        if let Some(live) = s.step {
+            if step <= live {
+                return Err(invalid(
+                    ErrorKind::InvalidInput,
+                    format!("publisher rank {rank} is at step {live}; step {step} is not newer"),
+                    None,
+                ));
+            }
+        }
+        let State {
+            announced,
+            publisher,
+            rendezvous,
+            name,
+            world,
+            config,
+            ..
+        } = s;
+        let fut = async move {
+            if let Some(a) = announced.as_ref() {
+                a.check_alive()?;
+                a.unready().await?;
+            }
+            // Synchronous (rayon): this future runs on the calling thread, not a runtime worker.
+            let table = publisher.digest(step).map(encode_table)?;
+            match announced.as_ref() {
+                Some(a) => a.advance(step, Bytes::from(table)).await?,
+                None => {
+                    let t = publisher.transport().clone();
+                    let held = rendezvous
+                        .announce(Announcement {
+                            model: name.clone(),
+                            rank,
+                            world: *world,
+                            step,
+                            transport: t.name().to_string(),
+                            incarnation: t.incarnation(),
+                            table: Bytes::from(table),
+                            metadata: t.export_metadata().await?,
+                            config: config.clone(),
+                        })
+                        .await?;
+                    *announced = Some(held);
+                }
+            }
+            Ok::<_, Error>(())
+        };
+        wait(py, None, fut)?;
+        s.step = Some(step);
+        Ok(())
+    }
+
+    /// The last step published, or None.
+    #[getter]
+    fn step(&self) -> PyResult<Option<u64>> {
+        self.with(|s| Ok(s.step))
+    }
+
+    /// Withdraws the announcement, then releases the registrations and the arrays.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(mut s) = self.lock()?.take() else {
+            return Ok(());
+        };
+        let announced = s.announced.take();
+        let withdrawn = match announced {
+            Some(a) => wait(py, None, a.withdraw()),
+            None => Ok(()),
+        };
+        // Registrations and the arrays' buffer views are released with the GIL free: a
+        // backend may hand the last reference to one of its own threads.
+        py.allow_threads(move || drop(s));
+        withdrawn
+    }
+}

@@ -1,0 +1,35 @@
+"""The README's Python example, run as the README gives it: the shell block after "The examples
+in `examples/python/`", minus its install line (scripts/test.sh has just installed the package
+into this interpreter). Both toy engine ranks must install step 3, verified."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def readme_block():
+    text = (ROOT / "README.md").read_text()
+    at = text.index("The examples in `examples/python/`")
+    block = re.search(r"```sh\n(.*?)```", text[at:], re.S).group(1)
+    lines = block.splitlines()
+    assert lines[0].startswith("scripts/install-deps.sh"), lines[0]
+    return "\n".join(lines[1:]) + "\n"
+
+
+def test_readme_python_example_runs_verbatim():
+    script = readme_block()
+    venv = ROOT / ".deps" / "venv" / "bin" / "python"
+    if not venv.exists() or venv.resolve() != Path(sys.executable).resolve():
+        # Only where pytest runs outside the virtualenv: the same command, this interpreter.
+        script = script.replace(".deps/venv/bin/python", sys.executable)
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"engine rank {rank}: step 3 installed, verified=True" in out.stdout, out.stdout
+    for rank in range(4):
+        assert f"trainer rank {rank}: published step 3" in out.stdout, out.stdout

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The README's test command: every Rust test (`cargo test --workspace --release`), then the
+# Python package built from this checkout with maturin and installed into the test virtualenv
+# (.deps/venv, made by scripts/install-deps.sh), then its pytest suite (python/tests/: in-process
+# over loopback, and publisher processes over ucx and nixl through a private etcd).
+#
+# pytest runs from the repository root, so `import reshard` finds the installed package (with
+# its native module), never the source folder python/reshard. Its exit status is kept: 5 ("no
+# tests collected") fails this script like any failure.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${RESHARD_PYTHON:-$root/.deps/venv/bin/python}
+if [ ! -x "$python" ]; then
+    echo "test.sh: $python not found; run scripts/install-deps.sh first" >&2
+    exit 1
+fi
+
+cargo test --workspace --release
+
+# --no-build-isolation: maturin comes from the virtualenv (install-deps), not a fresh download.
+"$python" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall \
+    --no-deps ./python
+"$python" -m pytest -q -p no:cacheprovider python/tests
