@@ -314,28 +314,16 @@ impl CmaTransport {
                     .min()
                     .unwrap_or(*owner)
             };
-            let (remote_region, remote_offset) = executed::locate(
+            let remote = executed::locate(
                 used.regions.values().map(|r| (r.id, r.addr, r.len)),
                 ra,
                 len,
                 None,
             );
-            let (local_region, local_offset) = executed::locate(
-                local
-                    .iter()
-                    .map(|(&id, b)| (id, b.addr() as u64, b.len() as u64)),
-                la,
-                len,
-                None,
-            );
-            out.push(ReadDesc {
-                owner,
-                remote_region,
-                remote_offset,
-                local_region,
-                local_offset,
-                len,
-            });
+            let locals = local
+                .iter()
+                .map(|(&id, b)| (id, b.addr() as u64, b.len() as u64));
+            out.push(executed::read(owner, remote, locals, la, len, None));
         }
         log.record(out);
     }
