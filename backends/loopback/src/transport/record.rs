@@ -2,7 +2,7 @@
 //! copy jobs use.
 
 use reshard_core::{executed, ExecutionLog};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::{LoopbackTransport, Peer, Prepared};
@@ -11,12 +11,12 @@ use crate::fabric::Region;
 
 /// The region of `regions` whose registered block holds `addr..addr + len` and the offset of
 /// `addr` in it, by the core rule ([`executed::locate`]: `prefer`, else the lowest id).
-fn region_at(regions: &HashMap<u64, Region>, addr: u64, len: u64, prefer: u64) -> (u64, u64) {
+fn region_at(regions: &BTreeMap<u64, Region>, addr: u64, len: u64, prefer: u64) -> (u64, u64) {
     executed::locate(spans(regions), addr, len, Some(prefer))
 }
 
 /// `(id, start address, length)` of every region in `regions`, as [`executed`] takes them.
-fn spans(regions: &HashMap<u64, Region>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+fn spans(regions: &BTreeMap<u64, Region>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
     regions
         .iter()
         .map(|(&id, r)| (id, r.block.addr() as u64, r.len))
