@@ -167,61 +167,54 @@ mod tests {
 
     #[test]
     fn disjoint_batches_have_no_overlap_sorted_or_not() {
-        assert_eq!(first_overlap(&batch(vec![])), None);
         let sorted = vec![
             rd(0, 1, 0, 4),
             rd(1, 1, 4, 4),
             rd(2, 2, 0, 8),
             rd(3, 2, 8, 1),
         ];
-        assert_eq!(first_overlap(&batch(sorted.clone())), None);
-        let mut shuffled = sorted;
+        let mut shuffled = sorted.clone();
         shuffled.reverse();
-        assert_eq!(first_overlap(&batch(shuffled)), None);
-        // The same bytes in different regions do not overlap; zero lengths overlap nothing.
-        assert_eq!(
-            first_overlap(&batch(vec![rd(0, 1, 0, 8), rd(1, 2, 0, 8), rd(2, 1, 3, 0)])),
-            None
-        );
+        let cases = [
+            vec![],
+            sorted,
+            shuffled,
+            // The same bytes in different regions do not overlap; zero lengths overlap nothing.
+            vec![rd(0, 1, 0, 8), rd(1, 2, 0, 8), rd(2, 1, 3, 0)],
+        ];
+        for reads in cases {
+            assert_eq!(first_overlap(&batch(reads.clone())), None, "{reads:?}");
+        }
     }
 
     #[test]
     fn overlaps_are_found_and_named_in_batch_order() {
-        // Touching ends are not an overlap; one shared byte is.
-        assert_eq!(
-            first_overlap(&batch(vec![rd(0, 1, 0, 4), rd(1, 1, 3, 4)])),
-            Some((0, 1))
-        );
-        assert_eq!(
-            first_overlap(&batch(vec![rd(0, 1, 3, 4), rd(1, 1, 0, 4)])),
-            Some((0, 1))
-        );
-        // Hidden behind a short read: 0..100 covers 60..70 although 10..20 ends before it.
-        assert_eq!(
-            first_overlap(&batch(vec![
-                rd(0, 1, 0, 100),
-                rd(1, 1, 10, 10),
-                rd(2, 1, 60, 10)
-            ])),
-            Some((0, 1))
-        );
-        assert_eq!(
-            first_overlap(&batch(vec![
-                rd(0, 1, 200, 8),
-                rd(1, 1, 0, 100),
-                rd(2, 1, 60, 10)
-            ])),
-            Some((1, 2))
-        );
-        // Not sorted, overlap found only through the long read's reach.
-        assert_eq!(
-            first_overlap(&batch(vec![
-                rd(0, 2, 50, 1),
-                rd(1, 2, 0, 40),
-                rd(2, 2, 30, 2)
-            ])),
-            Some((1, 2))
-        );
+        let cases = [
+            // Touching ends are not an overlap; one shared byte is.
+            (vec![rd(0, 1, 0, 4), rd(1, 1, 3, 4)], (0, 1)),
+            (vec![rd(0, 1, 3, 4), rd(1, 1, 0, 4)], (0, 1)),
+            // Hidden behind a short read: 0..100 covers 60..70 although 10..20 ends before it.
+            (
+                vec![rd(0, 1, 0, 100), rd(1, 1, 10, 10), rd(2, 1, 60, 10)],
+                (0, 1),
+            ),
+            (
+                vec![rd(0, 1, 200, 8), rd(1, 1, 0, 100), rd(2, 1, 60, 10)],
+                (1, 2),
+            ),
+            // Not sorted, overlap found only through the long read's reach.
+            (
+                vec![rd(0, 2, 50, 1), rd(1, 2, 0, 40), rd(2, 2, 30, 2)],
+                (1, 2),
+            ),
+        ];
+        for (reads, pair) in cases {
+            assert_eq!(
+                first_overlap(&batch(reads.clone())),
+                Some(pair),
+                "{reads:?}"
+            );
+        }
         let a = rd(0, 1, 0, 10);
         assert_eq!(overlap_range(&a, &rd(1, 1, 5, 10)), 5..10);
         assert!(overlap_range(&a, &rd(1, 2, 5, 10)).is_empty());
