@@ -1,6 +1,7 @@
 //! Registration checks every backend's [`Transport::register`](crate::Transport::register)
 //! runs, written once: [`check_block`] refuses a block whose address range cannot be real
-//! memory, with the same error kind and message in every backend; and the bookkeeping of an
+//! memory, with the same error kind and message in every backend ([`check_host_block`] also
+//! refuses device memory, for backends that move host memory only); and the bookkeeping of an
 //! endpoint whose regions live in a table of its own, [`RegionTable`]: ids from 1, never
 //! reused, and an epoch that every registration and release moves.
 
@@ -28,6 +29,20 @@ pub fn check_block(backend: &'static str, block: &dyn MemoryBlock) -> Result<()>
         .with_backend(backend));
     }
     Ok(())
+}
+
+/// Refuses device memory (`Unsupported`: `backend` `how`, e.g. "moves host memory only", and
+/// names nixl, which registers it), then checks the block as [`check_block`] does.
+pub fn check_host_block(backend: &'static str, how: &str, block: &dyn MemoryBlock) -> Result<()> {
+    let kind = block.kind();
+    if let MemoryKind::Vram { .. } = kind {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("{backend} {how}; cannot register {kind} (use nixl)"),
+        )
+        .with_backend(backend));
+    }
+    check_block(backend, block)
 }
 
 /// The regions an endpoint registered, by id, and the endpoint's epoch

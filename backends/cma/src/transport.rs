@@ -8,8 +8,8 @@ use reshard_core::contract::{self, span, LocalLookup};
 use reshard_core::regions::{self, RegionTable};
 use reshard_core::{executed, prepared};
 use reshard_core::{
-    new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
-    OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
+    new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -375,19 +375,9 @@ impl Transport for CmaTransport {
     }
 
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-        let kind = block.kind();
-        if let MemoryKind::Vram { .. } = kind {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "cma reads host memory only (process_vm_readv); cannot register {kind} \
-                     (use nixl)"
-                ),
-            )
-            .with_backend(SCHEME));
-        }
-        regions::check_block(SCHEME, block.as_ref())?;
-        let len = block.len() as u64;
+        let how = "reads host memory only (process_vm_readv)";
+        regions::check_host_block(SCHEME, how, block.as_ref())?;
+        let (len, kind) = (block.len() as u64, block.kind());
         Ok(self.local.register(block, len, kind))
     }
 

@@ -4,8 +4,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use reshard_core::{prepared, regions};
 use reshard_core::{
-    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
-    PreparedBatch, ReadBatch, Registration, Result, Transport,
+    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId, PreparedBatch,
+    ReadBatch, Registration, Result, Transport,
 };
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -50,16 +50,8 @@ impl Transport for LoopbackTransport {
     }
 
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-        let kind = block.kind();
-        if let MemoryKind::Vram { .. } = kind {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!("loopback moves host memory only; cannot register {kind} (use nixl)"),
-            )
-            .with_backend(SCHEME));
-        }
-        regions::check_block(SCHEME, block.as_ref())?;
-        let len = block.len() as u64;
+        regions::check_host_block(SCHEME, "moves host memory only", block.as_ref())?;
+        let (len, kind) = (block.len() as u64, block.kind());
         let registration = self
             .agent
             .regions
