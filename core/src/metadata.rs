@@ -2,7 +2,9 @@
 //! [`MetaHeader`]. Backends write their own payload (regions, keys, addresses) after it; the
 //! rules every region list in a payload follows are here too: [`read_region_count`] (a count
 //! checked against the bytes present before anything is allocated), [`sort_regions`] (ascending
-//! ids, none twice) and [`encode_kind`] / [`decode_kind`] (the memory kind of a region).
+//! ids, none twice) and [`encode_kind`] / [`decode_kind`] (the memory kind of a region), and
+//! the defects a decoder finds are one type, [`MetaDefect`], whose [`MetaDefect::into_error`]
+//! is the `Decode` error every backend returns.
 //!
 //! Layout (little endian): magic (4 bytes, one per backend), version `u8` (of the backend's
 //! whole format), agent name (`u16` length + 1..=`u16::MAX` bytes of UTF-8), endpoint
@@ -10,11 +12,13 @@
 //! untrusted: magic and version are checked before anything else is read, every length is
 //! checked against the input before it is used, and failures are a typed [`HeaderError`].
 
+use std::convert::Infallible;
 use std::fmt;
 
 use bytes::BufMut;
 
 use crate::encoding::{ByteReader, Truncated};
+use crate::error::{Error, ErrorKind};
 use crate::model::MemoryKind;
 
 /// The shared head of a backend's peer metadata.
@@ -75,6 +79,102 @@ impl std::error::Error for HeaderError {}
 impl From<Truncated> for HeaderError {
     fn from(t: Truncated) -> Self {
         HeaderError::Truncated(t)
+    }
+}
+
+/// Why a backend's peer metadata could not be decoded: the defects every format shares, and
+/// `E`, the ones only one backend's format can have (none for [`Infallible`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetaDefect<E = Infallible> {
+    /// The shared header is damaged.
+    Header(HeaderError),
+    /// The input ends inside the payload, or a count claims more than the input holds.
+    Truncated(Truncated),
+    /// Bytes are left after the last field of the format.
+    Trailing(usize),
+    /// A region id is listed twice.
+    DuplicateRegion(u64),
+    /// A region's memory kind tag is not one [`encode_kind`] writes.
+    Kind {
+        /// The region's id.
+        region: u64,
+        /// The unknown tag.
+        tag: u8,
+    },
+    /// A region's address range cannot be real memory (its end overflows, or the backend's
+    /// own rule refuses it).
+    Range {
+        /// The region's id.
+        region: u64,
+        /// Its first address.
+        addr: u64,
+        /// Its length in bytes.
+        len: u64,
+    },
+    /// A defect only this backend's format can have.
+    Backend(E),
+}
+
+impl<E: fmt::Display> fmt::Display for MetaDefect<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetaDefect::Header(e) => e.fmt(f),
+            MetaDefect::Truncated(t) => t.fmt(f),
+            MetaDefect::Trailing(n) => write!(f, "{n} trailing bytes after the last field"),
+            MetaDefect::DuplicateRegion(id) => write!(f, "region {id} listed twice"),
+            MetaDefect::Kind { region, tag } => {
+                write!(f, "region {region} has an unknown memory kind {tag}")
+            }
+            MetaDefect::Range { region, addr, len } => write!(
+                f,
+                "region {region} at {addr:#x} + {len} bytes is not an address range"
+            ),
+            MetaDefect::Backend(e) => e.fmt(f),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for MetaDefect<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            // Transparent, as the message is: the inner error's own cause, if any.
+            MetaDefect::Backend(e) => e.source(),
+            _ => None,
+        }
+    }
+}
+
+impl<E> From<HeaderError> for MetaDefect<E> {
+    fn from(e: HeaderError) -> Self {
+        MetaDefect::Header(e)
+    }
+}
+
+impl<E> From<Truncated> for MetaDefect<E> {
+    fn from(t: Truncated) -> Self {
+        MetaDefect::Truncated(t)
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> MetaDefect<E> {
+    /// The `Decode` error a backend's metadata decoder returns, naming `backend` in its
+    /// message and context, with this defect as its source.
+    pub fn into_error(self, backend: &'static str) -> Error {
+        Error::new(
+            ErrorKind::Decode,
+            format!("invalid {backend} peer metadata: {self}"),
+        )
+        .with_backend(backend)
+        .with_source(self)
+    }
+}
+
+/// Refuses more than `need` bytes left in `r` (`need`: what the rest of the format takes; 0
+/// after its last field) as [`MetaDefect::Trailing`] with the excess.
+pub fn refuse_trailing<E>(r: &ByteReader<'_>, need: usize) -> Result<(), MetaDefect<E>> {
+    match r.left().checked_sub(need) {
+        Some(extra) if extra > 0 => Err(MetaDefect::Trailing(extra)),
+        _ => Ok(()),
     }
 }
 
@@ -283,5 +383,63 @@ mod tests {
         }
         assert_eq!(decode_kind(0, 9), Some(MemoryKind::Dram));
         assert_eq!(decode_kind(2, 0), None);
+    }
+
+    #[derive(Debug, Clone, PartialEq)]
+    struct Own;
+
+    impl fmt::Display for Own {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("own defect")
+        }
+    }
+
+    impl std::error::Error for Own {}
+
+    #[test]
+    fn defects_become_decode_errors_naming_the_backend() {
+        let cases: [(MetaDefect<Own>, &str); 6] = [
+            (HeaderError::Name.into(), "agent name is empty"),
+            (MetaDefect::Trailing(3), "3 trailing bytes"),
+            (MetaDefect::DuplicateRegion(4), "region 4 listed twice"),
+            (
+                MetaDefect::Kind { region: 5, tag: 9 },
+                "region 5 has an unknown memory kind 9",
+            ),
+            (
+                MetaDefect::Range {
+                    region: 6,
+                    addr: 0x10,
+                    len: 2,
+                },
+                "region 6 at 0x10 + 2 bytes",
+            ),
+            (MetaDefect::Backend(Own), "own defect"),
+        ];
+        for (defect, says) in cases {
+            let e = defect.clone().into_error("tt");
+            assert_eq!(e.kind(), ErrorKind::Decode);
+            assert_eq!(e.context().backend.as_deref(), Some("tt"));
+            let msg = e.to_string();
+            assert!(msg.contains("invalid tt peer metadata: "), "{msg}");
+            assert!(msg.contains(says), "{msg}");
+            let source = std::error::Error::source(&e).expect("the defect is the source");
+            assert_eq!(source.downcast_ref::<MetaDefect<Own>>(), Some(&defect));
+        }
+    }
+
+    #[test]
+    fn only_bytes_beyond_what_the_format_takes_are_trailing() {
+        let bytes = [0u8; 5];
+        let mut r = ByteReader::new(&bytes);
+        r.take(1).unwrap();
+        assert_eq!(refuse_trailing::<Own>(&r, 4), Ok(()));
+        assert_eq!(
+            refuse_trailing::<Own>(&r, 9),
+            Ok(()),
+            "a shortfall is not trailing"
+        );
+        assert_eq!(refuse_trailing::<Own>(&r, 1), Err(MetaDefect::Trailing(3)));
+        assert_eq!(refuse_trailing::<Own>(&r, 0), Err(MetaDefect::Trailing(4)));
     }
 }

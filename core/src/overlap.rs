@@ -167,61 +167,54 @@ mod tests {
 
     #[test]
     fn disjoint_batches_have_no_overlap_sorted_or_not() {
-        assert_eq!(first_overlap(&batch(vec![])), None);
         let sorted = vec![
             rd(0, 1, 0, 4),
             rd(1, 1, 4, 4),
             rd(2, 2, 0, 8),
             rd(3, 2, 8, 1),
         ];
-        assert_eq!(first_overlap(&batch(sorted.clone())), None);
-        let mut shuffled = sorted;
+        let mut shuffled = sorted.clone();
         shuffled.reverse();
-        assert_eq!(first_overlap(&batch(shuffled)), None);
-        // The same bytes in different regions do not overlap; zero lengths overlap nothing.
-        assert_eq!(
-            first_overlap(&batch(vec![rd(0, 1, 0, 8), rd(1, 2, 0, 8), rd(2, 1, 3, 0)])),
-            None
-        );
+        let cases = [
+            vec![],
+            sorted,
+            shuffled,
+            // The same bytes in different regions do not overlap; zero lengths overlap nothing.
+            vec![rd(0, 1, 0, 8), rd(1, 2, 0, 8), rd(2, 1, 3, 0)],
+        ];
+        for reads in cases {
+            assert_eq!(first_overlap(&batch(reads.clone())), None, "{reads:?}");
+        }
     }
 
     #[test]
     fn overlaps_are_found_and_named_in_batch_order() {
-        // Touching ends are not an overlap; one shared byte is.
-        assert_eq!(
-            first_overlap(&batch(vec![rd(0, 1, 0, 4), rd(1, 1, 3, 4)])),
-            Some((0, 1))
-        );
-        assert_eq!(
-            first_overlap(&batch(vec![rd(0, 1, 3, 4), rd(1, 1, 0, 4)])),
-            Some((0, 1))
-        );
-        // Hidden behind a short read: 0..100 covers 60..70 although 10..20 ends before it.
-        assert_eq!(
-            first_overlap(&batch(vec![
-                rd(0, 1, 0, 100),
-                rd(1, 1, 10, 10),
-                rd(2, 1, 60, 10)
-            ])),
-            Some((0, 1))
-        );
-        assert_eq!(
-            first_overlap(&batch(vec![
-                rd(0, 1, 200, 8),
-                rd(1, 1, 0, 100),
-                rd(2, 1, 60, 10)
-            ])),
-            Some((1, 2))
-        );
-        // Not sorted, overlap found only through the long read's reach.
-        assert_eq!(
-            first_overlap(&batch(vec![
-                rd(0, 2, 50, 1),
-                rd(1, 2, 0, 40),
-                rd(2, 2, 30, 2)
-            ])),
-            Some((1, 2))
-        );
+        let cases = [
+            // Touching ends are not an overlap; one shared byte is.
+            (vec![rd(0, 1, 0, 4), rd(1, 1, 3, 4)], (0, 1)),
+            (vec![rd(0, 1, 3, 4), rd(1, 1, 0, 4)], (0, 1)),
+            // Hidden behind a short read: 0..100 covers 60..70 although 10..20 ends before it.
+            (
+                vec![rd(0, 1, 0, 100), rd(1, 1, 10, 10), rd(2, 1, 60, 10)],
+                (0, 1),
+            ),
+            (
+                vec![rd(0, 1, 200, 8), rd(1, 1, 0, 100), rd(2, 1, 60, 10)],
+                (1, 2),
+            ),
+            // Not sorted, overlap found only through the long read's reach.
+            (
+                vec![rd(0, 2, 50, 1), rd(1, 2, 0, 40), rd(2, 2, 30, 2)],
+                (1, 2),
+            ),
+        ];
+        for (reads, pair) in cases {
+            assert_eq!(
+                first_overlap(&batch(reads.clone())),
+                Some(pair),
+                "{reads:?}"
+            );
+        }
         let a = rd(0, 1, 0, 10);
         assert_eq!(overlap_range(&a, &rd(1, 1, 5, 10)), 5..10);
         assert!(overlap_range(&a, &rd(1, 2, 5, 10)).is_empty());
@@ -236,30 +229,46 @@ mod tests {
 
     #[test]
     fn overlapping_reads_go_after_every_earlier_read_they_touch() {
-        // Replicas: three copies of 0..8 and two of 8..16, interleaved, plus a disjoint read.
-        let waves = disjoint_waves(batch(vec![
-            rd(0, 1, 0, 8),
-            rd(1, 1, 8, 8),
-            rd(2, 1, 0, 8),
-            rd(3, 2, 0, 8),
-            rd(4, 1, 8, 8),
-            rd(5, 1, 0, 8),
-        ]));
-        assert_eq!(tags(&waves), vec![vec![0, 1, 3], vec![2, 4], vec![5]]);
-        // A read spanning two painted spans goes after the later of them; the parts of a span
-        // it does not cover keep their wave.
-        let waves = disjoint_waves(batch(vec![
-            rd(0, 1, 0, 10),
-            rd(1, 1, 10, 10),
-            rd(2, 1, 15, 10),
-            rd(3, 1, 5, 12),
-            rd(4, 1, 0, 4),
-            rd(5, 1, 22, 1),
-        ]));
-        // 0:w0 1:w0 2:w1 (touches 1) 3:w2 (touches 0,1,2) 4:w1 (only 0's kept 0..4) 5:w2 (2).
-        assert_eq!(tags(&waves), vec![vec![0, 1], vec![2, 4], vec![3, 5]]);
-        for w in &waves {
-            assert_eq!(first_overlap(w), None, "every wave is disjoint");
+        // Per case: the reads as (local region, offset, len), tagged by their index, and the
+        // tags of each wave.
+        type Case<'a> = (&'a [(u64, u64, u64)], Vec<Vec<u64>>);
+        let cases: [Case; 2] = [
+            // Replicas: three copies of 0..8 and two of 8..16, interleaved, plus a disjoint read.
+            (
+                &[
+                    (1, 0, 8),
+                    (1, 8, 8),
+                    (1, 0, 8),
+                    (2, 0, 8),
+                    (1, 8, 8),
+                    (1, 0, 8),
+                ],
+                vec![vec![0, 1, 3], vec![2, 4], vec![5]],
+            ),
+            // A read spanning two painted spans goes after the later of them; the parts of a
+            // span it does not cover keep their wave: 0:w0 1:w0 2:w1 (touches 1) 3:w2 (touches
+            // 0,1,2) 4:w1 (only 0's kept 0..4) 5:w2 (2).
+            (
+                &[
+                    (1, 0, 10),
+                    (1, 10, 10),
+                    (1, 15, 10),
+                    (1, 5, 12),
+                    (1, 0, 4),
+                    (1, 22, 1),
+                ],
+                vec![vec![0, 1], vec![2, 4], vec![3, 5]],
+            ),
+        ];
+        for (reads, want) in cases {
+            let reads = (0..)
+                .zip(reads)
+                .map(|(t, &(g, off, len))| rd(t, g, off, len));
+            let waves = disjoint_waves(batch(reads.collect()));
+            assert_eq!(tags(&waves), want);
+            for w in &waves {
+                assert_eq!(first_overlap(w), None, "every wave is disjoint");
+            }
         }
     }
 

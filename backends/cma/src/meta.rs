@@ -11,9 +11,9 @@
 //! the bytes present before anything is allocated for it, and any defect is a typed `Decode`.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{self, HeaderError, MetaHeader};
-use reshard_core::{Error, ErrorKind, Result};
+use reshard_core::encoding::ByteReader;
+use reshard_core::metadata::{self, MetaDefect, MetaHeader};
+use reshard_core::Result;
 
 use crate::SCHEME;
 
@@ -46,22 +46,15 @@ pub(crate) struct Meta {
     pub(crate) regions: Vec<RegionMeta>,
 }
 
-/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+/// The defects only this format can have (the shared ones are [`MetaDefect`]'s).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub(crate) enum MetaError {
-    #[error(transparent)]
-    Header(#[from] HeaderError),
-    #[error(transparent)]
-    Truncated(#[from] Truncated),
+pub(crate) enum CmaDefect {
     #[error("pid 0 names no process")]
     Pid,
-    #[error("{0} trailing bytes after the last region")]
-    Trailing(usize),
-    #[error("region {0} listed twice")]
-    DuplicateRegion(u64),
-    #[error("region {id} at {addr:#x} + {len} bytes is not an address range")]
-    Range { id: u64, addr: u64, len: u64 },
 }
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+pub(crate) type MetaError = MetaDefect<CmaDefect>;
 
 impl Meta {
     fn header(&self) -> MetaHeader {
@@ -94,11 +87,7 @@ impl Meta {
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<Meta> {
-        Self::try_decode(bytes).map_err(|e| {
-            Error::new(ErrorKind::Decode, format!("invalid cma peer metadata: {e}"))
-                .with_backend(SCHEME)
-                .with_source(e)
-        })
+        Self::try_decode(bytes).map_err(|e| e.into_error(SCHEME))
     }
 
     fn try_decode(bytes: &[u8]) -> Result<Meta, MetaError> {
@@ -110,23 +99,24 @@ impl Meta {
         let pid_ns = r.u64()?;
         let pid = r.u32()?;
         if pid == 0 || pid > i32::MAX as u32 {
-            return Err(MetaError::Pid);
+            return Err(MetaDefect::Backend(CmaDefect::Pid));
         }
         let start_time = r.u64()?;
         let count = metadata::read_region_count(&mut r, REGION_BYTES)?;
-        let need = count * REGION_BYTES;
-        if need < r.left() {
-            return Err(MetaError::Trailing(r.left() - need));
-        }
+        metadata::refuse_trailing(&r, count * REGION_BYTES)?;
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             let (id, addr, len) = (r.u64()?, r.u64()?, r.u64()?);
             if len > 0 && (addr == 0 || addr.checked_add(len).is_none()) {
-                return Err(MetaError::Range { id, addr, len });
+                return Err(MetaDefect::Range {
+                    region: id,
+                    addr,
+                    len,
+                });
             }
             regions.push(RegionMeta { id, addr, len });
         }
-        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaError::DuplicateRegion)?;
+        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaDefect::DuplicateRegion)?;
         Ok(Meta {
             boot_id,
             pid_ns,
@@ -142,6 +132,8 @@ impl Meta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reshard_core::metadata::HeaderError;
+    use reshard_core::ErrorKind;
 
     pub(crate) fn sample() -> Meta {
         Meta {
@@ -192,7 +184,7 @@ mod tests {
         }
         let mut longer = full.to_vec();
         longer.push(0);
-        assert_eq!(decode_err(&longer), MetaError::Trailing(1));
+        assert_eq!(decode_err(&longer), MetaDefect::Trailing(1));
     }
 
     /// Where the process identity starts: after the shared header.
@@ -224,14 +216,14 @@ mod tests {
         v[0] = b'X';
         assert!(matches!(
             decode_err(&v),
-            MetaError::Header(HeaderError::Magic { .. })
+            MetaDefect::Header(HeaderError::Magic { .. })
         ));
         // The version-1 layout (process identity before the name) is refused by its version.
         let mut v = full.clone();
         v[4] = 1;
         assert_eq!(
             decode_err(&v),
-            MetaError::Header(HeaderError::Version {
+            MetaDefect::Header(HeaderError::Version {
                 found: 1,
                 supported: VERSION
             })
@@ -239,14 +231,14 @@ mod tests {
         let pid = process_at() + 24;
         let mut v = full.clone();
         v[pid..pid + 4].copy_from_slice(&0u32.to_le_bytes());
-        assert_eq!(decode_err(&v), MetaError::Pid);
+        assert_eq!(decode_err(&v), MetaDefect::Backend(CmaDefect::Pid));
         let mut v = full.clone();
         v[pid..pid + 4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(decode_err(&v), MetaError::Pid);
+        assert_eq!(decode_err(&v), MetaDefect::Backend(CmaDefect::Pid));
         // The name's first byte (after magic, version and its u16 length) made invalid UTF-8.
         let mut v = full;
         v[4 + 1 + 2] = 0xff;
-        assert_eq!(decode_err(&v), MetaError::Header(HeaderError::Name));
+        assert_eq!(decode_err(&v), MetaDefect::Header(HeaderError::Name));
     }
 
     #[test]
@@ -279,7 +271,7 @@ mod tests {
         let mut v = m.encode().to_vec();
         let at = v.len() - 4;
         v[at..].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(decode_err(&v), MetaError::Truncated(_)));
+        assert!(matches!(decode_err(&v), MetaDefect::Truncated(_)));
     }
 
     #[test]
@@ -288,20 +280,20 @@ mod tests {
         m.regions[1].id = 1;
         assert_eq!(
             decode_err(&m.encode()),
-            MetaError::DuplicateRegion(1),
+            MetaDefect::DuplicateRegion(1),
             "duplicates found after sorting"
         );
         let mut m = sample();
         m.regions[2].len = u64::MAX;
         assert!(matches!(
             decode_err(&m.encode()),
-            MetaError::Range { id: 9, .. }
+            MetaDefect::Range { region: 9, .. }
         ));
         let mut m = sample();
         m.regions[0].addr = 0;
         assert!(matches!(
             decode_err(&m.encode()),
-            MetaError::Range { id: 1, .. }
+            MetaDefect::Range { region: 1, .. }
         ));
     }
 

@@ -5,14 +5,14 @@ use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use rayon::ThreadPool;
 use reshard_core::contract::{self, span, LocalLookup};
-use reshard_core::{executed, prepared, regions};
+use reshard_core::regions::{self, RegionTable};
+use reshard_core::{executed, prepared};
 use reshard_core::{
-    new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind,
-    OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
+    new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -22,19 +22,6 @@ use crate::plan::{self, Calls, Wanted};
 use crate::run::{CmaInFlight, Run};
 use crate::sys;
 use crate::{CmaOptions, SCHEME};
-
-/// What registrations and the transport share: the regions and the epoch.
-struct Local {
-    regions: RwLock<BTreeMap<u64, Arc<dyn MemoryBlock>>>,
-    next_region: AtomicU64,
-    epoch: AtomicU64,
-}
-
-impl Local {
-    fn bump(&self) {
-        self.epoch.fetch_add(1, Ordering::AcqRel);
-    }
-}
 
 /// The cma state of a [`PreparedBatch`].
 pub(crate) struct Prepared {
@@ -57,7 +44,8 @@ pub struct CmaTransport {
     options: CmaOptions,
     incarnation: u64,
     host: Host,
-    local: Arc<Local>,
+    /// What registrations and the transport share: the regions and the epoch.
+    local: Arc<RegionTable<Arc<dyn MemoryBlock>>>,
     peers: RwLock<HashMap<OwnerId, Arc<Peer>>>,
     pool: Mutex<Option<Arc<ThreadPool>>>,
     /// Posted batches, so dropping the endpoint ends them (rule 4).
@@ -98,11 +86,7 @@ impl CmaTransport {
             options,
             incarnation: new_incarnation(),
             host,
-            local: Arc::new(Local {
-                regions: RwLock::new(BTreeMap::new()),
-                next_region: AtomicU64::new(1),
-                epoch: AtomicU64::new(1),
-            }),
+            local: Arc::new(RegionTable::new()),
             peers: RwLock::new(HashMap::new()),
             pool: Mutex::new(None),
             live: Mutex::new(Vec::new()),
@@ -154,7 +138,7 @@ impl CmaTransport {
         // look stale at post (re-checked), never fresh.
         let epoch = self.epoch();
         let peers = self.peers.read();
-        let local = self.local.regions.read();
+        let local = self.local.read();
         let mut used_peers: Vec<(OwnerId, Arc<Peer>)> = Vec::new();
         let mut peer_ix: HashMap<OwnerId, u32> = HashMap::new();
         let mut dsts: Vec<(u64, Arc<dyn MemoryBlock>)> = Vec::new();
@@ -253,7 +237,7 @@ impl CmaTransport {
                 return Err(e);
             }
         }
-        let local = self.local.regions.read();
+        let local = self.local.read();
         for (region, block) in &st.dsts {
             if !local.get(region).is_some_and(|b| same_block(b, block)) {
                 let r = first(&|r| r.local_region == *region);
@@ -295,7 +279,7 @@ impl CmaTransport {
             }
         }
         let peers = self.peers.read();
-        let local = self.local.regions.read();
+        let local = self.local.read();
         let mut out = Vec::with_capacity(ext.len());
         for (_, (p, ra, la, len)) in ext {
             let (owner, used) = &st.peers[p as usize];
@@ -314,28 +298,16 @@ impl CmaTransport {
                     .min()
                     .unwrap_or(*owner)
             };
-            let (remote_region, remote_offset) = executed::locate(
+            let remote = executed::locate(
                 used.regions.values().map(|r| (r.id, r.addr, r.len)),
                 ra,
                 len,
                 None,
             );
-            let (local_region, local_offset) = executed::locate(
-                local
-                    .iter()
-                    .map(|(&id, b)| (id, b.addr() as u64, b.len() as u64)),
-                la,
-                len,
-                None,
-            );
-            out.push(ReadDesc {
-                owner,
-                remote_region,
-                remote_offset,
-                local_region,
-                local_offset,
-                len,
-            });
+            let locals = local
+                .iter()
+                .map(|(&id, b)| (id, b.addr() as u64, b.len() as u64));
+            out.push(executed::read(owner, remote, locals, la, len, None));
         }
         log.record(out);
     }
@@ -364,7 +336,7 @@ impl fmt::Debug for CmaTransport {
             .field("agent", &self.agent)
             .field("pid", &self.host.pid)
             .field("options", &self.options)
-            .field("regions", &self.local.regions.read().len())
+            .field("regions", &self.local.read().len())
             .field("peers", &self.peers.read().len())
             .finish()
     }
@@ -391,7 +363,7 @@ impl Transport for CmaTransport {
     }
 
     fn epoch(&self) -> u64 {
-        self.local.epoch.load(Ordering::Acquire)
+        self.local.epoch()
     }
 
     fn incarnation(&self) -> u64 {
@@ -403,40 +375,15 @@ impl Transport for CmaTransport {
     }
 
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-        let kind = block.kind();
-        if let MemoryKind::Vram { .. } = kind {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "cma reads host memory only (process_vm_readv); cannot register {kind} \
-                     (use nixl)"
-                ),
-            )
-            .with_backend(SCHEME));
-        }
-        regions::check_block(SCHEME, block.as_ref())?;
-        let len = block.len();
-        let id = self.local.next_region.fetch_add(1, Ordering::Relaxed);
-        self.local.regions.write().insert(id, block);
-        self.local.bump();
-        let local = Arc::downgrade(&self.local);
-        Ok(Registration::new(id, len as u64, kind, move || {
-            if let Some(l) = local.upgrade() {
-                // The block's last reference may be a posted batch's, which releases it when
-                // the batch ends (rule 2); drop ours outside the lock.
-                let removed = l.regions.write().remove(&id);
-                if removed.is_some() {
-                    l.bump();
-                }
-                drop(removed);
-            }
-        }))
+        let how = "reads host memory only (process_vm_readv)";
+        regions::check_host_block(SCHEME, how, block.as_ref())?;
+        let (len, kind) = (block.len() as u64, block.kind());
+        Ok(self.local.register(block, len, kind))
     }
 
     async fn export_metadata(&self) -> Result<Bytes> {
         let regions = self
             .local
-            .regions
             .read()
             .iter()
             .map(|(&id, b)| RegionMeta {

@@ -1,6 +1,7 @@
 //! The in-process "network": which agents exist and what memory each has registered.
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
+use reshard_core::regions::RegionTable;
 use reshard_core::MemoryBlock;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -29,9 +30,8 @@ pub(crate) struct AgentState {
     pub(crate) name: String,
     /// Unique per process: tells a re-created agent of the same name from the one a peer saw.
     pub(crate) uid: u64,
-    pub(crate) regions: RwLock<HashMap<u64, Region>>,
-    pub(crate) next_region: AtomicU64,
-    pub(crate) epoch: AtomicU64,
+    /// Its registered regions and the epoch.
+    pub(crate) regions: Arc<RegionTable<Region>>,
 }
 
 /// A registered region: the block (kept alive while registered) and its length.
@@ -88,14 +88,8 @@ impl AgentState {
         AgentState {
             name: name.to_owned(),
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
-            regions: RwLock::new(HashMap::new()),
-            next_region: AtomicU64::new(1),
-            epoch: AtomicU64::new(0),
+            regions: Arc::new(RegionTable::new()),
         }
-    }
-
-    pub(crate) fn bump_epoch(&self) {
-        self.epoch.fetch_add(1, Ordering::AcqRel);
     }
 }
 

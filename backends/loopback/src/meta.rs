@@ -6,9 +6,9 @@
 //! nothing is allocated beyond what the input itself holds.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{self, HeaderError, MetaHeader};
-use reshard_core::{Error, ErrorKind, Result};
+use reshard_core::encoding::ByteReader;
+use reshard_core::metadata::{self, MetaDefect, MetaHeader};
+use reshard_core::Result;
 
 const MAGIC: [u8; 4] = *b"RSLB";
 /// 2: the shared header (name before the agent uid, the fabric id after them).
@@ -22,19 +22,6 @@ pub(crate) struct AgentMeta {
     pub(crate) agent: String,
     /// `(region id, length)`, ascending by id.
     pub(crate) regions: Vec<(u64, u64)>,
-}
-
-/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub(crate) enum MetaError {
-    #[error(transparent)]
-    Header(#[from] HeaderError),
-    #[error(transparent)]
-    Truncated(#[from] Truncated),
-    #[error("{0} trailing bytes after the last region")]
-    Trailing(usize),
-    #[error("region {0} listed twice")]
-    DuplicateRegion(u64),
 }
 
 impl AgentMeta {
@@ -57,17 +44,10 @@ impl AgentMeta {
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<AgentMeta> {
-        Self::try_decode(bytes).map_err(|e| {
-            Error::new(
-                ErrorKind::Decode,
-                format!("invalid loopback peer metadata: {e}"),
-            )
-            .with_backend(crate::SCHEME)
-            .with_source(e)
-        })
+        Self::try_decode(bytes).map_err(|e| e.into_error(crate::SCHEME))
     }
 
-    fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
+    fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaDefect> {
         let mut r = ByteReader::new(bytes);
         let MetaHeader {
             agent,
@@ -76,15 +56,12 @@ impl AgentMeta {
         } = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
         let fabric = r.u64()?;
         let count = metadata::read_region_count(&mut r, 16)?;
-        let need = count * 16;
-        if need < r.left() {
-            return Err(MetaError::Trailing(r.left() - need));
-        }
+        metadata::refuse_trailing(&r, count * 16)?;
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             regions.push((r.u64()?, r.u64()?));
         }
-        metadata::sort_regions(&mut regions, |r| r.0).map_err(MetaError::DuplicateRegion)?;
+        metadata::sort_regions(&mut regions, |r| r.0).map_err(MetaDefect::DuplicateRegion)?;
         Ok(AgentMeta {
             fabric,
             agent_uid,
@@ -97,6 +74,8 @@ impl AgentMeta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reshard_core::metadata::HeaderError;
+    use reshard_core::ErrorKind;
 
     fn sample() -> AgentMeta {
         AgentMeta {
@@ -122,7 +101,7 @@ mod tests {
         }
         let mut long = full.to_vec();
         long.push(0);
-        assert_eq!(AgentMeta::try_decode(&long), Err(MetaError::Trailing(1)));
+        assert_eq!(AgentMeta::try_decode(&long), Err(MetaDefect::Trailing(1)));
     }
 
     #[test]
@@ -132,13 +111,13 @@ mod tests {
         v[4] = 99;
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Version { found: 99, .. }))
+            Err(MetaDefect::Header(HeaderError::Version { found: 99, .. }))
         ));
         let mut v = full.clone();
         v[0] = b'X';
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Magic { .. }))
+            Err(MetaDefect::Header(HeaderError::Magic { .. }))
         ));
         // A huge region count with few bytes present allocates nothing and fails cleanly.
         let name_len = sample().agent.len();
@@ -147,19 +126,19 @@ mod tests {
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Truncated(_))
+            Err(MetaDefect::Truncated(_))
         ));
         let mut m = sample();
         m.regions = vec![(3, 1), (3, 2)];
         assert_eq!(
             AgentMeta::try_decode(&m.encode()),
-            Err(MetaError::DuplicateRegion(3))
+            Err(MetaDefect::DuplicateRegion(3))
         );
         let mut v = full;
         v[4 + 1 + 2] = 0xff;
         assert_eq!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Name))
+            Err(MetaDefect::Header(HeaderError::Name))
         );
     }
 

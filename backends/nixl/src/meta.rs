@@ -12,9 +12,9 @@
 //! it is no defence against a forged blob, which peers on a trusted network do not send.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{self, HeaderError, MetaHeader};
-use reshard_core::{Error, ErrorKind, MemoryKind, Result};
+use reshard_core::encoding::ByteReader;
+use reshard_core::metadata::{self, MetaDefect, MetaHeader};
+use reshard_core::{MemoryKind, Result};
 use xxhash_rust::xxh3::xxh3_64;
 
 const MAGIC: [u8; 4] = *b"RSNX";
@@ -50,30 +50,21 @@ pub(crate) struct AgentMeta {
     pub(crate) nixl_md: Vec<u8>,
 }
 
-/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+/// The defects only this format can have (the shared ones are [`MetaDefect`]'s).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub(crate) enum MetaError {
-    #[error(transparent)]
-    Header(#[from] HeaderError),
-    #[error(transparent)]
-    Truncated(#[from] Truncated),
+pub(crate) enum NixlDefect {
     #[error("agent name is not UTF-8, is empty or holds a NUL")]
     Name,
     #[error("incarnation {0:#x} is not the one the NIXL agent name stands for")]
     Incarnation(u64),
-    #[error("region {0} has an unknown memory kind {1}")]
-    Kind(u64, u8),
-    #[error("region {0} wraps around the address space")]
-    Range(u64),
-    #[error("{0} trailing bytes after the NIXL metadata")]
-    Trailing(usize),
-    #[error("region {0} listed twice")]
-    DuplicateRegion(u64),
     #[error("the NIXL metadata is empty")]
     EmptyNixl,
     #[error("checksum mismatch (damaged metadata)")]
     Checksum,
 }
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+pub(crate) type MetaError = MetaDefect<NixlDefect>;
 
 impl AgentMeta {
     /// Encodes; names are at most `u16::MAX` bytes (checked when the endpoint is created).
@@ -116,21 +107,14 @@ impl AgentMeta {
 
     /// Decodes untrusted bytes; any defect is a `Decode` error.
     pub(crate) fn decode(bytes: &[u8]) -> Result<AgentMeta> {
-        Self::try_decode(bytes).map_err(|e| {
-            Error::new(
-                ErrorKind::Decode,
-                format!("invalid nixl peer metadata: {e}"),
-            )
-            .with_backend(crate::SCHEME)
-            .with_source(e)
-        })
+        Self::try_decode(bytes).map_err(|e| e.into_error(crate::SCHEME))
     }
 
     pub(crate) fn try_decode(bytes: &[u8]) -> Result<AgentMeta, MetaError> {
         let mut r = ByteReader::new(bytes);
         let header = MetaHeader::decode(&mut r, MAGIC, VERSION)?;
         if header.agent.contains('\0') {
-            return Err(MetaError::Name);
+            return Err(MetaDefect::Backend(NixlDefect::Name));
         }
         // Verify the checksum before parsing anything past the header (which is ours and
         // parsed defensively): NIXL's own parser must never see damaged bytes.
@@ -139,7 +123,7 @@ impl AgentMeta {
         let mut sum = [0u8; 8];
         sum.copy_from_slice(&bytes[body..]);
         if xxh3_64(&bytes[..body]) != u64::from_le_bytes(sum) {
-            return Err(MetaError::Checksum);
+            return Err(MetaDefect::Backend(NixlDefect::Checksum));
         }
         let bytes = &bytes[..body];
         // Go on over the checksummed body only, from where the header ended.
@@ -148,7 +132,9 @@ impl AgentMeta {
         r.take(at)?;
         let nixl_name = read_name(&mut r)?;
         if header.incarnation != incarnation_of(&nixl_name) {
-            return Err(MetaError::Incarnation(header.incarnation));
+            return Err(MetaDefect::Backend(NixlDefect::Incarnation(
+                header.incarnation,
+            )));
         }
         let count = metadata::read_region_count(&mut r, REGION_BYTES)?;
         let mut regions = Vec::with_capacity(count);
@@ -158,9 +144,14 @@ impl AgentMeta {
             let len = r.u64()?;
             let tag = r.take(1)?[0];
             let device = u32::from_le_bytes(r.array()?);
-            let kind = metadata::decode_kind(tag, device).ok_or(MetaError::Kind(id, tag))?;
+            let kind =
+                metadata::decode_kind(tag, device).ok_or(MetaDefect::Kind { region: id, tag })?;
             if addr.checked_add(len).is_none() {
-                return Err(MetaError::Range(id));
+                return Err(MetaDefect::Range {
+                    region: id,
+                    addr,
+                    len,
+                });
             }
             regions.push(RegionMeta {
                 id,
@@ -169,15 +160,13 @@ impl AgentMeta {
                 kind,
             });
         }
-        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaError::DuplicateRegion)?;
+        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaDefect::DuplicateRegion)?;
         let md_len = u32::from_le_bytes(r.array()?) as usize;
         let nixl_md = r.take(md_len)?.to_vec();
         if nixl_md.is_empty() {
-            return Err(MetaError::EmptyNixl);
+            return Err(MetaDefect::Backend(NixlDefect::EmptyNixl));
         }
-        if r.at() != bytes.len() {
-            return Err(MetaError::Trailing(bytes.len() - r.at()));
-        }
+        metadata::refuse_trailing(&r, 0)?;
         Ok(AgentMeta {
             agent: header.agent,
             nixl_name,
@@ -190,9 +179,9 @@ impl AgentMeta {
 /// A u16-length-prefixed UTF-8 name.
 fn read_name(r: &mut ByteReader<'_>) -> Result<String, MetaError> {
     let len = u16::from_le_bytes(r.array()?) as usize;
-    let s = std::str::from_utf8(r.take(len)?).map_err(|_| MetaError::Name)?;
+    let s = std::str::from_utf8(r.take(len)?).map_err(|_| MetaDefect::Backend(NixlDefect::Name))?;
     if s.is_empty() || s.contains('\0') {
-        return Err(MetaError::Name);
+        return Err(MetaDefect::Backend(NixlDefect::Name));
     }
     Ok(s.to_owned())
 }
@@ -200,6 +189,8 @@ fn read_name(r: &mut ByteReader<'_>) -> Result<String, MetaError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reshard_core::metadata::HeaderError;
+    use reshard_core::ErrorKind;
 
     fn sample() -> AgentMeta {
         AgentMeta {
@@ -251,7 +242,7 @@ mod tests {
         let mut long = full.to_vec();
         long.insert(long.len() - 8, 0);
         reseal(&mut long);
-        assert_eq!(AgentMeta::try_decode(&long), Err(MetaError::Trailing(1)));
+        assert_eq!(AgentMeta::try_decode(&long), Err(MetaDefect::Trailing(1)));
     }
 
     #[test]
@@ -261,13 +252,13 @@ mod tests {
         v[4] = 99;
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Version { found: 99, .. }))
+            Err(MetaDefect::Header(HeaderError::Version { found: 99, .. }))
         ));
         let mut v = full.clone();
         v[0] = b'X';
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Magic { .. }))
+            Err(MetaDefect::Header(HeaderError::Magic { .. }))
         ));
         let m = sample();
         let incarnation_at = 4 + 1 + 2 + m.agent.len();
@@ -276,7 +267,7 @@ mod tests {
         reseal(&mut v);
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Incarnation(_))
+            Err(MetaDefect::Backend(NixlDefect::Incarnation(_)))
         ));
         let count_at = incarnation_at + 8 + 2 + m.nixl_name.len();
         let mut v = full.clone();
@@ -284,35 +275,47 @@ mod tests {
         reseal(&mut v);
         assert!(matches!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Truncated(_))
+            Err(MetaDefect::Truncated(_))
         ));
         let kind_at = count_at + 4 + 24;
         let mut v = full.clone();
         v[kind_at] = 7;
         reseal(&mut v);
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Kind(1, 7)));
+        assert_eq!(
+            AgentMeta::try_decode(&v),
+            Err(MetaDefect::Kind { region: 1, tag: 7 })
+        );
         let mut m = sample();
         m.regions[1].id = 1;
         assert_eq!(
             AgentMeta::try_decode(&m.encode()),
-            Err(MetaError::DuplicateRegion(1))
+            Err(MetaDefect::DuplicateRegion(1))
         );
         let mut m = sample();
         m.regions[0].addr = u64::MAX;
-        assert_eq!(AgentMeta::try_decode(&m.encode()), Err(MetaError::Range(1)));
+        assert!(matches!(
+            AgentMeta::try_decode(&m.encode()),
+            Err(MetaDefect::Range { region: 1, .. })
+        ));
         let mut v = full.clone();
         v[4 + 1 + 2] = 0xff;
         reseal(&mut v);
         assert_eq!(
             AgentMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Name))
+            Err(MetaDefect::Header(HeaderError::Name))
         );
         let mut m = sample();
         m.agent = "pub\0lisher".into();
-        assert_eq!(AgentMeta::try_decode(&m.encode()), Err(MetaError::Name));
+        assert_eq!(
+            AgentMeta::try_decode(&m.encode()),
+            Err(MetaDefect::Backend(NixlDefect::Name))
+        );
         let mut v = full;
         v[10] ^= 1;
-        assert_eq!(AgentMeta::try_decode(&v), Err(MetaError::Checksum));
+        assert_eq!(
+            AgentMeta::try_decode(&v),
+            Err(MetaDefect::Backend(NixlDefect::Checksum))
+        );
     }
 
     #[test]

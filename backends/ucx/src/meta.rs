@@ -14,9 +14,9 @@
 //! address and keys themselves are opaque to us and parsed by UCX.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use reshard_core::encoding::{ByteReader, Truncated};
-use reshard_core::metadata::{self, HeaderError, MetaHeader};
-use reshard_core::{Error, ErrorKind, MemoryKind, Result};
+use reshard_core::encoding::ByteReader;
+use reshard_core::metadata::{self, MetaDefect, MetaHeader};
+use reshard_core::{MemoryKind, Result};
 
 const MAGIC: [u8; 4] = *b"RSUX";
 const VERSION: u8 = 3;
@@ -50,28 +50,21 @@ pub(crate) struct EndpointMeta {
     pub(crate) regions: Vec<RegionMeta>,
 }
 
-/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+/// The defects only this format can have (the shared ones are [`MetaDefect`]'s).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub(crate) enum MetaError {
-    #[error(transparent)]
-    Header(#[from] HeaderError),
-    #[error(transparent)]
-    Truncated(#[from] Truncated),
+pub(crate) enum UcxDefect {
     #[error("empty worker address")]
     EmptyAddress,
-    #[error("region {0}: unknown memory kind {1}")]
-    Kind(u64, u8),
     #[error("region {0}: base + length overflows")]
     Overflow(u64),
     #[error("region {0}: not inside the memory its key maps")]
     OutsideKey(u64),
     #[error("region {0}: non-empty region without a remote key")]
     MissingKey(u64),
-    #[error("{0} trailing bytes after the last region")]
-    Trailing(usize),
-    #[error("region {0} listed twice")]
-    DuplicateRegion(u64),
 }
+
+/// Why a blob could not be decoded (kept as the source of the public `Decode` error).
+pub(crate) type MetaError = MetaDefect<UcxDefect>;
 
 impl EndpointMeta {
     pub(crate) fn encode(&self) -> Bytes {
@@ -110,11 +103,7 @@ impl EndpointMeta {
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<EndpointMeta> {
-        Self::try_decode(bytes).map_err(|e| {
-            Error::new(ErrorKind::Decode, format!("invalid ucx peer metadata: {e}"))
-                .with_backend(crate::SCHEME)
-                .with_source(e)
-        })
+        Self::try_decode(bytes).map_err(|e| e.into_error(crate::SCHEME))
     }
 
     fn try_decode(bytes: &[u8]) -> Result<EndpointMeta, MetaError> {
@@ -125,7 +114,7 @@ impl EndpointMeta {
         let addr_len = r.u32()? as usize;
         let worker_address = r.take(addr_len)?.to_vec();
         if worker_address.is_empty() {
-            return Err(MetaError::EmptyAddress);
+            return Err(MetaDefect::Backend(UcxDefect::EmptyAddress));
         }
         let count = metadata::read_region_count(&mut r, REGION_FIXED)?;
         let mut regions = Vec::with_capacity(count);
@@ -136,19 +125,20 @@ impl EndpointMeta {
             let key_base = r.u64()?;
             let key_size = r.u64()?;
             let (tag, device) = (r.take(1)?[0], r.u32()?);
-            let kind = metadata::decode_kind(tag, device).ok_or(MetaError::Kind(id, tag))?;
+            let kind =
+                metadata::decode_kind(tag, device).ok_or(MetaDefect::Kind { region: id, tag })?;
             let key_len = r.u32()? as usize;
             let rkey = r.take(key_len)?.to_vec();
             let (Some(end), Some(key_end)) =
                 (base.checked_add(len), key_base.checked_add(key_size))
             else {
-                return Err(MetaError::Overflow(id));
+                return Err(MetaDefect::Backend(UcxDefect::Overflow(id)));
             };
             if len > 0 && (base < key_base || end > key_end) {
-                return Err(MetaError::OutsideKey(id));
+                return Err(MetaDefect::Backend(UcxDefect::OutsideKey(id)));
             }
             if len > 0 && rkey.is_empty() {
-                return Err(MetaError::MissingKey(id));
+                return Err(MetaDefect::Backend(UcxDefect::MissingKey(id)));
             }
             regions.push(RegionMeta {
                 id,
@@ -160,10 +150,8 @@ impl EndpointMeta {
                 rkey,
             });
         }
-        if r.left() > 0 {
-            return Err(MetaError::Trailing(r.left()));
-        }
-        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaError::DuplicateRegion)?;
+        metadata::refuse_trailing(&r, 0)?;
+        metadata::sort_regions(&mut regions, |r| r.id).map_err(MetaDefect::DuplicateRegion)?;
         Ok(EndpointMeta {
             agent,
             incarnation,
@@ -176,6 +164,8 @@ impl EndpointMeta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reshard_core::metadata::HeaderError;
+    use reshard_core::ErrorKind;
 
     fn sample() -> EndpointMeta {
         EndpointMeta {
@@ -229,7 +219,10 @@ mod tests {
         }
         let mut long = full.to_vec();
         long.push(0);
-        assert_eq!(EndpointMeta::try_decode(&long), Err(MetaError::Trailing(1)));
+        assert_eq!(
+            EndpointMeta::try_decode(&long),
+            Err(MetaDefect::Trailing(1))
+        );
     }
 
     #[test]
@@ -239,13 +232,13 @@ mod tests {
         v[4] = 99;
         assert!(matches!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Version { found: 99, .. }))
+            Err(MetaDefect::Header(HeaderError::Version { found: 99, .. }))
         ));
         let mut v = full.clone();
         v[0] = b'X';
         assert!(matches!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Magic { .. }))
+            Err(MetaDefect::Header(HeaderError::Magic { .. }))
         ));
         let name_len = sample().agent.len();
         let count_at = 4 + 1 + 2 + name_len + 8 + 4 + 37;
@@ -254,7 +247,7 @@ mod tests {
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Truncated(_))
+            Err(MetaDefect::Truncated(_))
         ));
         // A huge key length too.
         let key_len_at = count_at + 4 + 8 * 5 + 1 + 4;
@@ -262,58 +255,61 @@ mod tests {
         v[key_len_at..key_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Truncated(_))
+            Err(MetaDefect::Truncated(_))
         ));
         let mut v = full.clone();
         v[count_at + 4 + 40] = 7;
-        assert_eq!(EndpointMeta::try_decode(&v), Err(MetaError::Kind(1, 7)));
+        assert_eq!(
+            EndpointMeta::try_decode(&v),
+            Err(MetaDefect::Kind { region: 1, tag: 7 })
+        );
         let mut m = sample();
         m.regions[0].base = u64::MAX;
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::Overflow(1))
+            Err(MetaDefect::Backend(UcxDefect::Overflow(1)))
         );
         let mut m = sample();
         m.regions[0].len = 0x10_0000;
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::OutsideKey(1))
+            Err(MetaDefect::Backend(UcxDefect::OutsideKey(1)))
         );
         let mut m = sample();
         m.regions[2].key_base = 0x1001;
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::OutsideKey(5))
+            Err(MetaDefect::Backend(UcxDefect::OutsideKey(5)))
         );
         let mut m = sample();
         m.regions[0].key_len = u64::MAX;
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::Overflow(1))
+            Err(MetaDefect::Backend(UcxDefect::Overflow(1)))
         );
         let mut m = sample();
         m.regions[0].rkey.clear();
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::MissingKey(1))
+            Err(MetaDefect::Backend(UcxDefect::MissingKey(1)))
         );
         let mut m = sample();
         m.regions[2].id = 1;
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::DuplicateRegion(1))
+            Err(MetaDefect::DuplicateRegion(1))
         );
         let mut m = sample();
         m.worker_address.clear();
         assert_eq!(
             EndpointMeta::try_decode(&m.encode()),
-            Err(MetaError::EmptyAddress)
+            Err(MetaDefect::Backend(UcxDefect::EmptyAddress))
         );
         let mut v = full;
         v[4 + 1 + 2] = 0xff;
         assert_eq!(
             EndpointMeta::try_decode(&v),
-            Err(MetaError::Header(HeaderError::Name))
+            Err(MetaDefect::Header(HeaderError::Name))
         );
     }
 

@@ -1,8 +1,8 @@
 //! `record`: what a post writes to the execution log, computed back from the addresses the
 //! copy jobs use.
 
-use reshard_core::{executed, ExecutionLog, ReadDesc};
-use std::collections::HashMap;
+use reshard_core::{executed, ExecutionLog};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::{LoopbackTransport, Peer, Prepared};
@@ -11,11 +11,15 @@ use crate::fabric::Region;
 
 /// The region of `regions` whose registered block holds `addr..addr + len` and the offset of
 /// `addr` in it, by the core rule ([`executed::locate`]: `prefer`, else the lowest id).
-fn region_at(regions: &HashMap<u64, Region>, addr: u64, len: u64, prefer: u64) -> (u64, u64) {
-    let all = regions
+fn region_at(regions: &BTreeMap<u64, Region>, addr: u64, len: u64, prefer: u64) -> (u64, u64) {
+    executed::locate(spans(regions), addr, len, Some(prefer))
+}
+
+/// `(id, start address, length)` of every region in `regions`, as [`executed`] takes them.
+fn spans(regions: &BTreeMap<u64, Region>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+    regions
         .iter()
-        .map(|(&id, r)| (id, r.block.addr() as u64, r.len));
-    executed::locate(all, addr, len, Some(prefer))
+        .map(|(&id, r)| (id, r.block.addr() as u64, r.len))
 }
 
 /// A read as the copy jobs execute it: source and destination indices, first source and
@@ -76,23 +80,19 @@ impl LoopbackTransport {
                     .min()
                     .unwrap_or(src.owner)
             };
-            let (remote_region, remote_offset) = used.as_ref().map_or((0, sa), |a| {
+            let remote = used.as_ref().map_or((0, sa), |a| {
                 region_at(&a.regions.read(), sa, len, src.region)
             });
-            let (local_region, local_offset) = region_at(
-                &self.agent.regions.read(),
+            let prefer = st.dsts[d as usize].region;
+            let locals = self.agent.regions.read();
+            out.push(executed::read(
+                owner,
+                remote,
+                spans(&locals),
                 da,
                 len,
-                st.dsts[d as usize].region,
-            );
-            out.push(ReadDesc {
-                owner,
-                remote_region,
-                remote_offset,
-                local_region,
-                local_offset,
-                len,
-            });
+                Some(prefer),
+            ));
         }
         log.record(out);
     }

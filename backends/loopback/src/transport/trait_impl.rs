@@ -4,10 +4,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use reshard_core::{prepared, regions};
 use reshard_core::{
-    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, MemoryKind, OwnerId,
-    PreparedBatch, ReadBatch, Registration, Result, Transport,
+    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId, PreparedBatch,
+    ReadBatch, Registration, Result, Transport,
 };
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::{oob, LoopbackTransport, Peer, Prepared};
@@ -37,7 +37,7 @@ impl Transport for LoopbackTransport {
     }
 
     fn epoch(&self) -> u64 {
-        self.agent.epoch.load(Ordering::Acquire)
+        self.agent.regions.epoch()
     }
 
     fn incarnation(&self) -> u64 {
@@ -50,43 +50,26 @@ impl Transport for LoopbackTransport {
     }
 
     async fn register(&self, block: Arc<dyn MemoryBlock>) -> Result<Registration> {
-        let kind = block.kind();
-        if let MemoryKind::Vram { .. } = kind {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!("loopback moves host memory only; cannot register {kind} (use nixl)"),
-            )
-            .with_backend(SCHEME));
-        }
-        regions::check_block(SCHEME, block.as_ref())?;
-        let len = block.len();
-        let id = self.agent.next_region.fetch_add(1, Ordering::Relaxed);
-        let len = len as u64;
-        self.agent.regions.write().insert(id, Region { block, len });
-        self.agent.bump_epoch();
-        tracing::debug!(agent = %self.agent.name, region = id, len, "loopback register");
-        let agent = Arc::downgrade(&self.agent);
-        Ok(Registration::new(id, len, kind, move || {
-            if let Some(a) = agent.upgrade() {
-                // Drop the block outside the lock: its own Drop may do anything.
-                let removed = a.regions.write().remove(&id);
-                if removed.is_some() {
-                    a.bump_epoch();
-                }
-                drop(removed);
-            }
-        }))
+        regions::check_host_block(SCHEME, "moves host memory only", block.as_ref())?;
+        let (len, kind) = (block.len() as u64, block.kind());
+        let registration = self
+            .agent
+            .regions
+            .register(Region { block, len }, len, kind);
+        let region = registration.id();
+        tracing::debug!(agent = %self.agent.name, region, len, "loopback register");
+        Ok(registration)
     }
 
     async fn export_metadata(&self) -> Result<Bytes> {
-        let mut regions: Vec<(u64, u64)> = self
+        // Ascending by id: the table is ordered.
+        let regions: Vec<(u64, u64)> = self
             .agent
             .regions
             .read()
             .iter()
             .map(|(&id, r)| (id, r.len))
             .collect();
-        regions.sort_unstable();
         Ok(AgentMeta {
             fabric: self.fabric.id(),
             agent_uid: self.agent.uid,
@@ -169,7 +152,7 @@ impl Transport for LoopbackTransport {
                 );
             }
         }
-        self.agent.bump_epoch();
+        self.agent.regions.bump();
         tracing::debug!(agent = %self.agent.name, owner, peer = %meta.agent, "loopback peer");
         Ok(())
     }

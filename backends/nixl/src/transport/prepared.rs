@@ -2,7 +2,7 @@
 //! phase), how its requests are made, recorded and released, and what `post` re-checks.
 
 use parking_lot::Mutex;
-use reshard_core::{executed, Error, ErrorKind, ExecutionLog, OwnerId, ReadDesc, Result};
+use reshard_core::{executed, Error, ErrorKind, ExecutionLog, OwnerId, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -166,7 +166,7 @@ impl Prepared {
                 }
                 let (la, _) = local[group.local_ix[k] as usize];
                 let (ra, _) = remote.descs[group.remote_ix[k] as usize];
-                let (remote_region, remote_offset) = executed::locate(
+                let remote_at = executed::locate(
                     remote.peer.regions.values().map(|r| (r.id, r.addr, r.len)),
                     ra,
                     len,
@@ -174,16 +174,8 @@ impl Prepared {
                 );
                 // Only regions in the memory space the local list is in.
                 let locals = self.local_table.iter().filter(|t| t.1 == space_l);
-                let (local_region, local_offset) =
-                    executed::locate(locals.map(|&(id, _, s, e)| (id, s, e - s)), la, len, None);
-                out.push(ReadDesc {
-                    owner,
-                    remote_region,
-                    remote_offset,
-                    local_region,
-                    local_offset,
-                    len,
-                });
+                let locals = locals.map(|&(id, _, s, e)| (id, s, e - s));
+                out.push(executed::read(owner, remote_at, locals, la, len, None));
             }
         }
         log.record(out);

@@ -2,7 +2,7 @@
 
 use std::rc::Rc;
 
-use reshard_core::{executed, OwnerId, ReadDesc};
+use reshard_core::{executed, OwnerId};
 
 use super::execute::Running;
 use super::peers::Peer;
@@ -70,21 +70,20 @@ impl Engine {
             }
             None => (asked.owner, None),
         };
-        let (remote_region, remote_offset) = remote.unwrap_or((0, op.remote_addr));
+        let remote = remote.unwrap_or((0, op.remote_addr));
         let locals = run
             .res
             ._regions
             .iter()
             .map(|r| (r.id, r.addr as u64, r.len));
-        let (local_region, local_offset) =
-            executed::locate(locals, op.local as u64, len, Some(asked.local_region));
-        log.record([ReadDesc {
+        let prefer = Some(asked.local_region);
+        log.record([executed::read(
             owner,
-            remote_region,
-            remote_offset,
-            local_region,
-            local_offset,
+            remote,
+            locals,
+            op.local as u64,
             len,
-        }]);
+            prefer,
+        )]);
     }
 }

@@ -1,0 +1,146 @@
+//! The etcd rendezvous: publishers and receivers on different hosts meet through an etcd
+//! cluster (docs/deployment.md has the keys, the protocol and the traffic at scale).
+//!
+//! Keys, under `/reshard/v1/<model>/` (the model name escaped so it is one key segment):
+//! - `members/<rank>`: the member record (JSON: step, readiness, world, transport,
+//!   incarnation, and the size and XXH3-64 of its table and metadata), written last, so a
+//!   record that says ready implies its blobs are there;
+//! - `blobs/<rank>/<lease>/metadata/<chunk>`, `blobs/<rank>/<lease>/config/<chunk>` and
+//!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata, the model's
+//!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's request limit (1.5 MiB by default),
+//!   since tables of large models are megabytes.
+//!
+//! Every key of a publisher is attached to its lease: a publisher that dies stops the keep-alive
+//! and etcd deletes all of them when the lease's TTL runs out; a clean exit revokes the lease at
+//! once. A receiver reads a member's blobs at the revision it read the record at, so it never
+//! pairs one step's record with another step's table, even while the publisher advances.
+//!
+//! One concern per file: `keys` (the key layout and model-name escaping), `blobs` (chunked
+//! blobs and their check), `record` (the member record), `lease` (a publisher's lease, its
+//! keep-alive and the [`Announced`] handle) and `rendezvous` (the [`Rendezvous`] impl); this
+//! file has the connection itself.
+//!
+//! [`Announced`]: reshard_core::rendezvous::Announced
+//! [`Rendezvous`]: reshard_core::rendezvous::Rendezvous
+
+mod blobs;
+mod keys;
+mod lease;
+mod record;
+mod rendezvous;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use etcd_client::{Client, ConnectOptions, GetOptions};
+use reshard_core::{Error, ErrorKind, Result};
+
+pub use blobs::CHUNK_BYTES;
+use keys::ROOT;
+
+/// Requests in flight at once when a receiver fetches many publishers' blobs.
+const FETCH_CONCURRENCY: usize = 32;
+
+/// Settings of the etcd rendezvous.
+#[derive(Clone, Debug)]
+pub struct EtcdOptions {
+    /// Lease TTL: how long after a publisher's death its announcement disappears.
+    pub lease_ttl: Duration,
+    /// Time allowed to connect to the cluster.
+    pub connect_timeout: Duration,
+    /// Time allowed for one request.
+    pub request_timeout: Duration,
+}
+
+impl Default for EtcdOptions {
+    fn default() -> Self {
+        Self {
+            lease_ttl: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A connection to an etcd cluster, used as a rendezvous.
+#[derive(Clone)]
+pub struct Etcd {
+    client: Client,
+    endpoint: String,
+    options: EtcdOptions,
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Etcd {
+    /// Connects to `etcd://HOST:PORT[,HOST:PORT...]`.
+    pub async fn connect(url: &str, options: EtcdOptions) -> Result<Self> {
+        let Some(hosts) = url.strip_prefix("etcd://") else {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("rendezvous {url:?} is not an etcd address: expected etcd://HOST:PORT"),
+            ));
+        };
+        let endpoints: Vec<String> = hosts
+            .trim_end_matches('/')
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("http://{h}"))
+            .collect();
+        if endpoints.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("rendezvous {url:?} names no etcd host"),
+            ));
+        }
+        if options.lease_ttl < Duration::from_secs(1) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "etcd lease TTL {:?} is below etcd's granularity of one second",
+                    options.lease_ttl
+                ),
+            ));
+        }
+        let connect = ConnectOptions::new()
+            .with_connect_timeout(options.connect_timeout)
+            .with_timeout(options.request_timeout);
+        let endpoint = url.to_string();
+        let client = Client::connect(&endpoints, Some(connect))
+            .await
+            .map_err(|e| service_error(&endpoint, "connect", e))?;
+        let mut me = Self {
+            client,
+            endpoint,
+            options,
+        };
+        // Connecting is lazy: one request proves the cluster answers.
+        me.client
+            .get(ROOT, Some(GetOptions::new().with_count_only()))
+            .await
+            .map_err(|e| service_error(&me.endpoint, "reach", e))?;
+        Ok(me)
+    }
+
+    /// The error of a failed request: `what` it could not do, at this cluster.
+    pub(super) fn err(&self, what: &str, e: etcd_client::Error) -> Error {
+        service_error(&self.endpoint, what, e)
+    }
+}
+
+/// A request's failure as an error: `Timeout` when etcd or the client says it timed out,
+/// else `Transport`.
+fn service_error(endpoint: &str, what: &str, e: etcd_client::Error) -> Error {
+    let text = e.to_string();
+    let kind =
+        if text.contains("deadline") || text.contains("timed out") || text.contains("Timeout") {
+            ErrorKind::Timeout
+        } else {
+            ErrorKind::Transport
+        };
+    Error::new(kind, format!("could not {what} etcd at {endpoint}: {text}"))
+}
