@@ -8,6 +8,8 @@
 #   scripts/etcd.sh stop DIR    stops it (SIGTERM, then SIGKILL after 5 s) and removes DIR/data
 #
 # ETCD_PORT sets the client port (default: a free one); the peer port is a free one.
+# ETCD_OWNER_PID ties etcd to a process: once that process is gone, a watcher stops etcd and
+# removes DIR/data (a test binary whose etcd lives in a static never runs a destructor).
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
@@ -57,6 +59,19 @@ EOF
         cat "$dir/etcd.log" >&2
         kill -9 "$pid" 2>/dev/null || true
         exit 1
+    fi
+    if [ -n "${ETCD_OWNER_PID:-}" ]; then
+        owner=$ETCD_OWNER_PID
+        # Detached from this script's output, or whoever reads it would wait for the watcher.
+        (
+            while kill -0 "$owner" 2>/dev/null && kill -0 "$pid" 2>/dev/null; do sleep 1; done
+            if kill -0 "$pid" 2>/dev/null; then
+                kill "$pid" 2>/dev/null || true
+                sleep 5
+                kill -9 "$pid" 2>/dev/null || true
+                rm -rf "$dir/data"
+            fi
+        ) </dev/null >/dev/null 2>&1 &
     fi
     echo "etcd://127.0.0.1:$client" >"$dir/endpoint"
     cat "$dir/endpoint"

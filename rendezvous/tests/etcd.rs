@@ -13,22 +13,6 @@ use reshard_core::ErrorKind;
 use reshard_rendezvous::{Etcd, EtcdOptions};
 use suite::Sides;
 
-/// One etcd per test binary, stopped when the binary exits.
-struct Server {
-    dir: PathBuf,
-    endpoint: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(script())
-            .args(["stop".as_ref(), self.dir.as_os_str()])
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/etcd.sh")
 }
@@ -36,7 +20,8 @@ fn script() -> PathBuf {
 /// The endpoint of this binary's etcd, or `None` (with a loud note) where etcd is not installed
 /// and the environment does not require it (`RESHARD_REQUIRE_BACKENDS` set, as in CI).
 fn endpoint() -> Option<String> {
-    static SERVER: OnceLock<Option<Server>> = OnceLock::new();
+    // One etcd per test binary, stopped by scripts/etcd.sh's watcher once the binary exits.
+    static SERVER: OnceLock<Option<String>> = OnceLock::new();
     SERVER
         .get_or_init(|| {
             let installed = Command::new("etcd").arg("--version").output().is_ok();
@@ -52,6 +37,8 @@ fn endpoint() -> Option<String> {
             let out = Command::new("bash")
                 .arg(script())
                 .args(["start".as_ref(), dir.as_os_str()])
+                // A static is never dropped: the script's watcher stops etcd once we exit.
+                .env("ETCD_OWNER_PID", std::process::id().to_string())
                 .output()
                 .expect("run scripts/etcd.sh");
             assert!(
@@ -59,11 +46,9 @@ fn endpoint() -> Option<String> {
                 "scripts/etcd.sh start failed: {}",
                 String::from_utf8_lossy(&out.stderr)
             );
-            let endpoint = String::from_utf8(out.stdout).unwrap().trim().to_string();
-            Some(Server { dir, endpoint })
+            Some(String::from_utf8(out.stdout).unwrap().trim().to_string())
         })
-        .as_ref()
-        .map(|s| s.endpoint.clone())
+        .clone()
 }
 
 fn options() -> EtcdOptions {
