@@ -343,6 +343,35 @@ pub fn publisher_geometry(
     geometry_with(model, topo, &TensorIndex::new(model))
 }
 
+/// The boxes publisher rank `rank` offers (one rank of [`publisher_geometry`]): the topology is
+/// validated and a rank outside it is `InvalidInput` naming the rank.
+pub fn rank_geometry(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+    rank: u32,
+) -> Result<RankGeometry> {
+    topo.validate()?;
+    if rank >= topo.world() {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "publisher rank {rank} is outside the topology's {} ranks",
+                topo.world()
+            ),
+        )
+        .with_owner(rank));
+    }
+    publisher_geometry(model, topo)?
+        .into_iter()
+        .find(|g| g.rank == rank)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Internal,
+                format!("the topology has no geometry for rank {rank}"),
+            )
+        })
+}
+
 fn geometry_with(
     model: &ModelConfig,
     topo: &PublisherTopology,

@@ -404,3 +404,24 @@ fn dp_replicas_plan_identically() {
     }
     assert_ne!(fp[0], fp[1]);
 }
+
+#[test]
+fn one_ranks_geometry_is_its_row_of_the_whole_and_a_rank_outside_is_named() {
+    use reshard_planner::topology::{publisher_geometry, rank_geometry};
+    let model = tiny_moe();
+    let topo: PublisherTopology = "ep=2,dp=2".parse().expect("topology");
+    let all = publisher_geometry(&model, &topo).expect("geometry");
+    for g in &all {
+        let one = rank_geometry(&model, &topo, g.rank).expect("rank geometry");
+        assert_eq!(one.rank, g.rank);
+        assert_eq!(one.shards.len(), g.shards.len());
+        for (a, b) in one.shards.iter().zip(&g.shards) {
+            assert_eq!((a.tensor, &a.tensor_box), (b.tensor, &b.tensor_box));
+        }
+    }
+    let world = topo.world();
+    let e = rank_geometry(&model, &topo, world).expect_err("outside");
+    assert_eq!(e.kind(), reshard_core::ErrorKind::InvalidInput, "{e}");
+    assert_eq!(e.context().owner, Some(world), "{e}");
+    assert!(e.message().contains(&format!("rank {world}")), "{e}");
+}

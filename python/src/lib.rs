@@ -16,7 +16,7 @@ use pyo3::types::PyList;
 use reshard_core::config::Config;
 use reshard_core::registry::Registry;
 use reshard_core::rendezvous::Rendezvous;
-use reshard_core::{Error, ErrorKind, Result};
+use reshard_core::{Error, ErrorKind, Result, WantedLayout};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
@@ -202,6 +202,13 @@ fn model_config(
     serde_json::to_string(&m).map_err(|e| errors::invalid(ErrorKind::Internal, e.to_string(), None))
 }
 
+/// Receiver rank `rank`'s layout of `model` (a model JSON) under `layout` (e.g. `tp=2`).
+fn layout_of(model: &str, layout: &str, rank: u32) -> PyResult<WantedLayout> {
+    let m = model_from(model).py_err()?;
+    let topo: ReceiverTopology = layout.parse().py_err()?;
+    receiver_layout(&m, &topo, rank).py_err()
+}
+
 /// `[(name, dtype, shape)]` of receiver rank `rank` of `layout` (e.g. `tp=2`): the arrays an
 /// engine hands to the receiver, in engine order.
 #[pyfunction]
@@ -211,9 +218,7 @@ fn receiver_params<'py>(
     layout: &str,
     rank: u32,
 ) -> PyResult<Bound<'py, PyList>> {
-    let m = model_from(model).py_err()?;
-    let topo: ReceiverTopology = layout.parse().py_err()?;
-    let l = receiver_layout(&m, &topo, rank).py_err()?;
+    let l = layout_of(model, layout, rank)?;
     let rows: Vec<(String, String, Vec<u64>)> = l
         .params
         .into_iter()
@@ -232,9 +237,7 @@ fn receiver_copies<'py>(
     layout: &str,
     rank: u32,
 ) -> PyResult<Bound<'py, PyList>> {
-    let m = model_from(model).py_err()?;
-    let topo: ReceiverTopology = layout.parse().py_err()?;
-    let l = receiver_layout(&m, &topo, rank).py_err()?;
+    let l = layout_of(model, layout, rank)?;
     type Copy = (String, Vec<u64>, Vec<u64>, u64, Vec<u64>);
     let rows: Vec<(String, Vec<Copy>)> = l
         .params

@@ -16,7 +16,7 @@ use reshard_core::{
     Transport,
 };
 use reshard_planner::presets::ModelConfig;
-use reshard_planner::topology::{publisher_geometry, PublisherTopology};
+use reshard_planner::topology::{rank_geometry, PublisherTopology};
 
 /// Dim-0 chunks each offer's digest is also split into: every TP1/2/4/8 dim-0 slice of an offer
 /// whose rows divide by 8 is whole chunks, so a receiver reading only its slice can check it.
@@ -61,27 +61,8 @@ impl ShardPublisher {
         topology: &PublisherTopology,
         rank: OwnerId,
     ) -> Result<Self> {
-        topology.validate()?;
-        if rank >= topology.world() {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "publisher rank {rank} is outside the topology's {} ranks",
-                    topology.world()
-                ),
-            )
-            .with_owner(rank));
-        }
+        let geometry = rank_geometry(model, topology, rank)?;
         let specs = model.tensors();
-        let geometry = publisher_geometry(model, topology)?
-            .into_iter()
-            .find(|g| g.rank == rank)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Internal,
-                    format!("the topology has no geometry for rank {rank}"),
-                )
-            })?;
         let mut cursor = 0u64;
         let mut shards = Vec::with_capacity(geometry.shards.len());
         for g in geometry.shards {

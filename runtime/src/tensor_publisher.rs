@@ -1,6 +1,6 @@
 //! A publisher rank whose weights live in memory someone else owns, one region per tensor: the
 //! arrays a trainer already holds (the Python bindings register numpy arrays in place). The
-//! geometry is [`ShardPublisher`](crate::ShardPublisher)'s (`publisher_geometry`), and so are
+//! geometry is [`ShardPublisher`](crate::ShardPublisher)'s (`rank_geometry`), and so are
 //! the digests; only where the bytes live differs.
 //!
 //! A rank may offer several boxes of one tensor (attention q is offered per KV group); they
@@ -16,7 +16,7 @@ use reshard_core::{
     Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec, Transport,
 };
 use reshard_planner::presets::ModelConfig;
-use reshard_planner::topology::{publisher_geometry, PublisherTopology};
+use reshard_planner::topology::{rank_geometry, PublisherTopology};
 
 use crate::publisher::offer_digests;
 
@@ -65,27 +65,8 @@ impl TensorPublisher {
         topology: &PublisherTopology,
         rank: OwnerId,
     ) -> Result<Self> {
-        topology.validate()?;
-        if rank >= topology.world() {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "publisher rank {rank} is outside the topology's {} ranks",
-                    topology.world()
-                ),
-            )
-            .with_owner(rank));
-        }
+        let geometry = rank_geometry(model, topology, rank)?;
         let specs = model.tensors();
-        let geometry = publisher_geometry(model, topology)?
-            .into_iter()
-            .find(|g| g.rank == rank)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Internal,
-                    format!("the topology has no geometry for rank {rank}"),
-                )
-            })?;
         let mut held: Vec<Held> = Vec::new();
         for g in geometry.shards {
             match held
