@@ -9,6 +9,7 @@ pub mod digest;
 pub mod encoding;
 pub mod error;
 pub mod executed;
+pub mod fault;
 mod forward;
 pub mod layout;
 #[allow(unsafe_code)]

@@ -51,8 +51,9 @@ pub struct CmaTransport {
     /// Posted batches, so dropping the endpoint ends them (rule 4).
     live: Mutex<Vec<Weak<Run>>>,
     log: RwLock<Option<Arc<ExecutionLog>>>,
-    #[cfg(feature = "fault-injection")]
-    skip_read: Mutex<Option<usize>>,
+    /// Always present (cheap) so `post` reads it in one place; only `inject_skip_read`, behind
+    /// the `fault-injection` feature, arms it.
+    skip_read: reshard_core::fault::SkipRead,
 }
 
 fn same_block(a: &Arc<dyn MemoryBlock>, b: &Arc<dyn MemoryBlock>) -> bool {
@@ -91,8 +92,7 @@ impl CmaTransport {
             pool: Mutex::new(None),
             live: Mutex::new(Vec::new()),
             log: RwLock::new(None),
-            #[cfg(feature = "fault-injection")]
-            skip_read: Mutex::new(None),
+            skip_read: reshard_core::fault::SkipRead::default(),
         })
     }
 
@@ -107,7 +107,7 @@ impl CmaTransport {
     /// backend that loses a read would. Reads are numbered in batch order.
     #[cfg(feature = "fault-injection")]
     pub fn inject_skip_read(&self, read: Option<usize>) {
-        *self.skip_read.lock() = read;
+        self.skip_read.set(read);
     }
 
     fn pool(&self) -> Result<Arc<ThreadPool>> {
@@ -451,10 +451,7 @@ impl Transport for CmaTransport {
             self.still_valid(prepared, st)?;
         }
         let pool = self.pool()?;
-        #[cfg(feature = "fault-injection")]
-        let skip = (*self.skip_read.lock()).and_then(|i| u32::try_from(i).ok());
-        #[cfg(not(feature = "fault-injection"))]
-        let skip: Option<u32> = None;
+        let skip = self.skip_read.get();
         if let Some(log) = self.log.read().as_ref() {
             self.record(log, st, skip);
         }

@@ -45,8 +45,9 @@ pub struct LoopbackTransport {
     /// [`Transport::set_execution_log`]: reshard_core::Transport::set_execution_log
     log: RwLock<Option<Arc<ExecutionLog>>>,
     /// Test-only: index of a read that `post` silently skips (never copied nor counted).
-    #[cfg(feature = "fault-injection")]
-    skip_read: Mutex<Option<usize>>,
+    /// Always present (cheap) so `post` reads it in one place; only `inject_skip_read`, behind
+    /// the `fault-injection` feature, arms it.
+    skip_read: reshard_core::fault::SkipRead,
     #[cfg(test)]
     pub(crate) faults: Faults,
 }
@@ -102,8 +103,7 @@ impl LoopbackTransport {
             peers: RwLock::new(HashMap::new()),
             pool: Mutex::new(None),
             log: RwLock::new(None),
-            #[cfg(feature = "fault-injection")]
-            skip_read: Mutex::new(None),
+            skip_read: reshard_core::fault::SkipRead::default(),
             #[cfg(test)]
             faults: Faults::default(),
         })
@@ -115,7 +115,7 @@ impl LoopbackTransport {
     /// backend that loses a read would. Reads are numbered in batch order.
     #[cfg(feature = "fault-injection")]
     pub fn inject_skip_read(&self, read: Option<usize>) {
-        *self.skip_read.lock() = read;
+        self.skip_read.set(read);
     }
 
     /// Number of copy threads.

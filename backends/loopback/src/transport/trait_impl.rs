@@ -180,10 +180,7 @@ impl Transport for LoopbackTransport {
         )?;
         let (srcs, dsts) = self.resolve(prepared, st)?;
         let pool = self.pool()?;
-        #[cfg(feature = "fault-injection")]
-        let skip = (*self.skip_read.lock()).and_then(|i| u32::try_from(i).ok());
-        #[cfg(not(feature = "fault-injection"))]
-        let skip: Option<u32> = None;
+        let skip = self.skip_read.get();
         if let Some(log) = self.log.read().as_ref() {
             self.record(log, st, &srcs, &dsts, skip);
         }
