@@ -377,25 +377,16 @@ fn three_steps(transport: &'static str) {
     );
 }
 
-/// A publisher killed during a refit: the receivers' refit fails naming it and their live
-/// weights and step stay; its lease expires; restarted, it is loaded again and refits succeed.
-///
-/// The kill lands between the announcement and the reads deterministically: rank 5 is stopped
-/// (SIGSTOP) so the set for step 2 cannot complete; rank 3 advances to step 2 and is killed
-/// (SIGKILL); rank 5 continues and advances; the receivers now see all eight ready at step 2
-/// (rank 3's record lives until its lease expires) and read from a dead process.
-fn killed_publisher(transport: &'static str) {
-    if !available(transport) {
-        return;
-    }
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut c = Cluster::start("kill", transport);
+/// All eight publishers and both receivers (each to exit after `steps` steps) at step 1, then
+/// rank 5 stopped (SIGSTOP) and step 2 written: returns once rank 3 is announced at step 2, so
+/// the set for step 2 cannot complete until rank 5 continues.
+fn rank3_ahead_of_stopped_rank5(c: &mut Cluster, steps: u64) {
     checkpoint(&c.ckpts(), 1);
     for r in 0..8 {
         c.publisher(r);
     }
     for t in 0..2 {
-        c.receiver(t, 3);
+        c.receiver(t, steps);
     }
     for t in 0..2 {
         let v = c.line(t);
@@ -412,6 +403,22 @@ fn killed_publisher(transport: &'static str) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A publisher killed during a refit: the receivers' refit fails naming it and their live
+/// weights and step stay; its lease expires; restarted, it is loaded again and refits succeed.
+///
+/// The kill lands between the announcement and the reads deterministically: rank 5 is stopped
+/// (SIGSTOP) so the set for step 2 cannot complete; rank 3 advances to step 2 and is killed
+/// (SIGKILL); rank 5 continues and advances; the receivers now see all eight ready at step 2
+/// (rank 3's record lives until its lease expires) and read from a dead process.
+fn killed_publisher(transport: &'static str) {
+    if !available(transport) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("kill", transport);
+    rank3_ahead_of_stopped_rank5(&mut c, 3);
     c.signal(3, "-KILL");
     let _ = c.publishers[3].take().unwrap().wait();
     c.signal(5, "-CONT");
@@ -474,28 +481,7 @@ fn withdrawn_publisher(transport: &'static str) {
     // Rank 5 stays stopped while rank 3 exits: a lease that outlives the stop keeps it a member
     // (a publisher whose lease ran out exits with an error for its supervisor to restart).
     c.lease_ttl_s = "30";
-    checkpoint(&c.ckpts(), 1);
-    for r in 0..8 {
-        c.publisher(r);
-    }
-    for t in 0..2 {
-        c.receiver(t, 2);
-    }
-    for t in 0..2 {
-        let v = c.line(t);
-        c.installed(t, &v, 1);
-    }
-    c.signal(5, "-STOP");
-    checkpoint(&c.ckpts(), 2);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !c.status().contains(&(3, 2)) {
-        assert!(
-            Instant::now() < deadline,
-            "rank 3 never advanced: {:?}",
-            c.status()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    rank3_ahead_of_stopped_rank5(&mut c, 2);
     c.signal(3, "-TERM");
     let status = c.publishers[3].take().unwrap().wait().unwrap();
     assert!(status.success(), "rank 3 exited {status} on SIGTERM");
