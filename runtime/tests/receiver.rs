@@ -66,6 +66,32 @@ async fn stable_plan_reuses_descriptors() {
     assert_eq!(s.rx.descriptor_builds(), builds);
 }
 
+/// The buffers of `bank`, by address (a bank's identity).
+fn addrs(bank: &[Arc<reshard_core::HostBuffer>]) -> Vec<usize> {
+    bank.iter().map(|b| Arc::as_ptr(b) as usize).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updates_alternate_banks_and_land_where_landing_params_says() {
+    let mut s = setup("ep=2,dp=2", ReceiverOptions::default()).await;
+    assert!(s.rx.landing_params().is_none(), "nothing prepared yet");
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let first = addrs(s.rx.live_params().unwrap());
+    let landing = addrs(s.rx.landing_params().unwrap());
+    assert_ne!(
+        first, landing,
+        "the next update never lands in the live bank"
+    );
+    s.cluster.publish_step(1);
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert_eq!(addrs(s.rx.live_params().unwrap()), landing);
+    assert_eq!(addrs(s.rx.landing_params().unwrap()), first);
+    s.cluster.publish_step(2);
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    assert_eq!(addrs(s.rx.live_params().unwrap()), first);
+    assert_exact(&s);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plan_rebuild_invalidates_descriptors() {
     let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;

@@ -112,6 +112,16 @@ impl Receiver {
         self.live.as_deref()
     }
 
+    /// The bank the next update lands in, once prepared (None before the first update and
+    /// after buffers were discarded: the next update then lands in freshly allocated ones).
+    /// A caller that lends the live bank out (the Python binding's swap install) checks that
+    /// none of these buffers is still lent before it starts an update.
+    pub fn landing_params(&self) -> Option<&[Arc<HostBuffer>]> {
+        self.prepared
+            .as_ref()
+            .map(|p| p.banks[p.next].params.as_slice())
+    }
+
     /// Training step of the live weights.
     pub fn live_step(&self) -> Option<u64> {
         self.step
