@@ -17,8 +17,10 @@ An engine rank hands its own parameter arrays and refits them between generation
 Every failure is a ``reshard.ReshardError`` subclass named after its kind (``reshard.Transport``,
 ``reshard.Timeout``, ``reshard.InvalidInput``, ...) with ``kind``, ``tensor``, ``owner``,
 ``byte_range``, ``backend`` and ``retryable`` attributes. A failed refit leaves the engine's
-arrays untouched: the new weights land in reshard's own buffers, are verified against the
-publishers' digests, and only then are copied into the engine's arrays (``report.copy_s``).
+weights untouched: the new weights land in reshard's own buffers and are verified against the
+publishers' digests; only then are they copied into the engine's arrays (``install="copy"``,
+``report.copy_s``), or, with ``install="swap"``, handed to the engine as read-only arrays over
+reshard's buffers (:meth:`Receiver.weights`), copying nothing (docs/python.md).
 The GIL is released while a refit plans, moves bytes and verifies; Ctrl-C cancels it safely.
 """
 
@@ -285,8 +287,8 @@ class RefitReport:
     """What one refit did. ``stages`` maps each stage (discover, merge, dedup, plan, register,
     descriptor_build, wire, reslice, install, verify) to seconds; ``e2e_s`` is the Rust
     refit's end to end, ``rust_s`` the same call including discovery, ``copy_s`` the copy into
-    the engine's arrays, ``native_s`` the whole native call and ``python_s`` the whole
-    :meth:`Receiver.refit` as Python saw it."""
+    the engine's arrays (0 with ``install == "swap"``), ``native_s`` the whole native call and
+    ``python_s`` the whole :meth:`Receiver.refit` as Python saw it."""
 
     step: int
     verified: bool
@@ -302,6 +304,7 @@ class RefitReport:
     rust_s: float
     copy_s: float
     native_s: float
+    install: str = "copy"
     python_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -310,9 +313,20 @@ class Receiver:
     """One engine rank refitting its own parameter arrays.
 
     ``model`` is the name publishers announce under (a dict's ``name`` is used);
-    ``layout`` the engine's parallelism (``{"tp": 2}``, keys tp/dp/ep); ``params`` maps every
-    parameter name of the rank (see :func:`receiver_params`) to a writable C-contiguous array
-    of its shape and dtype. Construction waits up to ``timeout`` seconds for the publishers.
+    ``layout`` the engine's parallelism (``{"tp": 2}``, keys tp/dp/ep). Construction waits up
+    to ``timeout`` seconds for the publishers.
+
+    ``install`` says how verified weights reach the engine:
+
+    - ``"copy"`` (the default when ``params`` is given): ``params`` maps every parameter name of
+      the rank (see :func:`receiver_params`) to a writable C-contiguous array of its shape and
+      dtype, and each refit copies the new weights into those arrays (``report.copy_s``).
+    - ``"swap"`` (the default without ``params``): nothing is copied. After each refit,
+      :meth:`weights` returns read-only arrays over reshard's buffer of the new step; the engine
+      re-points its parameters to them. An array stays valid and unchanged until the refit
+      *after* the next one, so the engine may keep serving from it while the next refit runs;
+      a refit that would land in buffers the engine still holds arrays of raises
+      :class:`InvalidInput` naming them, before anything is written.
     """
 
     def __init__(
@@ -322,27 +336,51 @@ class Receiver:
         layout: Union[str, Mapping[str, int]],
         rank: int,
         rendezvous: Union[str, InProcessHub],
-        params: Mapping[str, Any],
+        params: Optional[Mapping[str, Any]] = None,
         transport: Optional[str] = None,
         config: Optional[Mapping[str, Any]] = None,
         timeout: float = 300.0,
+        install: Optional[str] = None,
     ) -> None:
         name = model if isinstance(model, str) else str(model["name"])
-        self.params = {k: _exported(v) for k, v in params.items()}
+        if install is None:
+            install = "swap" if params is None else "copy"
+        self.params = None if params is None else {k: _exported(v) for k, v in params.items()}
         self._native = _reshard.NativeReceiver(
-            name, _pairs(layout), rank, rendezvous, self.params, transport, _config(config), timeout
+            name, _pairs(layout), rank, rendezvous, self.params, transport, _config(config),
+            timeout, install,
         )
         self.rank = rank
+        self.install = install
+        self._dtypes = {n: numpy_dtype(d) for n, d, _ in self._native.params()}
+
+    def weights(self) -> dict:
+        """``{name: array}`` of the live weights, in engine order: the engine's own arrays with
+        ``install="copy"``; with ``install="swap"``, fresh read-only numpy arrays over reshard's
+        buffer of the live step (zero-copy). Call it after every refit and re-point the engine's
+        parameters to what it returns: the arrays stay valid until the refit after the next one,
+        which raises :class:`InvalidInput` while any of them is still alive. Raises
+        :class:`InvalidInput` before the first refit in swap install."""
+        if self.params is not None:
+            return self.params
+        live = self._native.weights()
+        if live is None:
+            raise _invalid(f"receiver rank {self.rank} has no weights before its first refit")
+        _, rows = live
+        return {
+            name: np.frombuffer(view, dtype=self._dtypes[name]).reshape(shape)
+            for name, view, _, shape in rows
+        }
 
     @property
     def live_step(self) -> Optional[int]:
-        """The step of the weights in the engine's arrays (None before the first refit)."""
+        """The step of the live weights (None before the first refit)."""
         return self._native.live_step
 
     def refit(self, timeout: float = 300.0) -> RefitReport:
-        """Installs the next step into the engine's arrays, waiting up to ``timeout`` seconds
-        for the publishers to be ready at it. Raises a :class:`ReshardError` subclass on
-        failure, with the arrays untouched."""
+        """Installs the next step (into the engine's arrays, or as the buffer :meth:`weights`
+        lends), waiting up to ``timeout`` seconds for the publishers to be ready at it. Raises a
+        :class:`ReshardError` subclass on failure, with the live weights untouched."""
         import time
 
         t0 = time.perf_counter()
@@ -378,7 +416,8 @@ class Receiver:
         return report
 
     def close(self) -> None:
-        """Releases reshard's buffers and its hold on the engine's arrays."""
+        """Releases reshard's buffers and its hold on the engine's arrays. Arrays from
+        :meth:`weights` stay valid: each keeps its own buffer alive."""
         self._native.close()
 
     def __enter__(self) -> "Receiver":

@@ -22,6 +22,7 @@ use reshard_planner::presets::{preset, ModelConfig};
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_rendezvous::{Etcd, EtcdOptions, InProcess};
 
+mod bank;
 mod errors;
 mod memory;
 mod publisher;
@@ -292,6 +293,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<publisher::NativePublisher>()?;
     m.add_class::<publisher::TransportBuffer>()?;
     m.add_class::<receiver::NativeReceiver>()?;
+    m.add_class::<bank::BankView>()?;
     m.add_function(wrap_pyfunction!(model_config, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
     m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;

@@ -1,9 +1,11 @@
 //! The native receiver: a [`Subscriber`] (runtime/src/subscriber.rs) that installs every step
-//! into its own double-buffered banks, verified, and only then copies the new weights into the
-//! engine's arrays. The engine's arrays are never a landing zone: a failed refit (dead
-//! publisher, digest mismatch, timeout, Ctrl-C) returns before the copy, so they keep the
-//! previous step's weights bit for bit. The copy is the price of that guarantee; its time is
-//! reported as `copy_s` (BENCHMARKS.md has the numbers).
+//! into its own double-buffered banks, verified, and then either copies the new weights into
+//! the engine's arrays (copy install) or lends the live bank itself to the engine (swap
+//! install, docs/python.md). The engine's arrays are never a landing zone: a failed refit (dead
+//! publisher, digest mismatch, timeout, Ctrl-C) returns before the copy or the swap, so the
+//! engine keeps the previous step's weights bit for bit. The copy's time is reported as
+//! `copy_s`; the swap copies nothing, and refuses to refit into a bank the engine still holds
+//! arrays of (bank.rs counts them).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,18 +15,36 @@ use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use reshard_core::{ErrorKind, HostMemory};
+use reshard_core::{ErrorKind, HostBuffer, HostMemory};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StageTimes, StepReport, Subscriber};
 
+use crate::bank::{BankView, Lent};
 use crate::errors::{invalid, IntoPy};
 use crate::memory::ArrayMemory;
 use crate::{load_config, registry, rendezvous, runtime, wait};
 
-/// A connected receiver and the engine's arrays, in layout order.
+/// A connected receiver and the engine's arrays, in layout order (none in swap install).
 struct State {
     subscriber: Subscriber,
     params: Vec<ArrayMemory>,
+    /// The step installed before the live one: what the landing bank holds.
+    previous_step: Option<u64>,
+}
+
+/// The live bank as the last refit left it, readable while another refit runs.
+struct Live {
+    step: u64,
+    bufs: Vec<Arc<HostBuffer>>,
+}
+
+/// How verified weights reach the engine.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Install {
+    /// Copied into the engine's own arrays.
+    Copy,
+    /// The live bank is lent to the engine; nothing is copied.
+    Swap,
 }
 
 /// One receiver rank (use `reshard.Receiver`).
@@ -33,6 +53,13 @@ pub struct NativeReceiver {
     state: Mutex<Option<State>>,
     cancel: AtomicBool,
     rank: u32,
+    install: Install,
+    /// `(name, dtype, shape, bytes)` of every parameter, in layout order.
+    specs: Vec<(String, String, Vec<u64>, u64)>,
+    /// Swap install: the live bank, for `weights()`.
+    live: Mutex<Option<Live>>,
+    /// Swap install: live loans of bank buffers to Python.
+    lent: Arc<Lent>,
 }
 
 impl NativeReceiver {
@@ -58,6 +85,48 @@ impl NativeReceiver {
         }
         Ok(guard)
     }
+
+    /// Swap install: refuses (before anything is posted) a refit whose landing bank the engine
+    /// still holds arrays of, naming them: the refit would overwrite weights it may be serving.
+    fn check_landing(&self, s: &State) -> PyResult<()> {
+        let Some(landing) = s.subscriber.receiver().landing_params() else {
+            return Ok(());
+        };
+        let held: Vec<(&str, usize)> = landing
+            .iter()
+            .zip(&self.specs)
+            .filter_map(|(buf, (name, ..))| {
+                let n = self.lent.count(buf);
+                (n > 0).then_some((name.as_str(), n))
+            })
+            .collect();
+        let Some(&(first, _)) = held.first() else {
+            return Ok(());
+        };
+        let arrays: usize = held.iter().map(|&(_, n)| n).sum();
+        let mut names: Vec<&str> = held.iter().map(|&(n, _)| n).take(3).collect();
+        if held.len() > 3 {
+            names.push("...");
+        }
+        let step = s
+            .previous_step
+            .map_or_else(|| "an earlier step".to_string(), |n| format!("step {n}"));
+        Err(invalid(
+            ErrorKind::InvalidInput,
+            format!(
+                "receiver rank {}: the next refit lands in the buffers of {step}, and {arrays} \
+                 array(s) from weights() still view them ({} of {} parameters: {}); an array \
+                 from weights() stays valid until the refit after the one that installed it, \
+                 so re-point the engine to the newest weights() and drop older arrays before \
+                 refitting. Nothing was written",
+                self.rank,
+                held.len(),
+                self.specs.len(),
+                names.join(", ")
+            ),
+            Some(first),
+        ))
+    }
 }
 
 fn stages_dict<'py>(py: Python<'py>, st: &StageTimes) -> PyResult<Bound<'py, PyDict>> {
@@ -72,7 +141,7 @@ fn stages_dict<'py>(py: Python<'py>, st: &StageTimes) -> PyResult<Bound<'py, PyD
 impl NativeReceiver {
     /// See `reshard.Receiver`.
     #[new]
-    #[pyo3(signature = (model, layout, rank, rendezvous_arg, params, transport=None, config=None, timeout_s=300.0))]
+    #[pyo3(signature = (model, layout, rank, rendezvous_arg, params, transport=None, config=None, timeout_s=300.0, install="copy"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -80,11 +149,41 @@ impl NativeReceiver {
         layout: &str,
         rank: u32,
         rendezvous_arg: &Bound<'_, PyAny>,
-        params: &Bound<'_, PyDict>,
+        params: Option<&Bound<'_, PyDict>>,
         transport: Option<&str>,
         config: Option<&str>,
         timeout_s: f64,
+        install: &str,
     ) -> PyResult<Self> {
+        let install = match (install, params.is_some()) {
+            ("copy", true) => Install::Copy,
+            ("swap", false) => Install::Swap,
+            ("copy", false) => {
+                return Err(invalid(
+                    ErrorKind::InvalidInput,
+                    "install=\"copy\" copies into the engine's arrays: pass them as params \
+                     (or use install=\"swap\" to serve from reshard's buffers)"
+                        .into(),
+                    None,
+                ))
+            }
+            ("swap", true) => {
+                return Err(invalid(
+                    ErrorKind::InvalidInput,
+                    "install=\"swap\" serves from reshard's own buffers (Receiver.weights()); \
+                     it takes no params"
+                        .into(),
+                    None,
+                ))
+            }
+            (other, _) => {
+                return Err(invalid(
+                    ErrorKind::InvalidInput,
+                    format!("install must be \"copy\" or \"swap\", not {other:?}"),
+                    None,
+                ))
+            }
+        };
         let topo: ReceiverTopology = layout.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
         let rendezvous = rendezvous(py, rendezvous_arg, 10.0)?;
@@ -109,6 +208,29 @@ impl NativeReceiver {
             ),
         )?;
         let specs = subscriber.receiver().layout().params.clone();
+        let rows = specs
+            .iter()
+            .map(|p| {
+                let bytes = p.shape.iter().product::<u64>() * p.dtype.size();
+                (p.name.clone(), p.dtype.to_string(), p.shape.clone(), bytes)
+            })
+            .collect();
+        let lent = Arc::new(Lent::default());
+        let Some(params) = params else {
+            return Ok(NativeReceiver {
+                state: Mutex::new(Some(State {
+                    subscriber,
+                    params: Vec::new(),
+                    previous_step: None,
+                })),
+                cancel: AtomicBool::new(false),
+                rank,
+                install,
+                specs: rows,
+                live: Mutex::new(None),
+                lent,
+            });
+        };
         for key in params.keys() {
             let name: String = key.extract()?;
             if !specs.iter().any(|p| p.name == name) {
@@ -152,9 +274,14 @@ impl NativeReceiver {
             state: Mutex::new(Some(State {
                 subscriber,
                 params: arrays,
+                previous_step: None,
             })),
             cancel: AtomicBool::new(false),
             rank,
+            install,
+            specs: rows,
+            live: Mutex::new(None),
+            lent,
         })
     }
 
@@ -167,8 +294,12 @@ impl NativeReceiver {
         let s = guard
             .as_mut()
             .ok_or_else(|| invalid(ErrorKind::InvalidInput, "receiver is closed".into(), None))?;
+        if self.install == Install::Swap {
+            self.check_landing(s)?;
+        }
         self.cancel.store(false, Ordering::SeqCst);
         let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        let before = s.subscriber.receiver().live_step();
         // The Rust path's own time is taken inside the future: what `reshard receive` spends
         // per step, without this binding's GIL release and polling around it.
         let subscriber = &mut s.subscriber;
@@ -177,10 +308,20 @@ impl NativeReceiver {
             let r = subscriber.next_step(timeout).await?;
             Ok((r, t.elapsed().as_secs_f64()))
         })?;
-        let copy_s = {
-            let live = s.subscriber.receiver().live_params().unwrap_or(&[]);
-            let params = &s.params;
-            py.allow_threads(|| copy_into(live, params))
+        s.previous_step = before;
+        let live = s.subscriber.receiver().live_params().unwrap_or(&[]);
+        let copy_s = match self.install {
+            Install::Copy => {
+                let params = &s.params;
+                py.allow_threads(|| copy_into(live, params))
+            }
+            Install::Swap => {
+                *self.live.lock() = Some(Live {
+                    step: report.step,
+                    bufs: live.to_vec(),
+                });
+                0.0
+            }
         };
         let u = &report.update;
         let d = PyDict::new(py);
@@ -197,8 +338,41 @@ impl NativeReceiver {
         d.set_item("checked_bytes", u.checked_bytes)?;
         d.set_item("rust_s", rust_s)?;
         d.set_item("copy_s", copy_s)?;
+        d.set_item(
+            "install",
+            match self.install {
+                Install::Copy => "copy",
+                Install::Swap => "swap",
+            },
+        )?;
         d.set_item("native_s", t0.elapsed().as_secs_f64())?;
         Ok(d)
+    }
+
+    /// Swap install: `(step, [(name, view, dtype, shape)])` of the live bank, each view a
+    /// read-only buffer of the parameter's bytes that stays valid (and unchanged) while it
+    /// lives; None before the first refit. Callable while a refit runs in another thread.
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Option<(u64, Bound<'py, PyList>)>> {
+        if self.install != Install::Swap {
+            return Err(invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "receiver rank {} installs by copy: its weights are the engine's own arrays",
+                    self.rank
+                ),
+                None,
+            ));
+        }
+        let live = self.live.lock();
+        let Some(live) = live.as_ref() else {
+            return Ok(None);
+        };
+        let rows = PyList::empty(py);
+        for (buf, (name, dtype, shape, bytes)) in live.bufs.iter().zip(&self.specs) {
+            let view = BankView::lend(buf.clone(), *bytes as usize, self.lent.clone());
+            rows.append((name, Py::new(py, view)?, dtype, shape.clone()))?;
+        }
+        Ok(Some((live.step, rows)))
     }
 
     /// Asks a running refit (in another thread) to stop; it raises `reshard.Aborted`.

@@ -1,6 +1,6 @@
 """The README's Python example, run as the README gives it: the shell block after "The examples
 in `examples/python/`", minus its install line (scripts/test.sh has just installed the package
-into this interpreter). Both toy engine ranks must install step 3, verified."""
+into this interpreter). Both toy engine ranks must install step 3, verified, rank 1 by swap."""
 
 import os
 import re
@@ -31,5 +31,8 @@ def test_readme_python_example_runs_verbatim():
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
         assert f"engine rank {rank}: step 3 installed, verified=True" in out.stdout, out.stdout
+    # Rank 0 copies into its own arrays; rank 1 swaps, copying nothing.
+    assert re.search(r"engine rank 0: step 3 .* \+ copy \d", out.stdout), out.stdout
+    assert re.search(r"engine rank 1: step 3 .* \+ swap 0\.00 ms", out.stdout), out.stdout
     for rank in range(4):
         assert f"trainer rank {rank}: published step 3" in out.stdout, out.stdout

@@ -3,7 +3,8 @@ design) through a private etcd
 (scripts/etcd.sh): trainer ranks are Python processes (publisher_proc.py) publishing their numpy
 arrays in place; the engine ranks receive in this process into their own numpy arrays. A
 publisher SIGKILLed between its announcement and the reads fails the refit naming it, with the
-engine's arrays untouched.
+engine's arrays untouched. Each test runs both installs: copy into the engine's arrays, and swap
+(the engine serves from reshard's buffers).
 
 A missing backend runtime or etcd skips with a reason, unless RESHARD_REQUIRE_BACKENDS is set
 (as .ci/run sets it), where it fails.
@@ -83,12 +84,13 @@ class Cluster:
         self.procs[rank].stdin.write(line + "\n")
         self.procs[rank].stdin.flush()
 
-    def receiver(self, rank, params=None, timeout=60):
-        params = engine_arrays(self.model, LAYOUT, rank) if params is None else params
+    def receiver(self, rank, params=None, timeout=60, install="copy"):
+        if install == "copy" and params is None:
+            params = engine_arrays(self.model, LAYOUT, rank)
         os.environ.update(TRANSPORT_ENV[self.transport])
         return reshard.Receiver(model=self.model["name"], layout=LAYOUT, rank=rank,
                                 rendezvous=self.etcd, transport=self.transport, params=params,
-                                timeout=timeout)
+                                timeout=timeout, install=install)
 
     def close(self):
         for p in self.procs.values():
@@ -120,7 +122,9 @@ def test_publisher_processes_to_engine_arrays_through_etcd_byte_exact(etcd, tran
             c.start(r)
         for r in range(2):
             c.expect(r, "published 1")
-        rxs = [c.receiver(t) for t in range(2)]
+        # Engine rank 0 installs by copy into its own arrays, rank 1 by swap (serving from
+        # reshard's buffers).
+        rxs = [c.receiver(0), c.receiver(1, install="swap")]
         # The engine hands a wrong array: refused before anything moves, naming the tensor.
         params = engine_arrays(c.model, LAYOUT, 0)
         first = next(iter(params))
@@ -137,7 +141,8 @@ def test_publisher_processes_to_engine_arrays_through_etcd_byte_exact(etcd, tran
             for t, rx in enumerate(rxs):
                 report = rx.refit(timeout=60)
                 assert report.step == step and report.verified and report.wire_bytes > 0
-                assert_exact(rx.params, expected(c.model, LAYOUT, t, step))
+                assert report.install == rx.install
+                assert_exact(rx.weights(), expected(c.model, LAYOUT, t, step))
         for rx in rxs:
             rx.close()
         for r in range(2):
@@ -160,6 +165,9 @@ def test_dead_publisher_fails_the_refit_naming_it_arrays_untouched(etcd, transpo
         rx = c.receiver(0)
         rx.refit(timeout=60)
         before = {k: v.copy() for k, v in rx.params.items()}
+        swap = c.receiver(0, install="swap")
+        swap.refit(timeout=60)
+        served = swap.weights()
         # Rank 1 announces step 2 and dies before anyone reads it; its record stays until its
         # lease expires, so once rank 0 is at step 2 too the receiver reads from a dead process.
         c.tell(1, "advance 2")
@@ -180,7 +188,15 @@ def test_dead_publisher_fails_the_refit_naming_it_arrays_untouched(etcd, transpo
         assert 0 <= start < end, "the byte range of the failed read is named"
         assert rx.live_step == 1
         assert_exact(rx.params, before)
+        # The swap-install engine fails the same way and keeps serving step 1's arrays.
+        with pytest.raises(DEAD_PUBLISHER) as e:
+            swap.refit(timeout=60)
+        assert e.value.owner == 1 and e.value.byte_range is not None
+        assert swap.live_step == 1
+        assert_exact(served, before)
+        assert_exact(swap.weights(), before)
         rx.close()
+        swap.close()
     finally:
         c.close()
 
