@@ -142,17 +142,46 @@ def _config(config: Optional[Mapping[str, Any]]) -> Optional[str]:
     return None if config is None else json.dumps(dict(config))
 
 
-def _exported(array: Any) -> Any:
+# torch dtypes numpy's DLPack import refuses: their bits cross as a signed integer torch dtype of
+# the same width (every torch version has those) and are then viewed as the unsigned numpy
+# stand-in of the reshard dtype (see _NUMPY).
+_TORCH_BITS = {
+    "bfloat16": ("int16", np.uint16),
+    "float8_e4m3fn": ("int8", np.uint8),
+    "float8_e5m2": ("int8", np.uint8),
+}
+
+# reshard dtypes whose numpy stand-in is raw bits, and the torch dtype that reads them.
+_TORCH_DTYPE = {"bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn", "f8_e5m2": "float8_e5m2"}
+
+
+def _exported(array: Any, tensor: Optional[str] = None) -> Any:
     """The object whose buffer is registered: the array itself when it exports the buffer
     protocol (numpy), else a zero-copy numpy view of its ``__dlpack__`` export (torch CPU
-    tensors)."""
+    tensors; bf16 and 8-bit float tensors through an unsigned integer view of their bits)."""
     try:
         memoryview(array).release()
         return array
     except TypeError:
-        if hasattr(array, "__dlpack__"):
-            return np.from_dlpack(array)
-        raise
+        if not hasattr(array, "__dlpack__"):
+            raise _invalid(f"tensor {tensor!r} is a {type(array).__name__}, which exports "
+                           "neither the buffer protocol nor __dlpack__", tensor) from None
+    torch_dtype = str(getattr(array, "dtype", "")).removeprefix("torch.")
+    bits = None
+    if type(array).__module__.startswith("torch") and torch_dtype in _TORCH_BITS:
+        import torch
+
+        carrier, bits = _TORCH_BITS[torch_dtype]
+        array = array.view(getattr(torch, carrier))
+    try:
+        out = np.from_dlpack(array)
+        return out if bits is None else out.view(bits)
+    except (BufferError, RuntimeError, TypeError, ValueError) as e:
+        device = getattr(array, "device", None)
+        where = f" on device {device}" if device is not None else ""
+        raise _invalid(f"tensor {tensor!r}{where} cannot be viewed as host memory through "
+                       f"__dlpack__ ({e}); reshard's Python package registers CPU memory",
+                       tensor) from None
 
 
 def model_config(
@@ -240,7 +269,7 @@ class Publisher:
         """Registers ``array`` (buffer protocol or ``__dlpack__``, C-contiguous, the tensor's
         shape and dtype) as tensor ``name``, zero-copy. Register every tensor before the first
         :meth:`publish`; the array stays referenced until :meth:`close`."""
-        self._native.register(name, _exported(array))
+        self._native.register(name, _exported(array, name))
 
     def empty(self, name: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray:
         """A new zeroed array for tensor ``name``, registered as it, backed by memory the
@@ -345,7 +374,7 @@ class Receiver:
         name = model if isinstance(model, str) else str(model["name"])
         if install is None:
             install = "swap" if params is None else "copy"
-        self.params = None if params is None else {k: _exported(v) for k, v in params.items()}
+        self.params = None if params is None else {k: _exported(v, k) for k, v in params.items()}
         self._native = _reshard.NativeReceiver(
             name, _pairs(layout), rank, rendezvous, self.params, transport, _config(config),
             timeout, install,
@@ -354,23 +383,53 @@ class Receiver:
         self.install = install
         self._dtypes = {n: numpy_dtype(d) for n, d, _ in self._native.params()}
 
-    def weights(self) -> dict:
+    def weights(self, framework: str = "numpy") -> dict:
         """``{name: array}`` of the live weights, in engine order: the engine's own arrays with
         ``install="copy"``; with ``install="swap"``, fresh read-only numpy arrays over reshard's
         buffer of the live step (zero-copy). Call it after every refit and re-point the engine's
         parameters to what it returns: the arrays stay valid until the refit after the next one,
         which raises :class:`InvalidInput` while any of them is still alive. Raises
-        :class:`InvalidInput` before the first refit in swap install."""
+        :class:`InvalidInput` before the first refit in swap install.
+
+        ``framework="torch"`` (swap install) gives CPU torch tensors over the same memory instead,
+        in the model's torch dtype (bf16 as ``torch.bfloat16``, not its bits); they must not be
+        written (torch has no read-only tensors)."""
+        if framework not in ("numpy", "torch"):
+            raise _invalid(f"framework must be 'numpy' or 'torch', not {framework!r}")
         if self.params is not None:
+            if framework == "torch":
+                raise _invalid("framework='torch' is for swap install: with install='copy' the "
+                               "weights are the engine's own arrays")
             return self.params
         live = self._native.weights()
         if live is None:
             raise _invalid(f"receiver rank {self.rank} has no weights before its first refit")
         _, rows = live
-        return {
+        arrays = {
             name: np.frombuffer(view, dtype=self._dtypes[name]).reshape(shape)
             for name, view, _, shape in rows
         }
+        if framework == "numpy":
+            return arrays
+        import warnings
+
+        import torch
+
+        dtypes = {name: dtype for name, _, dtype, _ in rows}
+        out = {}
+        with warnings.catch_warnings():
+            # Read-only by design (docs/python.md, swap install rule 5).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for name, a in arrays.items():
+                if dtypes[name] in _TORCH_DTYPE:
+                    # Bits in through a signed integer of the same width (as in _exported).
+                    signed = np.int16 if a.itemsize == 2 else np.int8
+                    t = torch.from_numpy(a.view(signed))
+                    t = t.view(getattr(torch, _TORCH_DTYPE[dtypes[name]]))
+                else:
+                    t = torch.from_numpy(a)
+                out[name] = t
+        return out
 
     @property
     def live_step(self) -> Optional[int]:
