@@ -49,8 +49,8 @@ pub(crate) struct Meta {
 /// The defects only this format can have (the shared ones are [`MetaDefect`]'s).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub(crate) enum CmaDefect {
-    #[error("pid 0 names no process")]
-    Pid,
+    #[error("pid {0} names no process (a pid is 1 to {max})", max = i32::MAX)]
+    Pid(u32),
 }
 
 /// Why a blob could not be decoded (kept as the source of the public `Decode` error).
@@ -99,7 +99,7 @@ impl Meta {
         let pid_ns = r.u64()?;
         let pid = r.u32()?;
         if pid == 0 || pid > i32::MAX as u32 {
-            return Err(MetaDefect::Backend(CmaDefect::Pid));
+            return Err(MetaDefect::Backend(CmaDefect::Pid(pid)));
         }
         let start_time = r.u64()?;
         let count = metadata::read_region_count(&mut r, REGION_BYTES)?;
@@ -231,10 +231,15 @@ mod tests {
         let pid = process_at() + 24;
         let mut v = full.clone();
         v[pid..pid + 4].copy_from_slice(&0u32.to_le_bytes());
-        assert_eq!(decode_err(&v), MetaDefect::Backend(CmaDefect::Pid));
+        assert_eq!(decode_err(&v), MetaDefect::Backend(CmaDefect::Pid(0)));
         let mut v = full.clone();
         v[pid..pid + 4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(decode_err(&v), MetaDefect::Backend(CmaDefect::Pid));
+        let e = decode_err(&v);
+        assert_eq!(e, MetaDefect::Backend(CmaDefect::Pid(u32::MAX)));
+        assert!(
+            e.to_string().contains("pid 4294967295 names no process"),
+            "{e}"
+        );
         // The name's first byte (after magic, version and its u16 length) made invalid UTF-8.
         let mut v = full;
         v[4 + 1 + 2] = 0xff;
