@@ -9,7 +9,8 @@
 #
 # ETCD_PORT sets the client port (default: a free one); the peer port is a free one.
 # ETCD_OWNER_PID ties etcd to a process: once that process is gone, a watcher stops etcd and
-# removes DIR/data (a test binary whose etcd lives in a static never runs a destructor).
+# removes DIR/data, or all of DIR when this script created it (a test binary whose etcd lives
+# in a static never runs a destructor, so nobody else would).
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
@@ -27,6 +28,8 @@ start)
         echo "etcd.sh: etcd not found; run scripts/install-deps.sh (Debian package etcd-server)" >&2
         exit 1
     fi
+    created=
+    [ -d "$dir" ] || created=1
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
     client=${ETCD_PORT:-$(free_port)}
@@ -71,6 +74,7 @@ EOF
                 kill -9 "$pid" 2>/dev/null || true
                 rm -rf "$dir/data"
             fi
+            if [ -n "$created" ]; then rm -rf "$dir"; fi
         ) </dev/null >/dev/null 2>&1 &
     fi
     echo "etcd://127.0.0.1:$client" >"$dir/endpoint"

@@ -12,6 +12,7 @@ A missing backend runtime or etcd skips with a reason, unless RESHARD_REQUIRE_BA
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def etcd():
         pytest.skip(f"SKIPPED: no etcd (scripts/install-deps.sh installs it): {e}")
     yield out.strip().splitlines()[-1]
     subprocess.run(["bash", str(script), "stop", tmp], check=False)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Cluster:
