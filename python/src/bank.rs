@@ -15,6 +15,8 @@ use pyo3::prelude::*;
 
 use reshard_core::{HostBuffer, MemoryBlock};
 
+use crate::memory::fill_view;
+
 /// Live loans, per buffer address (a lent buffer cannot be freed, so its address stays its own).
 #[derive(Default)]
 pub struct Lent(Mutex<HashMap<usize, usize>>);
@@ -84,20 +86,7 @@ impl BankView {
         // (which FillInfo references from the view) lives, since `slf` holds its Arc. Read-only:
         // FillInfo refuses a writable request. Nothing writes the buffer while it is lent: it is
         // the live bank, or a landing bank the receiver refuses to refit into (receiver.rs).
-        let rc = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                addr as *mut std::os::raw::c_void,
-                len as pyo3::ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        unsafe { fill_view(slf.as_any(), view, addr, len, true, flags) }
     }
 
     /// Nothing to free: FillInfo's format is static and the object reference is the view's.

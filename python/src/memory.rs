@@ -204,3 +204,35 @@ impl HostMemory for ArrayMemory {
         })
     }
 }
+
+/// Fills `view` for `owner` (a Python object whose life keeps `addr..addr + len` valid and
+/// fixed) with those bytes as one dimension of unsigned bytes, read-only when `readonly`
+/// (a writable request then fails, as the buffer protocol asks).
+///
+/// # Safety
+/// `view` comes from the interpreter's `__getbuffer__` call, and the memory stays valid while
+/// `owner` lives (FillInfo stores a new reference to it in the view).
+pub unsafe fn fill_view(
+    owner: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    addr: usize,
+    len: usize,
+    readonly: bool,
+    flags: std::os::raw::c_int,
+) -> PyResult<()> {
+    // SAFETY: the caller's contract above.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            addr as *mut std::os::raw::c_void,
+            len as ffi::Py_ssize_t,
+            readonly as std::os::raw::c_int,
+            flags,
+        )
+    };
+    if rc != 0 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
+}

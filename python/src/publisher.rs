@@ -17,7 +17,7 @@ use reshard_planner::topology::PublisherTopology;
 use reshard_runtime::{HeldTensor, TensorPublisher};
 
 use crate::errors::{invalid, IntoPy};
-use crate::memory::ArrayMemory;
+use crate::memory::{fill_view, ArrayMemory};
 use crate::{load_config, model_from, registry, rendezvous, runtime, wait};
 
 /// `[(name, dtype, offset, shape)]` of a rank's tensors.
@@ -62,20 +62,7 @@ impl TransportBuffer {
         // SAFETY: `view` comes from the interpreter; the memory stays valid while `slf` (which
         // FillInfo references from the view) lives; writes through it follow the MemoryBlock
         // contract (not while a publish digests it or a read may touch it).
-        let rc = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                addr as *mut std::os::raw::c_void,
-                len as pyo3::ffi::Py_ssize_t,
-                0,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        unsafe { fill_view(slf.as_any(), view, addr, len, false, flags) }
     }
 
     /// Nothing to free: FillInfo's format is static and the object reference is the view's.

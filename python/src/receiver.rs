@@ -15,7 +15,7 @@ use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use reshard_core::{ErrorKind, HostBuffer, HostMemory};
+use reshard_core::{ErrorKind, HostBuffer, HostMemory, ParamSpec};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StageTimes, StepReport, Subscriber};
 
@@ -215,61 +215,10 @@ impl NativeReceiver {
                 (p.name.clone(), p.dtype.to_string(), p.shape.clone(), bytes)
             })
             .collect();
-        let lent = Arc::new(Lent::default());
-        let Some(params) = params else {
-            return Ok(NativeReceiver {
-                state: Mutex::new(Some(State {
-                    subscriber,
-                    params: Vec::new(),
-                    previous_step: None,
-                })),
-                cancel: AtomicBool::new(false),
-                rank,
-                install,
-                specs: rows,
-                live: Mutex::new(None),
-                lent,
-            });
+        let arrays = match params {
+            Some(params) => engine_arrays(params, &specs, rank, layout)?,
+            None => Vec::new(),
         };
-        for key in params.keys() {
-            let name: String = key.extract()?;
-            if !specs.iter().any(|p| p.name == name) {
-                return Err(invalid(
-                    ErrorKind::InvalidInput,
-                    format!(
-                        "receiver rank {rank} of layout {layout:?} has no parameter {name:?} \
-                         (reshard.receiver_params names them)"
-                    ),
-                    Some(&name),
-                ));
-            }
-        }
-        let mut arrays = Vec::with_capacity(specs.len());
-        for p in &specs {
-            let array = params.get_item(&p.name)?.ok_or_else(|| {
-                invalid(
-                    ErrorKind::InvalidInput,
-                    format!(
-                        "params has no array for parameter {:?} of receiver rank {rank}",
-                        p.name
-                    ),
-                    Some(&p.name),
-                )
-            })?;
-            let m = ArrayMemory::export(&array, true, &p.name)?;
-            if m.shape != p.shape || !m.holds(p.dtype) {
-                return Err(invalid(
-                    ErrorKind::InvalidInput,
-                    format!(
-                        "parameter {:?} of receiver rank {rank} is {} {:?}; the array given \
-                         has format {:?} ({} bytes per element) and shape {:?}",
-                        p.name, p.dtype, p.shape, m.format, m.itemsize, m.shape
-                    ),
-                    Some(&p.name),
-                ));
-            }
-            arrays.push(m);
-        }
         Ok(NativeReceiver {
             state: Mutex::new(Some(State {
                 subscriber,
@@ -281,7 +230,7 @@ impl NativeReceiver {
             install,
             specs: rows,
             live: Mutex::new(None),
-            lent,
+            lent: Arc::new(Lent::default()),
         })
     }
 
@@ -413,6 +362,56 @@ impl NativeReceiver {
         py.allow_threads(move || drop(taken));
         Ok(())
     }
+}
+
+/// The engine's arrays for copy install, in layout order: every parameter given, of its shape
+/// and dtype, writable and C-contiguous, and no name the layout lacks (each error names it).
+fn engine_arrays(
+    params: &Bound<'_, PyDict>,
+    specs: &[ParamSpec],
+    rank: u32,
+    layout: &str,
+) -> PyResult<Vec<ArrayMemory>> {
+    for key in params.keys() {
+        let name: String = key.extract()?;
+        if !specs.iter().any(|p| p.name == name) {
+            return Err(invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "receiver rank {rank} of layout {layout:?} has no parameter {name:?} \
+                     (reshard.receiver_params names them)"
+                ),
+                Some(&name),
+            ));
+        }
+    }
+    let mut arrays = Vec::with_capacity(specs.len());
+    for p in specs {
+        let array = params.get_item(&p.name)?.ok_or_else(|| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "params has no array for parameter {:?} of receiver rank {rank}",
+                    p.name
+                ),
+                Some(&p.name),
+            )
+        })?;
+        let m = ArrayMemory::export(&array, true, &p.name)?;
+        if m.shape != p.shape || !m.holds(p.dtype) {
+            return Err(invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "parameter {:?} of receiver rank {rank} is {} {:?}; the array given \
+                     has format {:?} ({} bytes per element) and shape {:?}",
+                    p.name, p.dtype, p.shape, m.format, m.itemsize, m.shape
+                ),
+                Some(&p.name),
+            ));
+        }
+        arrays.push(m);
+    }
+    Ok(arrays)
 }
 
 /// Copies the verified live bank into the engine's arrays (same order, same sizes: checked at
