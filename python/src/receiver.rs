@@ -60,6 +60,8 @@ pub struct NativeReceiver {
     live: Mutex<Option<Live>>,
     /// Swap install: live loans of bank buffers to Python.
     lent: Arc<Lent>,
+    /// The step the engine's weights hold, readable while a refit runs in another thread.
+    installed: Mutex<Option<u64>>,
 }
 
 impl NativeReceiver {
@@ -231,6 +233,7 @@ impl NativeReceiver {
             specs: rows,
             live: Mutex::new(None),
             lent: Arc::new(Lent::default()),
+            installed: Mutex::new(None),
         })
     }
 
@@ -272,6 +275,7 @@ impl NativeReceiver {
                 0.0
             }
         };
+        *self.installed.lock() = Some(report.step);
         let u = &report.update;
         let d = PyDict::new(py);
         d.set_item("step", report.step)?;
@@ -329,13 +333,11 @@ impl NativeReceiver {
         self.cancel.store(true, Ordering::SeqCst);
     }
 
-    /// The step of the weights in the engine's arrays, or None before the first refit.
+    /// The step of the engine's weights, or None before the first refit; while a refit runs
+    /// in another thread, the step it is replacing.
     #[getter]
-    fn live_step(&self) -> PyResult<Option<u64>> {
-        let guard = self.state()?;
-        Ok(guard
-            .as_ref()
-            .and_then(|s| s.subscriber.receiver().live_step()))
+    fn live_step(&self) -> Option<u64> {
+        *self.installed.lock()
     }
 
     /// `[(name, dtype, shape)]` of this rank's parameters, in engine order.

@@ -112,8 +112,14 @@ def test_swap_engine_serves_while_refit_async_runs(hub, name):
     async def main():
         await rx.refit_async(timeout=10)
         served = rx.weights()
-        advance(pubs, arrays, 2)
+        # The refit starts before the trainers publish step 2, so it is surely running (waiting
+        # for the step) while the engine serves, reads weights() and live_step.
         task = asyncio.ensure_future(rx.refit_async(timeout=10))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        assert rx.live_step == 1
+        assert_exact(rx.weights(), expected(model, LAYOUT, 0, 1))
+        advance(pubs, arrays, 2)
         reads = 0
         while not task.done():
             # "Generation" on the live arrays, and a fresh weights() call, while the refit runs:
@@ -121,6 +127,7 @@ def test_swap_engine_serves_while_refit_async_runs(hub, name):
             assert_exact(served, expected(model, LAYOUT, 0, 1))
             fresh = {k: v.tobytes() for k, v in rx.weights().items()}
             assert fresh in (steps[1], steps[2])
+            assert rx.live_step in (1, 2)  # readable while the refit runs, not "busy"
             reads += 1
             await asyncio.sleep(0)
         assert (await task).step == 2
