@@ -101,6 +101,8 @@ impl Announced for Held {
     }
 
     async fn withdraw(self: Box<Self>) -> Result<()> {
+        // Revoking the lease is the removal: etcd deletes every key attached to it (the record
+        // and its blobs) at once, so no reader sees half an announcement.
         self.keeper.abort();
         self.etcd
             .client
