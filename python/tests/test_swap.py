@@ -14,6 +14,17 @@ from test_loopback import LAYOUT, advance, start_publishers
 from weights import assert_exact, expected, tiny_model
 
 
+@pytest.fixture
+def trainers(hub, name):
+    """Four loopback publisher ranks of a tiny model at step 1, closed after the test:
+    ``(model, publishers, their arrays)``."""
+    model = tiny_model(name)
+    pubs, arrays = start_publishers(model, hub)
+    yield model, pubs, arrays
+    for p in pubs:
+        p.close()
+
+
 def swap_receiver(model, hub, rank=0):
     return reshard.Receiver(model=model["name"], layout=LAYOUT, rank=rank, rendezvous=hub,
                             transport="loopback", timeout=10)
@@ -23,9 +34,8 @@ def addresses(weights):
     return {k: v.__array_interface__["data"][0] for k, v in weights.items()}
 
 
-def test_swap_serves_reshard_buffers_zero_copy_and_guards_held_arrays(hub, name):
-    model = tiny_model(name)
-    pubs, arrays = start_publishers(model, hub)
+def test_swap_serves_reshard_buffers_zero_copy_and_guards_held_arrays(hub, trainers):
+    model, pubs, arrays = trainers
     rx = swap_receiver(model, hub)
     assert rx.install == "swap" and rx.params is None
     with pytest.raises(reshard.InvalidInput):
@@ -74,13 +84,10 @@ def test_swap_serves_reshard_buffers_zero_copy_and_guards_held_arrays(hub, name)
     assert addresses(w3) == bank_a
     assert_exact(w3, expected(model, LAYOUT, 0, 3))
     assert_exact(w2, expected(model, LAYOUT, 0, 2))
-    for p in pubs:
-        p.close()
 
 
-def test_swap_failed_refit_leaves_the_served_arrays_and_weights_untouched(hub, name):
-    model = tiny_model(name)
-    pubs, arrays = start_publishers(model, hub)
+def test_swap_failed_refit_leaves_the_served_arrays_and_weights_untouched(hub, trainers):
+    model, pubs, arrays = trainers
     rx = swap_receiver(model, hub)
     rx.refit(timeout=10)
     served = rx.weights()
@@ -99,13 +106,10 @@ def test_swap_failed_refit_leaves_the_served_arrays_and_weights_untouched(hub, n
     assert rx.refit(timeout=10).step == 3
     assert_exact(rx.weights(), expected(model, LAYOUT, 0, 3))
     assert_exact(served, expected(model, LAYOUT, 0, 1))
-    for p in pubs:
-        p.close()
 
 
-def test_swap_engine_serves_while_refit_async_runs(hub, name):
-    model = tiny_model(name)
-    pubs, arrays = start_publishers(model, hub)
+def test_swap_engine_serves_while_refit_async_runs(hub, trainers):
+    model, pubs, arrays = trainers
     rx = swap_receiver(model, hub)
     steps = {n: {k: v.tobytes() for k, v in expected(model, LAYOUT, 0, n).items()} for n in (1, 2)}
 
@@ -136,13 +140,10 @@ def test_swap_engine_serves_while_refit_async_runs(hub, name):
         return rx.weights()
 
     assert_exact(asyncio.run(main()), expected(model, LAYOUT, 0, 2))
-    for p in pubs:
-        p.close()
 
 
-def test_swap_arrays_outlive_the_receiver(hub, name):
-    model = tiny_model(name)
-    pubs, _ = start_publishers(model, hub)
+def test_swap_arrays_outlive_the_receiver(hub, trainers):
+    model, _, _ = trainers
     rx = swap_receiver(model, hub)
     rx.refit(timeout=10)
     served = rx.weights()
@@ -151,13 +152,10 @@ def test_swap_arrays_outlive_the_receiver(hub, name):
     gc.collect()
     # Each array keeps its own buffer: nothing was freed under it.
     assert_exact(served, expected(model, LAYOUT, 0, 1))
-    for p in pubs:
-        p.close()
 
 
-def test_install_mode_must_match_params(hub, name):
-    model = tiny_model(name)
-    pubs, _ = start_publishers(model, hub)
+def test_install_mode_must_match_params(hub, name, trainers):
+    model, _, _ = trainers
     params = {n: np.zeros(s, dtype=reshard.numpy_dtype(d))
               for n, (s, d) in reshard.receiver_params(model, LAYOUT, 0).items()}
     common = dict(model=name, layout=LAYOUT, rank=0, rendezvous=hub, transport="loopback",
@@ -170,5 +168,3 @@ def test_install_mode_must_match_params(hub, name):
         reshard.Receiver(install="move", **common)
     rx = reshard.Receiver(params=params, **common)
     assert rx.install == "copy" and rx.weights() is rx.params
-    for p in pubs:
-        p.close()
