@@ -401,10 +401,9 @@ class Receiver:
                 raise _invalid("framework='torch' is for swap install: with install='copy' the "
                                "weights are the engine's own arrays")
             return self.params
-        live = self._native.weights()
-        if live is None:
+        rows = self._native.weights()
+        if rows is None:
             raise _invalid(f"receiver rank {self.rank} has no weights before its first refit")
-        _, rows = live
         arrays = {
             name: np.frombuffer(view, dtype=self._dtypes[name]).reshape(shape)
             for name, view, _, shape in rows

@@ -32,12 +32,6 @@ struct State {
     previous_step: Option<u64>,
 }
 
-/// The live bank as the last refit left it, readable while another refit runs.
-struct Live {
-    step: u64,
-    bufs: Vec<Arc<HostBuffer>>,
-}
-
 /// How verified weights reach the engine.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Install {
@@ -56,8 +50,9 @@ pub struct NativeReceiver {
     install: Install,
     /// `(name, dtype, shape, bytes)` of every parameter, in layout order.
     specs: Vec<(String, String, Vec<u64>, u64)>,
-    /// Swap install: the live bank, for `weights()`.
-    live: Mutex<Option<Live>>,
+    /// Swap install: the live bank as the last refit left it, for `weights()` (readable while
+    /// another refit runs).
+    live: Mutex<Option<Vec<Arc<HostBuffer>>>>,
     /// Swap install: live loans of bank buffers to Python.
     lent: Arc<Lent>,
     /// The step the engine's weights hold, readable while a refit runs in another thread.
@@ -268,10 +263,7 @@ impl NativeReceiver {
                 py.allow_threads(|| copy_into(live, params))
             }
             Install::Swap => {
-                *self.live.lock() = Some(Live {
-                    step: report.step,
-                    bufs: live.to_vec(),
-                });
+                *self.live.lock() = Some(live.to_vec());
                 0.0
             }
         };
@@ -302,10 +294,10 @@ impl NativeReceiver {
         Ok(d)
     }
 
-    /// Swap install: `(step, [(name, view, dtype, shape)])` of the live bank, each view a
-    /// read-only buffer of the parameter's bytes that stays valid (and unchanged) while it
-    /// lives; None before the first refit. Callable while a refit runs in another thread.
-    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Option<(u64, Bound<'py, PyList>)>> {
+    /// Swap install: `[(name, view, dtype, shape)]` of the live bank, each view a read-only
+    /// buffer of the parameter's bytes that stays valid (and unchanged) while it lives; None
+    /// before the first refit. Callable while a refit runs in another thread.
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         if self.install != Install::Swap {
             return Err(invalid(
                 ErrorKind::InvalidInput,
@@ -321,11 +313,11 @@ impl NativeReceiver {
             return Ok(None);
         };
         let rows = PyList::empty(py);
-        for (buf, (name, dtype, shape, bytes)) in live.bufs.iter().zip(&self.specs) {
+        for (buf, (name, dtype, shape, bytes)) in live.iter().zip(&self.specs) {
             let view = BankView::lend(buf.clone(), *bytes as usize, self.lent.clone());
             rows.append((name, Py::new(py, view)?, dtype, shape.clone()))?;
         }
-        Ok(Some((live.step, rows)))
+        Ok(Some(rows))
     }
 
     /// Asks a running refit (in another thread) to stop; it raises `reshard.Aborted`.
