@@ -16,6 +16,12 @@ if [ ! -x "$python" ]; then
     exit 1
 fi
 
+# The virtualenv's own tools come first on PATH: maturin's PEP 517 hook runs `maturin` by name,
+# and a fresh machine has none anywhere else (a `maturin` left on a developer's PATH once hid
+# this).
+PATH="$(dirname "$python"):$PATH"
+export PATH
+
 cargo test --workspace --release
 
 # --no-build-isolation: maturin comes from the virtualenv (install-deps), not a fresh download.
