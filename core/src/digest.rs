@@ -1,5 +1,12 @@
-//! Content digests of offer bytes: XXH3-128, position-sensitive (a permuted row, a changed value
-//! and a torn tail all change it). Chosen over BLAKE3 by measurement; see BENCHMARKS.md.
+//! Content digests of offer bytes: XXH3, position-sensitive (a permuted row, a changed value and
+//! a torn tail all change it). Chosen over BLAKE3 by measurement; see BENCHMARKS.md.
+//!
+//! An offer's digests are folds of *segment hashes* (docs/design.md §6, "Digests"): the offer is a
+//! matrix of rows and column blocks ([`crate::MatrixView`]); each segment (one row's bytes of one
+//! column block) is hashed once with XXH3-64, and a digest of any rectangle of segments (the whole
+//! offer, a run of rows, a column block) is the XXH3 hash of its segment hashes, little-endian,
+//! in row-major order ([`SegmentFold`]). A publisher hashes each byte once for all its digests;
+//! a receiver that read only part of an offer computes the same fold over what it read.
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -64,6 +71,58 @@ impl<'de> Deserialize<'de> for Digest {
     }
 }
 
+/// The fold of a rectangle of segment hashes (see the module docs): rows are added in order,
+/// each split into segments of one column block's bytes.
+#[derive(Debug, Default, Clone)]
+pub struct SegmentFold {
+    hashes: Vec<u8>,
+}
+
+impl SegmentFold {
+    /// An empty fold.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forgets every row added so far (keeps the allocation).
+    pub fn clear(&mut self) {
+        self.hashes.clear();
+    }
+
+    /// Adds one row of the rectangle: `row` split into segments of `seg_bytes` bytes (the last
+    /// may be shorter: the offer's last column block is narrower when the columns do not divide).
+    pub fn row(&mut self, row: &[u8], seg_bytes: u64) {
+        let seg = usize::try_from(seg_bytes.max(1)).unwrap_or(usize::MAX);
+        if row.is_empty() {
+            self.segment(row);
+        }
+        for s in row.chunks(seg) {
+            self.segment(s);
+        }
+    }
+
+    /// Adds one segment.
+    pub fn segment(&mut self, bytes: &[u8]) {
+        self.hashes
+            .extend_from_slice(&xxhash_rust::xxh3::xxh3_64(bytes).to_le_bytes());
+    }
+
+    /// The 64-bit digest of a part (a row chunk or a column block).
+    pub fn part(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(&self.hashes)
+    }
+
+    /// The 128-bit digest of a whole offer.
+    pub fn whole(&self) -> Digest {
+        Digest(xxhash_rust::xxh3::xxh3_128(&self.hashes).to_le_bytes())
+    }
+
+    /// Segment hashes added so far, as little-endian bytes (8 per segment).
+    pub fn hashes(&self) -> &[u8] {
+        &self.hashes
+    }
+}
+
 /// A 64-bit hasher for fingerprints built incrementally from plan fields.
 #[derive(Default)]
 pub struct Fingerprinter(xxhash_rust::xxh3::Xxh3);
@@ -116,6 +175,31 @@ mod tests {
         assert_ne!(Digest::of(&permuted), d);
         assert_ne!(Digest::of(&base[..base.len() - 1]), d);
         assert_eq!(Digest::of(&base), d);
+    }
+
+    #[test]
+    fn segment_folds_see_order_values_and_segment_bounds() {
+        let base = rows();
+        let fold = |bytes: &[u8], row: usize, seg: u64| {
+            let mut f = SegmentFold::new();
+            for r in bytes.chunks(row) {
+                f.row(r, seg);
+            }
+            (f.part(), f.whole())
+        };
+        let d = fold(&base, 512, 128);
+        assert_eq!(fold(&base, 512, 128), d);
+        let mut changed = base.clone();
+        changed[4000] ^= 0x80;
+        assert_ne!(fold(&changed, 512, 128), d);
+        let mut permuted = base.clone();
+        let (a, b) = permuted.split_at_mut(512);
+        a.swap_with_slice(&mut b[..512]);
+        assert_ne!(fold(&permuted, 512, 128), d);
+        // The same bytes cut into other segments are another digest: checks must use the
+        // publisher's column blocks.
+        assert_ne!(fold(&base, 512, 64), d);
+        assert_ne!(fold(&base[..base.len() - 1], 512, 128), d);
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub mod rendezvous;
 pub mod stats;
 pub mod transport;
 
-pub use digest::Digest;
+pub use digest::{Digest, SegmentFold};
 pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};
 pub use memory::{memory_check, BytesMut, BytesRef, HostBuffer, HostMemory, MemoryBlock};
@@ -35,11 +35,12 @@ pub use merge::{
     MergedTable, MergedTensor, ReplicaGroups,
 };
 pub use model::{
-    ChunkDigests, DType, MemoryKind, OfferLocation, OwnerId, PublisherId, ShardOffer, ShardTable,
-    TensorBox, TensorSpec,
+    offer_digest, DType, MatrixView, MemoryKind, OfferLocation, OwnerId, PartDigests, PublisherId,
+    ShardOffer, ShardTable, TensorBox, TensorSpec, PARTS_PER_AXIS,
 };
 pub use plan::{
-    Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice, StagingBuffer,
+    CheckedPart, Dest, DigestCheck, Plan, PlanParam, PlanStats, PlannedRead, Reslice,
+    StagingBuffer, StagingKind,
 };
 pub use stats::median;
 pub use transport::{

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::digest::{Digest, Fingerprinter};
 use crate::error::{Error, ErrorDetail, ErrorKind, Result};
-use crate::model::{ChunkDigests, OfferLocation, OwnerId, ShardTable, TensorBox, TensorSpec};
+use crate::model::{OfferLocation, OwnerId, PartDigests, ShardTable, TensorBox, TensorSpec};
 
 /// One offer after merge: the owner is explicit because offers of many tables are mixed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,8 +21,8 @@ pub struct MergedOffer {
     pub location: OfferLocation,
     /// Digest of the bytes, if published.
     pub digest: Option<Digest>,
-    /// Dim-0 row-chunk digests, if published (shared: dedup clones offers).
-    pub chunks: Option<Arc<ChunkDigests>>,
+    /// Row-chunk and column-block digests, if published (shared: dedup clones offers).
+    pub parts: Option<Arc<PartDigests>>,
 }
 
 /// A tensor with every offer any publisher made of it.
@@ -62,8 +62,9 @@ impl MergedTable {
         self.tensors.iter().map(|t| t.offers.len()).sum()
     }
 
-    /// Fingerprint of everything the plan depends on (names, shapes, boxes, owners, locations),
-    /// and nothing it does not (digests, step): equal fingerprints mean the cached plan holds.
+    /// Fingerprint of everything the plan depends on (names, shapes, boxes, owners, locations,
+    /// which digests exist and on what grid), and nothing it does not (digest values, step):
+    /// equal fingerprints mean the cached plan holds.
     pub fn geometry_fingerprint(&self) -> u64 {
         let mut f = Fingerprinter::new();
         for t in &self.tensors {
@@ -74,11 +75,14 @@ impl MergedTable {
             }
             f.u64(t.offers.len() as u64);
             for o in &t.offers {
-                // Chunk rows decide which chunk checks the plan holds.
+                // The part grid decides which checks the plan holds.
+                let (rows, cols) = part_grid(o.parts.as_deref());
                 f.u64(o.owner as u64)
                     .u64(o.location.region)
                     .u64(o.location.offset)
-                    .u64(o.chunks.as_ref().map_or(0, |c| c.rows));
+                    .u64(o.digest.is_some() as u64)
+                    .u64(rows)
+                    .u64(cols);
                 for d in 0..o.tensor_box.rank() {
                     f.u64(o.tensor_box.offset[d]).u64(o.tensor_box.extent[d]);
                 }
@@ -162,7 +166,7 @@ pub fn merge(tables: &[ShardTable]) -> Result<MergedTable> {
                 tensor_box: offer.tensor_box.clone(),
                 location: offer.location,
                 digest: offer.digest,
-                chunks: offer.chunks.clone().map(Arc::new),
+                parts: offer.parts.clone().map(Arc::new),
             });
         }
     }
@@ -272,7 +276,7 @@ pub fn keep_all(merged: MergedTable) -> (MergedTable, DedupReport) {
 struct Replica<'a> {
     owner: OwnerId,
     digest: Option<Digest>,
-    chunks: Option<&'a ChunkDigests>,
+    parts: Option<&'a PartDigests>,
 }
 
 impl<'a> From<&'a MergedOffer> for Replica<'a> {
@@ -280,25 +284,37 @@ impl<'a> From<&'a MergedOffer> for Replica<'a> {
         Replica {
             owner: o.owner,
             digest: o.digest,
-            chunks: o.chunks.as_deref(),
+            parts: o.parts.as_deref(),
         }
     }
 }
 
+/// The part grid of an offer's digests (rows per chunk, columns per block), 0 without any:
+/// it decides which checks a plan holds, so it is part of the geometry.
+fn part_grid(p: Option<&PartDigests>) -> (u64, u64) {
+    p.map_or((0, 0), |p| (p.chunk_rows, p.block_cols))
+}
+
 /// Offers with one box are replicas only if their digests agree: whole digests decide, and
-/// chunk digests of the same row split must agree too.
+/// part digests on the same grid must agree too.
 fn check_replicas(tensor: &str, tensor_box: &TensorBox, group: &[Replica<'_>]) -> Result<()> {
-    let chunks = group.iter().filter_map(|o| o.chunks.map(|c| (o.owner, c)));
-    let mut chunk_pairs = chunks.clone().zip(chunks.skip(1));
-    if let Some(((owner_a, a), (owner_b, b))) =
-        chunk_pairs.find(|((_, a), (_, b))| a.rows == b.rows && a.digests != b.digests)
-    {
+    let parts = group.iter().filter_map(|o| o.parts.map(|p| (o.owner, p)));
+    let mut pairs = parts.clone().zip(parts.skip(1));
+    if let Some(((owner_a, a), (owner_b, b))) = pairs.find(|((_, a), (_, b))| {
+        part_grid(Some(a)) == part_grid(Some(b)) && (a.chunks != b.chunks || a.blocks != b.blocks)
+    }) {
         let (x, y) = a
-            .digests
+            .chunks
             .iter()
-            .zip(&b.digests)
+            .chain(&a.blocks)
+            .zip(b.chunks.iter().chain(&b.blocks))
             .find(|(x, y)| x != y)
-            .map(|(x, y)| (x.prefix(12), y.prefix(12)))
+            .map(|(x, y)| {
+                (
+                    format!("{x:016x}")[..12].to_string(),
+                    format!("{y:016x}")[..12].to_string(),
+                )
+            })
             .unwrap_or_default();
         return Err(divergence(tensor, tensor_box, (owner_a, owner_b), (x, y)));
     }
@@ -343,9 +359,9 @@ fn divergence(
     })
 }
 
-/// Fingerprint of one table's geometry (identity, tensors, boxes, locations, chunk splits) and
-/// nothing that changes every step (digests, step): equal keys for every publisher mean the
-/// previous merge, dedup and plan still hold.
+/// Fingerprint of one table's geometry (identity, tensors, boxes, locations, which digests exist
+/// and their part grid) and nothing that changes every step (digest values, step): equal keys
+/// for every publisher mean the previous merge, dedup and plan still hold.
 pub fn table_geometry_key(t: &ShardTable) -> u64 {
     let mut f = Fingerprinter::new();
     f.u64(t.publisher.rank as u64).str(&t.publisher.agent);
@@ -367,7 +383,9 @@ pub fn table_geometry_key(t: &ShardTable) -> u64 {
                 crate::model::MemoryKind::Dram => u64::MAX,
                 crate::model::MemoryKind::Vram { device } => device as u64,
             })
-            .u64(o.chunks.as_ref().map_or(0, |c| c.rows))
+            .u64(o.digest.is_some() as u64)
+            .u64(part_grid(o.parts.as_ref()).0)
+            .u64(part_grid(o.parts.as_ref()).1)
             .u64(o.tensor_box.rank() as u64);
         for d in 0..o.tensor_box.rank() {
             f.u64(o.tensor_box.offset[d]).u64(o.tensor_box.extent[d]);
@@ -416,7 +434,7 @@ impl ReplicaGroups {
                 members.push(Replica {
                     owner: t.publisher.rank,
                     digest: o.digest,
-                    chunks: o.chunks.as_ref(),
+                    parts: o.parts.as_ref(),
                 });
             }
             if let Some(o) = first {
@@ -462,7 +480,7 @@ mod tests {
                     memory: MemoryKind::Dram,
                 },
                 digest,
-                chunks: None,
+                parts: None,
             });
         }
         t

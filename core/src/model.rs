@@ -337,52 +337,170 @@ pub struct OfferLocation {
     pub memory: MemoryKind,
 }
 
-/// Digests of consecutive dim-0 row chunks of an offer, so a receiver that reads only some rows
-/// (a TP slice) can still check what it read. Chunk `k` covers offer rows
-/// `k * rows .. min((k + 1) * rows, extent[0])`, each digest taken over those rows' bytes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChunkDigests {
-    /// Dim-0 rows per chunk (the last chunk may be shorter).
+/// Cuts of an offer along each axis of its matrix view that carry their own digest: 16 row
+/// chunks and 16 column blocks, so every TP slice of up to 16 times the publisher's own (on an
+/// offer whose rows or columns divide by 16) is whole chunks or whole blocks, which a receiver
+/// reading only its slice can check (docs/design.md §6).
+pub const PARTS_PER_AXIS: u64 = 16;
+
+/// An offer's box as a matrix: `rows` (dim 0) by `cols` (dim 1) cells of `inner` elements (the
+/// product of dims 2..). A 1-D box is one row of columns, a scalar one cell. Row chunks and
+/// column blocks ([`PartDigests`]) cut this matrix; a segment is one row's bytes of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatrixView {
+    /// Rows.
     pub rows: u64,
-    /// One digest per chunk, in row order.
-    pub digests: Vec<Digest>,
+    /// Columns per row.
+    pub cols: u64,
+    /// Elements per column cell.
+    pub inner: u64,
 }
 
-impl ChunkDigests {
-    /// Digests `offer_bytes` (a row-major offer of `rows_total` dim-0 rows) in chunks of `rows`.
-    pub fn of(offer_bytes: &[u8], rows_total: u64, rows: u64) -> Self {
-        let rows = rows.max(1);
-        let row_bytes = offer_bytes.len() as u64 / rows_total.max(1);
-        let chunk = (rows * row_bytes).max(1) as usize;
-        ChunkDigests {
-            rows,
-            digests: offer_bytes.chunks(chunk).map(Digest::of).collect(),
+impl MatrixView {
+    /// The matrix view of a box of extent `extent`.
+    pub fn of(extent: &[u64]) -> Self {
+        match extent {
+            [] => MatrixView {
+                rows: 1,
+                cols: 1,
+                inner: 1,
+            },
+            [n] => MatrixView {
+                rows: 1,
+                cols: *n,
+                inner: 1,
+            },
+            [r, c, rest @ ..] => MatrixView {
+                rows: *r,
+                cols: *c,
+                inner: rest.iter().product(),
+            },
         }
     }
 
-    /// The whole-offer digest and the chunk digests in one pass over the bytes: each chunk is
-    /// hashed while it is in cache and fed to the streaming whole-offer hash.
-    pub fn with_whole(offer_bytes: &[u8], rows_total: u64, rows: u64) -> (Digest, Self) {
-        let rows = rows.max(1);
-        let row_bytes = offer_bytes.len() as u64 / rows_total.max(1);
-        let chunk = (rows * row_bytes).max(1) as usize;
-        let mut whole = xxhash_rust::xxh3::Xxh3::new();
-        let digests = offer_bytes
-            .chunks(chunk)
-            .map(|c| {
-                whole.update(c);
-                Digest::of(c)
+    /// Rows per row chunk and columns per column block of the standard grid
+    /// ([`PARTS_PER_AXIS`] parts each way, fewer when there are fewer rows or columns).
+    pub fn grid(&self) -> (u64, u64) {
+        (
+            self.rows.div_ceil(PARTS_PER_AXIS).max(1),
+            self.cols.div_ceil(PARTS_PER_AXIS).max(1),
+        )
+    }
+}
+
+/// Digests of an offer's parts, so a receiver that reads only some rows (a TP slice of a
+/// column-parallel tensor) or only some columns (a TP slice of a row-parallel one) can still
+/// check what it read (docs/design.md §6). Row chunk `k` holds rows
+/// `k * chunk_rows .. min((k + 1) * chunk_rows, rows)` of the offer's [`MatrixView`], every
+/// column; column block `j` holds columns `j * block_cols .. min((j + 1) * block_cols, cols)`,
+/// every row. Each digest is the 64-bit [`crate::SegmentFold`] of its segments.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartDigests {
+    /// Matrix rows per row chunk (the last chunk may be shorter).
+    pub chunk_rows: u64,
+    /// One digest per row chunk, in row order.
+    #[serde(with = "hex_u64s")]
+    pub chunks: Vec<u64>,
+    /// Matrix columns per column block (the last block may be narrower).
+    pub block_cols: u64,
+    /// One digest per column block, in column order.
+    #[serde(with = "hex_u64s")]
+    pub blocks: Vec<u64>,
+}
+
+impl PartDigests {
+    /// The whole digest and the part digests on the standard grid ([`MatrixView::grid`]) of an
+    /// offer's row-major `bytes` (box extent `extent`, `elem` bytes per element), hashing each
+    /// byte once.
+    pub fn compute(bytes: &[u8], extent: &[u64], elem: u64) -> (Digest, PartDigests) {
+        let (chunk_rows, block_cols) = MatrixView::of(extent).grid();
+        Self::compute_on(bytes, extent, elem, chunk_rows, block_cols)
+    }
+
+    /// [`Self::compute`] on a grid of `chunk_rows` by `block_cols` (each at least 1).
+    pub fn compute_on(
+        bytes: &[u8],
+        extent: &[u64],
+        elem: u64,
+        chunk_rows: u64,
+        block_cols: u64,
+    ) -> (Digest, PartDigests) {
+        let v = MatrixView::of(extent);
+        let (chunk_rows, block_cols) = (chunk_rows.max(1), block_cols.max(1));
+        let nb = v.cols.div_ceil(block_cols) as usize;
+        let row_bytes = (v.cols * v.inner * elem) as usize;
+        let seg = block_cols * v.inner * elem;
+        let mut fold = crate::digest::SegmentFold::new();
+        if row_bytes == 0 {
+            fold.row(&[], seg);
+        }
+        for row in bytes.chunks(row_bytes.max(1)) {
+            fold.row(row, seg);
+        }
+        // Folds of the segment hashes: row chunks are contiguous runs of them, column blocks
+        // every nb-th one.
+        let hashes = fold.hashes();
+        let per_row = 8 * nb.max(1);
+        let chunks = hashes
+            .chunks(per_row * chunk_rows as usize)
+            .map(xxhash_rust::xxh3::xxh3_64)
+            .collect();
+        let mut column = Vec::with_capacity(8 * v.rows as usize);
+        let blocks = (0..nb)
+            .map(|j| {
+                column.clear();
+                for r in hashes.chunks(per_row) {
+                    column.extend_from_slice(&r[8 * j..8 * j + 8]);
+                }
+                xxhash_rust::xxh3::xxh3_64(&column)
             })
             .collect();
         (
-            Digest(whole.digest128().to_le_bytes()),
-            ChunkDigests { rows, digests },
+            fold.whole(),
+            PartDigests {
+                chunk_rows,
+                chunks,
+                block_cols,
+                blocks,
+            },
         )
     }
 
-    /// Number of chunks an offer of `rows_total` dim-0 rows has.
-    pub fn expected_count(rows_total: u64, rows: u64) -> u64 {
-        rows_total.div_ceil(rows.max(1))
+    /// Numbers of row chunks and column blocks an offer of extent `extent` has on this grid.
+    pub fn expected_counts(&self, extent: &[u64]) -> (u64, u64) {
+        let v = MatrixView::of(extent);
+        (
+            v.rows.div_ceil(self.chunk_rows.max(1)),
+            v.cols.div_ceil(self.block_cols.max(1)),
+        )
+    }
+}
+
+/// The whole digest of an offer's row-major `bytes` (a box of extent `extent`, `elem` bytes per
+/// element), as its publisher computes it ([`PartDigests::compute`]).
+pub fn offer_digest(bytes: &[u8], extent: &[u64], elem: u64) -> Digest {
+    PartDigests::compute(bytes, extent, elem).0
+}
+
+/// Part digests as lower-case hex strings of 16 characters in JSON.
+mod hex_u64s {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &[u64], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(v.iter().map(|d| format!("{d:016x}")))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+        let v = Vec::<String>::deserialize(d)?;
+        v.iter()
+            .map(|h| {
+                if h.len() != 16 {
+                    return Err(serde::de::Error::custom("part digest must be 16 hex chars"));
+                }
+                u64::from_str_radix(h, 16)
+                    .map_err(|_| serde::de::Error::custom("part digest must be 16 hex chars"))
+            })
+            .collect()
     }
 }
 
@@ -395,11 +513,12 @@ pub struct ShardOffer {
     pub tensor_box: TensorBox,
     /// Where its bytes live.
     pub location: OfferLocation,
-    /// Content digest of the buffer's bytes, when the publisher computed one.
+    /// Content digest of the buffer's bytes (the 128-bit [`crate::SegmentFold`] of all its
+    /// segments), when the publisher computed one.
     pub digest: Option<Digest>,
-    /// Digests of dim-0 row chunks, when the publisher computed them.
+    /// Digests of row chunks and column blocks, when the publisher computed them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chunks: Option<ChunkDigests>,
+    pub parts: Option<PartDigests>,
 }
 
 /// Who published a table.
@@ -488,16 +607,23 @@ impl ShardTable {
             o.tensor_box
                 .validate_in(&self.tensors[i])
                 .map_err(|e| e.with_owner(self.publisher.rank))?;
-            if let Some(c) = &o.chunks {
-                let want = ChunkDigests::expected_count(o.tensor_box.extent[0], c.rows);
-                if c.rows == 0 || c.digests.len() as u64 != want {
+            if let Some(p) = &o.parts {
+                let (chunks, blocks) = p.expected_counts(&o.tensor_box.extent);
+                if p.chunk_rows == 0
+                    || p.block_cols == 0
+                    || p.chunks.len() as u64 != chunks
+                    || p.blocks.len() as u64 != blocks
+                {
                     return Err(Error::new(
                         ErrorKind::InvalidTable,
                         format!(
-                            "offer of box {} has {} chunk digests of {} rows; expected {want}",
+                            "offer of box {} has {} row-chunk digests of {} rows and {} \
+                             column-block digests of {} columns; expected {chunks} and {blocks}",
                             o.tensor_box,
-                            c.digests.len(),
-                            c.rows
+                            p.chunks.len(),
+                            p.chunk_rows,
+                            p.blocks.len(),
+                            p.block_cols
                         ),
                     )
                     .with_tensor(&o.tensor)
@@ -522,16 +648,68 @@ impl ShardTable {
 mod tests {
     use super::*;
 
+    /// The fold the receiver computes over a rectangle of an offer's matrix view.
+    fn fold_of(
+        bytes: &[u8],
+        v: MatrixView,
+        elem: u64,
+        rows: std::ops::Range<u64>,
+        cols: std::ops::Range<u64>,
+        block: u64,
+    ) -> crate::digest::SegmentFold {
+        let mut f = crate::digest::SegmentFold::new();
+        let row_bytes = v.cols * v.inner * elem;
+        let cell = v.inner * elem;
+        for r in rows {
+            let s = (r * row_bytes + cols.start * cell) as usize;
+            f.row(
+                &bytes[s..s + ((cols.end - cols.start) * cell) as usize],
+                block * cell,
+            );
+        }
+        f
+    }
+
     #[test]
-    fn one_pass_digests_equal_separate_ones() {
-        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
-        let (whole, chunks) = ChunkDigests::with_whole(&bytes, 100, 13);
-        assert_eq!(whole, Digest::of(&bytes));
-        assert_eq!(chunks, ChunkDigests::of(&bytes, 100, 13));
-        assert_eq!(
-            chunks.digests.len() as u64,
-            ChunkDigests::expected_count(100, 13)
-        );
+    fn part_digests_equal_folds_of_what_a_receiver_reads() {
+        // A [10, 7, 3] offer of 2-byte elements: matrix 10 x 7 of 3-element cells; a grid of
+        // 4 rows by 2 columns leaves a short last chunk and a narrow last block.
+        let extent = [10u64, 7, 3];
+        let bytes: Vec<u8> = (0..420u32).map(|i| (i * 31 % 251) as u8).collect();
+        let v = MatrixView::of(&extent);
+        assert_eq!((v.rows, v.cols, v.inner), (10, 7, 3));
+        let (whole, p) = PartDigests::compute_on(&bytes, &extent, 2, 4, 2);
+        assert_eq!(p.expected_counts(&extent), (3, 4));
+        assert_eq!((p.chunks.len(), p.blocks.len()), (3, 4));
+        assert_eq!(fold_of(&bytes, v, 2, 0..10, 0..7, 2).whole(), whole);
+        for (k, d) in p.chunks.iter().enumerate() {
+            let rows = 4 * k as u64..(4 * k as u64 + 4).min(10);
+            assert_eq!(fold_of(&bytes, v, 2, rows, 0..7, 2).part(), *d, "chunk {k}");
+        }
+        for (j, d) in p.blocks.iter().enumerate() {
+            let cols = 2 * j as u64..(2 * j as u64 + 2).min(7);
+            assert_eq!(
+                fold_of(&bytes, v, 2, 0..10, cols, 2).part(),
+                *d,
+                "block {j}"
+            );
+        }
+        // The standard grid: 16 parts each way at most.
+        let (_, std) = PartDigests::compute(&bytes, &extent, 2);
+        assert_eq!((std.chunk_rows, std.block_cols), (1, 1));
+        assert_eq!(MatrixView::of(&[4096, 2048]).grid(), (256, 128));
+        assert_eq!(MatrixView::of(&[2048]).grid(), (1, 128));
+        assert_eq!(MatrixView::of(&[]).grid(), (1, 1));
+    }
+
+    #[test]
+    fn part_digests_round_trip_through_json() {
+        let (_, p) = PartDigests::compute(&[7u8; 64], &[4, 8], 2);
+        let j = serde_json::to_string(&p).unwrap();
+        assert!(j.contains(&format!("{:016x}", p.chunks[0])), "{j}");
+        assert_eq!(serde_json::from_str::<PartDigests>(&j).unwrap(), p);
+        let bad = j.replacen(&format!("{:016x}", p.chunks[0]), "zz", 1);
+        assert!(serde_json::from_str::<PartDigests>(&bad).is_err());
     }
 
     #[test]
@@ -591,7 +769,7 @@ mod tests {
                 memory: MemoryKind::Dram,
             },
             digest: None,
-            chunks: None,
+            parts: None,
         });
         let e = t.validate().unwrap_err();
         assert_eq!(e.context().tensor.as_deref(), Some("x"));

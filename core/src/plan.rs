@@ -34,18 +34,30 @@ pub struct PlannedRead {
     pub tensor: u32,
 }
 
-/// A staging buffer holding one box of a tensor, row-major: a dim-0 row range (full pull) or
-/// one whole offer (a staged offer).
+/// A staging buffer holding one box of a tensor, row-major: a dim-0 row range (full pull), one
+/// whole offer (a staged offer) or a part of one offer that a receiver could not check where
+/// it lands (a staged part: whole row chunks or column blocks around what it wants).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StagingBuffer {
     /// Index into [`Plan::tensors`].
     pub tensor: u32,
     /// The box of the tensor it holds.
     pub tensor_box: crate::model::TensorBox,
-    /// True when it holds one whole offer (a staged offer), false for a dim-0 full pull.
-    pub whole_offer: bool,
+    /// What it holds.
+    pub kind: StagingKind,
     /// Size in bytes.
     pub bytes: u64,
+}
+
+/// What a [`StagingBuffer`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum StagingKind {
+    /// A dim-0 row range of a tensor, every offer in it read whole (a full pull).
+    FullPull,
+    /// One whole offer (a staged offer).
+    Offer,
+    /// Whole row chunks or column blocks of one offer (a staged part).
+    Part,
 }
 
 /// A local strided copy from a staging buffer into a parameter (the re-slice of a full pull).
@@ -78,8 +90,22 @@ impl Reslice {
     }
 }
 
-/// Bytes of an offer (whole, or one dim-0 chunk) that all land in one receiver buffer as
-/// equally spaced rows, so the receiver can gather and check them against the publisher's digest.
+/// Which of an offer's published digests a [`DigestCheck`] compares with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum CheckedPart {
+    /// The whole-offer digest.
+    Whole,
+    /// Row chunk `k` ([`crate::PartDigests::chunks`]).
+    Chunk(u32),
+    /// Column block `j` ([`crate::PartDigests::blocks`]).
+    Block(u32),
+}
+
+/// Bytes of an offer (whole, one row chunk or one column block) that all land in one receiver
+/// buffer as equally spaced rows, so the receiver can gather and check them against the
+/// publisher's digest: each row is cut into segments of `seg_bytes` (the publisher's column
+/// blocks; the last one of a row may be shorter) and the segment hashes are folded in order
+/// ([`crate::SegmentFold`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct DigestCheck {
     /// Index into [`Plan::tensors`].
@@ -90,8 +116,8 @@ pub struct DigestCheck {
     pub src_region: u64,
     /// Offer's byte offset in that region.
     pub src_offset: u64,
-    /// `None`: the offer's whole digest; `Some(k)`: its dim-0 chunk digest `k`.
-    pub chunk: Option<u32>,
+    /// The digest compared with.
+    pub part: CheckedPart,
     /// Where the bytes land.
     pub dst: Dest,
     /// Byte offset of the first row there.
@@ -102,6 +128,8 @@ pub struct DigestCheck {
     pub row_bytes: u64,
     /// Bytes from one row's start to the next in the destination.
     pub row_stride: u64,
+    /// Bytes per segment: one column block of one row.
+    pub seg_bytes: u64,
 }
 
 impl DigestCheck {
@@ -135,13 +163,17 @@ pub struct PlanStats {
     pub exact_descriptors: u64,
     /// `exact_descriptors - reads`.
     pub descriptors_saved: u64,
-    /// Bytes pulled by full pulls beyond what the copies need.
+    /// Bytes pulled by full pulls and staged parts beyond what the copies need.
     pub extra_wire_bytes: u64,
     /// Source tensors pulled whole (dim-0 full pulls) and re-sliced locally.
     pub full_pull_sources: u64,
     /// Offers read whole into staging and re-sliced, because they lie inside a copy but would
     /// land as too many runs (no extra wire bytes).
     pub staged_offers: u64,
+    /// Parts of offers (whole row chunks or column blocks) read into staging because what a
+    /// copy wants of them could not be checked where it lands; their extra bytes count in
+    /// `extra_wire_bytes`.
+    pub staged_parts: u64,
     /// Distinct owners (sessions) read from.
     pub owners: u64,
     /// Parameter bytes the plan writes.
@@ -185,9 +217,7 @@ impl Plan {
         }
         f.u64(self.staging.len() as u64);
         for s in &self.staging {
-            f.u64(s.tensor as u64)
-                .u64(s.bytes)
-                .u64(s.whole_offer as u64);
+            f.u64(s.tensor as u64).u64(s.bytes).u64(s.kind as u64);
             for d in 0..s.tensor_box.rank() {
                 f.u64(s.tensor_box.offset[d]).u64(s.tensor_box.extent[d]);
             }

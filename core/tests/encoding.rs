@@ -6,7 +6,7 @@ use reshard_core::encoding::{
     decode_table, encode_table, table_from_json, table_to_json, MAGIC, MAX_NAME_LEN, SCHEMA_VERSION,
 };
 use reshard_core::{
-    ChunkDigests, DType, Digest, ErrorKind, MemoryKind, OfferLocation, ShardOffer, ShardTable,
+    DType, Digest, ErrorKind, MemoryKind, OfferLocation, PartDigests, ShardOffer, ShardTable,
     TensorBox, TensorSpec,
 };
 
@@ -23,7 +23,7 @@ fn offer(tensor: &str, offset: &[u64], extent: &[u64], at: u64, memory: MemoryKi
             memory,
         },
         digest: None,
-        chunks: None,
+        parts: None,
     }
 }
 
@@ -89,7 +89,7 @@ fn single(b: TensorBox) -> ShardTable {
             memory: MemoryKind::Dram,
         },
         digest: None,
-        chunks: None,
+        parts: None,
     });
     t
 }
@@ -228,9 +228,11 @@ fn encoding_matches_the_documented_layout() {
     );
     o.location.region = 1;
     o.digest = Some(Digest([0xab; 16]));
-    o.chunks = Some(ChunkDigests {
-        rows: 50,
-        digests: vec![Digest([0xcd; 16]), Digest([0xef; 16])],
+    o.parts = Some(PartDigests {
+        chunk_rows: 50,
+        chunks: vec![0xcdcd, 0xefef],
+        block_cols: 2,
+        blocks: vec![0x0101, 0x0202],
     });
     t.offers.push(o);
     let expected = Raw::header_bound(0x0102_0304, b"ag", 0x1122_3344_5566_7788, 300)
@@ -244,16 +246,20 @@ fn encoding_matches_the_documented_layout() {
         .varint(2) // device
         .u8(1) // digest present
         .bytes(&[0xab; 16])
-        .u8(1) // chunk digests present
+        .u8(1) // part digests present
         .varint(50) // rows per chunk
         .varint(2) // chunks
-        .bytes(&[0xcd; 16])
-        .bytes(&[0xef; 16]);
+        .bytes(&0xcdcd_u64.to_le_bytes())
+        .bytes(&0xefef_u64.to_le_bytes())
+        .varint(2) // columns per block
+        .varint(2) // blocks
+        .bytes(&0x0101_u64.to_le_bytes())
+        .bytes(&0x0202_u64.to_le_bytes());
     let bytes = encode_table(&t);
     assert_eq!(bytes, expected.0);
     assert_eq!(
         bytes[..10],
-        [b'R', b'S', b'H', b'T', 2, 0, 0x04, 0x03, 0x02, 0x01]
+        [b'R', b'S', b'H', b'T', 3, 0, 0x04, 0x03, 0x02, 0x01]
     );
     assert_eq!(decode_table(&bytes).unwrap(), t);
 }
@@ -281,7 +287,7 @@ fn full_model_table() -> ShardTable {
                     memory: MemoryKind::Vram { device: 0 },
                 },
                 digest: Some(Digest::of(at.to_le_bytes().as_slice())),
-                chunks: None,
+                parts: None,
             });
         }
         t.tensors.push(spec);
@@ -367,6 +373,46 @@ fn full_model_table_is_compact() {
     // About 35 bytes per offer (16 of them digest) plus the tensor list, half of it names.
     assert!(bytes.len() < 1_700_000, "{} bytes", bytes.len());
     assert_eq!(decode_table(&bytes).unwrap(), t);
+
+    // With the part digests publishers send (row chunks and column blocks on the standard
+    // grid), against the schema-2 form they replace: eight 16-byte row-chunk digests on every
+    // offer of two rows or more, behind a rows varint and a count varint.
+    let mut parts = t.clone();
+    for o in &mut parts.offers {
+        let v = reshard_core::MatrixView::of(&o.tensor_box.extent);
+        let (chunk_rows, block_cols) = v.grid();
+        o.parts = Some(PartDigests {
+            chunk_rows,
+            chunks: vec![u64::MAX; v.rows.div_ceil(chunk_rows) as usize],
+            block_cols,
+            blocks: vec![u64::MAX; v.cols.div_ceil(block_cols) as usize],
+        });
+    }
+    let with_parts = encode_table(&parts).len();
+    let varint = |v: u64| (64 - v.max(1).leading_zeros() as usize).div_ceil(7);
+    let schema2: usize = bytes.len()
+        + t.offers
+            .iter()
+            .map(|o| {
+                let rows = o.tensor_box.extent[0];
+                if rows < 2 {
+                    return 0;
+                }
+                let per = rows.div_ceil(8);
+                let n = rows.div_ceil(per);
+                varint(per) + varint(n) + 16 * n as usize
+            })
+            .sum::<usize>();
+    eprintln!(
+        "with part digests: {with_parts} bytes ({:.1} per offer); schema 2 with eight row-chunk \
+         digests: {schema2} bytes ({:.1} per offer): {:.2}x",
+        (with_parts - encode_table(&no_offers).len()) as f64 / t.offers.len() as f64,
+        (schema2 - encode_table(&no_offers).len()) as f64 / t.offers.len() as f64,
+        with_parts as f64 / schema2 as f64
+    );
+    // docs/design.md §6 and BENCHMARKS.md: at most twice the table it replaces.
+    assert!(with_parts <= 2 * schema2, "{with_parts} > 2 x {schema2}");
+    assert_eq!(decode_table(&encode_table(&parts)).unwrap(), parts);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -636,10 +682,10 @@ fn json_rejects_other_schema_versions() {
     let json = table_to_json(&sample());
     let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
     for bad in [
-        serde_json::json!(1),
-        serde_json::json!(3),
+        serde_json::json!(SCHEMA_VERSION - 1),
+        serde_json::json!(SCHEMA_VERSION + 1),
         serde_json::json!(0),
-        serde_json::json!("2"),
+        serde_json::json!(SCHEMA_VERSION.to_string()),
     ] {
         v["schema_version"] = bad.clone();
         let e = table_from_json(&v.to_string()).unwrap_err();
@@ -731,12 +777,18 @@ fn valid_table() -> impl Strategy<Value = ShardTable> {
                     },
                     digest: digest.map(Digest),
                     // Derived from the digest bytes so the strategy stays small.
-                    chunks: digest.map(|d| {
-                        let rows = 1 + u64::from(d[0]) % b.extent[0];
-                        ChunkDigests {
-                            rows,
-                            digests: (0..b.extent[0].div_ceil(rows))
-                                .map(|k| Digest([d[1] ^ k as u8; 16]))
+                    parts: digest.map(|d| {
+                        let v = reshard_core::MatrixView::of(&b.extent);
+                        let rows = 1 + u64::from(d[0]) % v.rows;
+                        let cols = 1 + u64::from(d[2]) % v.cols;
+                        PartDigests {
+                            chunk_rows: rows,
+                            chunks: (0..v.rows.div_ceil(rows))
+                                .map(|k| u64::from(d[1]) ^ k)
+                                .collect(),
+                            block_cols: cols,
+                            blocks: (0..v.cols.div_ceil(cols))
+                                .map(|k| u64::from(d[3]) << 8 ^ k)
                                 .collect(),
                         }
                     }),
@@ -854,26 +906,32 @@ fn chunked(rows: u64, count: usize) -> ShardTable {
     t.tensors
         .push(TensorSpec::new("w", DType::Bf16, vec![200, 3]));
     let mut o = offer("w", &[0, 0], &[100, 3], 0, MemoryKind::Dram);
-    o.chunks = Some(ChunkDigests {
-        rows,
-        digests: (0..count).map(|i| Digest([i as u8; 16])).collect(),
+    o.parts = Some(PartDigests {
+        chunk_rows: rows,
+        chunks: (0..count as u64).collect(),
+        block_cols: 2,
+        blocks: vec![7, 8],
     });
     t.offers.push(o);
     t
 }
 
 #[test]
-fn chunk_digests_round_trip_in_both_forms() {
+fn part_digests_round_trip_in_both_forms() {
     let t = chunked(13, 8);
     assert_eq!(decode_table(&encode_table(&t)).unwrap(), t);
     assert_eq!(table_from_json(&table_to_json(&t)).unwrap(), t);
 }
 
 #[test]
-fn rejects_chunk_count_that_does_not_match_rows() {
+fn rejects_part_counts_that_do_not_match_the_box() {
     let e = decode_table(&encode_table(&chunked(13, 7))).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidTable);
     assert_eq!(e.context().tensor.as_deref(), Some("w"));
+    let mut t = chunked(13, 8);
+    t.offers[0].parts.as_mut().unwrap().blocks.push(9);
+    let e = decode_table(&encode_table(&t)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidTable);
 }
 
 #[test]
@@ -883,18 +941,19 @@ fn rejects_zero_rows_per_chunk() {
 }
 
 #[test]
-fn rejects_chunk_count_beyond_the_input() {
+fn rejects_part_count_beyond_the_input() {
     let mut bytes = encode_table(&chunked(50, 2));
-    // Drop the two digests and announce a huge count instead of 2.
-    bytes.truncate(bytes.len() - 33);
+    // Drop the block digests and announce a huge count instead of 2.
+    bytes.truncate(bytes.len() - 17);
     bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
     assert_eq!(decode_table(&bytes).unwrap_err().kind(), ErrorKind::Decode);
 }
 
 #[test]
-fn rejects_unknown_chunk_flag() {
+fn rejects_unknown_part_flag() {
     let mut bytes = encode_table(&chunked(50, 2));
-    bytes.truncate(bytes.len() - 2 * 16 - 3);
+    // The flag, then rows, count, two digests, columns, count, two digests.
+    bytes.truncate(bytes.len() - (1 + 1 + 2 * 8 + 1 + 1 + 2 * 8) - 1);
     bytes.push(7);
     assert_eq!(decode_table(&bytes).unwrap_err().kind(), ErrorKind::Decode);
 }

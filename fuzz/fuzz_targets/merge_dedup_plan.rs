@@ -8,7 +8,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use reshard_core::encoding::{decode_table, encode_table};
 use reshard_core::{
-    dedup, keep_all, merge, ChunkDigests, DType, DedupOptions, Digest, MemoryKind, OfferLocation,
+    dedup, keep_all, merge, DType, DedupOptions, Digest, MemoryKind, OfferLocation, PartDigests,
     ParamSpec, ShardOffer, ShardTable, TensorBox, TensorSpec, WantedCopy, WantedLayout,
 };
 use reshard_planner::plan::{plan, PlanOptions};
@@ -51,7 +51,7 @@ struct Offer {
     region: u8,
     byte_offset: u32,
     digest: Option<u8>,
-    chunks: Option<(u8, Vec<u8>)>,
+    parts: Option<(u8, Vec<u8>, u8, Vec<u8>)>,
 }
 
 #[derive(Debug, Arbitrary)]
@@ -120,9 +120,11 @@ fn table(t: &Table) -> ShardTable {
                 memory: MemoryKind::Dram,
             },
             digest: o.digest.map(digest),
-            chunks: o.chunks.as_ref().map(|(rows, d)| ChunkDigests {
-                rows: u64::from(*rows % 5),
-                digests: d.iter().take(8).map(|&v| digest(v)).collect(),
+            parts: o.parts.as_ref().map(|(rows, c, cols, b)| PartDigests {
+                chunk_rows: u64::from(*rows % 5),
+                chunks: c.iter().take(8).map(|&v| u64::from(v)).collect(),
+                block_cols: u64::from(*cols % 5),
+                blocks: b.iter().take(8).map(|&v| u64::from(v)).collect(),
             }),
         })
         .collect();

@@ -529,8 +529,27 @@ fn rank_shards(
     Ok(out)
 }
 
+/// Gives every offer of `tables` the digests a production publisher sends (a whole digest and
+/// row-chunk and column-block digests on the standard grid, [`reshard_core::PartDigests`]),
+/// with placeholder values: what a plan holds depends on which digests exist and on their grid,
+/// never on their values, so a geometry table planned this way plans what a deployment does.
+pub fn with_digest_placeholders(tables: &mut [ShardTable]) {
+    for o in tables.iter_mut().flat_map(|t| t.offers.iter_mut()) {
+        let v = reshard_core::MatrixView::of(&o.tensor_box.extent);
+        let (chunk_rows, block_cols) = v.grid();
+        o.digest = Some(reshard_core::Digest([0; 16]));
+        o.parts = Some(reshard_core::PartDigests {
+            chunk_rows,
+            chunks: vec![0; v.rows.div_ceil(chunk_rows) as usize],
+            block_cols,
+            blocks: vec![0; v.cols.div_ceil(block_cols) as usize],
+        });
+    }
+}
+
 /// Geometry-only shard tables (no bytes): each rank's offers packed back to back in region 0
-/// in shard order, in DRAM, without digests, published by agent `publisher-{rank}`.
+/// in shard order, in DRAM, without digests ([`with_digest_placeholders`] adds them), published
+/// by agent `publisher-{rank}`.
 pub fn geometry_tables(
     model: &ModelConfig,
     topo: &PublisherTopology,
@@ -560,7 +579,7 @@ pub fn geometry_tables(
                     memory: MemoryKind::Dram,
                 },
                 digest: None,
-                chunks: None,
+                parts: None,
             });
             offset = offset.checked_add(bytes).ok_or_else(|| {
                 Error::new(

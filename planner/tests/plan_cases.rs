@@ -2,9 +2,9 @@
 //! reads, staging, re-slices and statistics it must produce.
 
 use reshard_core::{
-    dedup, merge, DType, DedupOptions, Dest, ErrorDetail, ErrorKind, MemoryKind, MergedTable,
-    OfferLocation, ParamSpec, Plan, PlannedRead, ShardOffer, ShardTable, TensorBox, TensorSpec,
-    WantedCopy, WantedLayout,
+    dedup, merge, CheckedPart, DType, DedupOptions, Dest, ErrorDetail, ErrorKind, MatrixView,
+    MemoryKind, MergedTable, OfferLocation, ParamSpec, PartDigests, Plan, PlannedRead, ShardOffer,
+    ShardTable, TensorBox, TensorSpec, WantedCopy, WantedLayout,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 
@@ -26,8 +26,27 @@ fn off<'a>(tensor: &'a str, offset: &[u64], extent: &[u64]) -> Off<'a> {
     }
 }
 
-/// One publisher's table: its offers laid out back to back (plus gaps) in region 7.
+/// One publisher's table: its offers laid out back to back (plus gaps) in region 7, each with a
+/// whole digest and part digests on the standard grid (placeholders: the planner only looks at
+/// which digests exist and on what grid).
 fn table(rank: u32, specs: &[&TensorSpec], offers: &[Off]) -> ShardTable {
+    let mut t = bare_table(rank, specs, offers);
+    for o in &mut t.offers {
+        let v = MatrixView::of(&o.tensor_box.extent);
+        let (chunk_rows, block_cols) = v.grid();
+        o.digest = Some(reshard_core::Digest([0; 16]));
+        o.parts = Some(PartDigests {
+            chunk_rows,
+            chunks: vec![0; v.rows.div_ceil(chunk_rows) as usize],
+            block_cols,
+            blocks: vec![0; v.cols.div_ceil(block_cols) as usize],
+        });
+    }
+    t
+}
+
+/// [`table`] without any digests.
+fn bare_table(rank: u32, specs: &[&TensorSpec], offers: &[Off]) -> ShardTable {
     let mut t = ShardTable::new(rank, format!("agent{rank}"), 1);
     for s in specs {
         if offers.iter().any(|o| o.tensor == s.name) {
@@ -47,7 +66,7 @@ fn table(rank: u32, specs: &[&TensorSpec], offers: &[Off]) -> ShardTable {
                 memory: MemoryKind::Dram,
             },
             digest: None,
-            chunks: None,
+            parts: None,
         });
         at += o.extent.iter().product::<u64>() * spec.dtype.size();
     }
@@ -448,19 +467,29 @@ fn non_unit_innermost_destination_stride_is_one_run_per_element() {
         dst_strides: vec![2],
     };
     let l = layout(vec![param("p", DType::F32, &[6], vec![c])]);
-    let p = default_plan(&t, &l);
+    // Without digests: nothing to check, one exact read per element.
+    let bare = deduped(&[bare_table(0, &[&w], &[off("w", &[0], &[3])])]);
+    let p = default_plan(&bare, &l);
     let want: Vec<_> = (0..3)
         .map(|i| read(0, 4 * i, 4, Dest::Param(0), 4 + 8 * i, 0))
         .collect();
     assert_eq!(p.reads, want);
-    // The whole offer still lands, one element per destination "row": it can be gathered.
+    assert!(p.checks.is_empty());
+    // With digests the scattered elements cannot be hashed where they land: the offer is
+    // staged, checked there whole, and re-sliced (no extra wire bytes).
+    let p = default_plan(&t, &l);
+    assert_eq!(p.reads, vec![read(0, 0, 12, Dest::Staging(0), 0, 0)]);
     assert_eq!(p.checks.len(), 1);
     let c = p.checks[0];
     assert_eq!(
-        (c.chunk, c.rows, c.row_bytes, c.row_stride),
-        (None, 3, 4, 8)
+        (c.part, c.dst, c.rows, c.row_bytes, c.seg_bytes),
+        (CheckedPart::Whole, Dest::Staging(0), 1, 12, 4)
     );
-    assert_eq!(c.dst_offset, 4);
+    assert_eq!((p.stats.extra_wire_bytes, p.stats.checked_bytes), (0, 12));
+    assert_eq!(
+        (p.reslices[0].dst_offset, &p.reslices[0].dst_strides),
+        (4, &vec![2])
+    );
 }
 
 #[test]
@@ -620,7 +649,8 @@ fn digest_checks_cover_whole_offers_and_full_pulls() {
         ],
     )]);
     let l = layout(vec![
-        // Rows 1..4 of `a`: the second offer lands whole, the first only partly (no check).
+        // Rows 1..4 of `a`: the second offer lands whole, the first only its last row (a
+        // whole row chunk of it: chunks are one row on this small offer).
         param(
             "pa",
             DType::Bf16,
@@ -635,20 +665,33 @@ fn digest_checks_cover_whole_offers_and_full_pulls() {
         ),
     ]);
     let p = default_plan(&t, &l);
-    assert_eq!(p.checks.len(), 2);
+    assert_eq!(p.checks.len(), 3);
     let c = &p.checks[0];
-    assert_eq!((c.tensor, c.owner, c.src_region), (0, 0, 7));
+    assert_eq!(
+        (c.tensor, c.owner, c.src_region, c.part),
+        (0, 0, 7, CheckedPart::Chunk(1))
+    );
+    assert_eq!(
+        (c.src_offset, c.dst, c.dst_offset, c.bytes()),
+        (0, Dest::Param(0), 0, 8)
+    );
+    let c = &p.checks[1];
+    assert_eq!(
+        (c.tensor, c.owner, c.src_region, c.part),
+        (0, 0, 7, CheckedPart::Whole)
+    );
     assert_eq!(
         (c.src_offset, c.dst, c.dst_offset, c.bytes()),
         (16, Dest::Param(0), 8, 16)
     );
-    let c = &p.checks[1];
+    let c = &p.checks[2];
     assert_eq!(
-        (c.tensor, c.src_offset, c.dst, c.dst_offset),
-        (1, 32, Dest::Staging(0), 0)
+        (c.tensor, c.src_offset, c.dst, c.dst_offset, c.part),
+        (1, 32, Dest::Staging(0), 0, CheckedPart::Whole)
     );
     assert_eq!(c.bytes(), 128 * 16);
-    assert_eq!(p.stats.checked_bytes, 16 + 128 * 16);
+    assert_eq!(p.stats.checked_bytes, 8 + 16 + 128 * 16);
+    assert_eq!(p.stats.checked_bytes, p.stats.wire_bytes);
 }
 
 #[test]
@@ -705,21 +748,22 @@ fn empty_layout_is_an_empty_plan() {
     assert_eq!(p.stats, Default::default());
 }
 
-fn with_chunks(mut t: ShardTable, rows: u64) -> ShardTable {
+/// `t` with part digests on a grid of `rows` by `cols` (placeholder values).
+fn with_grid(mut t: ShardTable, rows: u64, cols: u64) -> ShardTable {
     for o in &mut t.offers {
-        let n = o.tensor_box.extent[0].div_ceil(rows);
-        o.chunks = Some(reshard_core::ChunkDigests {
-            rows,
-            digests: (0..n)
-                .map(|k| reshard_core::Digest([k as u8; 16]))
-                .collect(),
+        let v = MatrixView::of(&o.tensor_box.extent);
+        o.parts = Some(PartDigests {
+            chunk_rows: rows,
+            chunks: vec![0; v.rows.div_ceil(rows) as usize],
+            block_cols: cols,
+            blocks: vec![0; v.cols.div_ceil(cols) as usize],
         });
     }
     t
 }
 
 #[test]
-fn a_partial_row_read_is_checked_by_the_chunks_it_covers_whole() {
+fn a_partial_row_read_is_checked_by_whole_chunks_or_staged() {
     let w = bf16("w", &[16, 4]);
     // TP2 rank 1: rows 8..16 of a whole-tensor offer.
     let l = layout(vec![param(
@@ -728,44 +772,141 @@ fn a_partial_row_read_is_checked_by_the_chunks_it_covers_whole() {
         &[8, 4],
         vec![copy("w", &[8, 0], &[8, 4], 0)],
     )]);
-    let t = deduped(&[with_chunks(
-        table(0, &[&w], &[off("w", &[0, 0], &[16, 4])]),
-        2,
-    )]);
-    let p = default_plan(&t, &l);
+    let whole = || table(0, &[&w], &[off("w", &[0, 0], &[16, 4])]);
+    let p = default_plan(&deduped(&[with_grid(whole(), 2, 4)]), &l);
     let chunks: Vec<_> = p
         .checks
         .iter()
-        .map(|c| (c.chunk, c.dst_offset, c.bytes()))
+        .map(|c| (c.part, c.dst_offset, c.bytes()))
         .collect();
     assert_eq!(
         chunks,
         vec![
-            (Some(4), 0, 16),
-            (Some(5), 16, 16),
-            (Some(6), 32, 16),
-            (Some(7), 48, 16)
+            (CheckedPart::Chunk(4), 0, 16),
+            (CheckedPart::Chunk(5), 16, 16),
+            (CheckedPart::Chunk(6), 32, 16),
+            (CheckedPart::Chunk(7), 48, 16)
         ]
     );
-    assert_eq!(p.stats.checked_bytes, 64);
-    // Chunks of 3 rows: [9,12), [12,15) and [15,16) lie inside 8..16; [6,9) does not.
-    let t = deduped(&[with_chunks(
-        table(0, &[&w], &[off("w", &[0, 0], &[16, 4])]),
-        3,
-    )]);
-    let p = default_plan(&t, &l);
+    assert_eq!(p.reads, vec![read(0, 64, 64, Dest::Param(0), 0, 0)]);
+    assert_eq!((p.stats.checked_bytes, p.stats.extra_wire_bytes), (64, 0));
+    // Chunks of 3 rows: 8 is not a chunk start, so rows 6..16 (chunks 2..6) are staged and
+    // checked there; the copy re-slices rows 8..16 out of them.
+    let p = default_plan(&deduped(&[with_grid(whole(), 3, 4)]), &l);
     let chunks: Vec<_> = p
         .checks
         .iter()
-        .map(|c| (c.chunk, c.dst_offset, c.rows))
+        .map(|c| (c.part, c.dst, c.dst_offset, c.rows))
         .collect();
+    let s = Dest::Staging(0);
     assert_eq!(
         chunks,
-        vec![(Some(3), 8, 3), (Some(4), 32, 3), (Some(5), 56, 1)]
+        vec![
+            (CheckedPart::Chunk(2), s, 0, 3),
+            (CheckedPart::Chunk(3), s, 24, 3),
+            (CheckedPart::Chunk(4), s, 48, 3),
+            (CheckedPart::Chunk(5), s, 72, 1)
+        ]
     );
-    // Without chunk digests a partial read has no check.
-    let t = deduped(&[table(0, &[&w], &[off("w", &[0, 0], &[16, 4])])]);
-    assert!(default_plan(&t, &l).checks.is_empty());
+    assert_eq!(p.reads, vec![read(0, 48, 80, s, 0, 0)]);
+    assert_eq!(
+        p.staging[0].tensor_box,
+        TensorBox::new(vec![6, 0], vec![10, 4])
+    );
+    assert_eq!(
+        (p.reslices[0].src_offset, p.reslices[0].dst_offset),
+        (16, 0)
+    );
+    assert_eq!(
+        (
+            p.stats.checked_bytes,
+            p.stats.extra_wire_bytes,
+            p.stats.staged_parts
+        ),
+        (80, 16, 1)
+    );
+    // A whole digest alone: the whole offer is staged.
+    let mut t = whole();
+    t.offers[0].parts = None;
+    let p = default_plan(&deduped(&[t]), &l);
+    assert_eq!(p.reads, vec![read(0, 0, 128, s, 0, 0)]);
+    assert_eq!((p.stats.checked_bytes, p.stats.extra_wire_bytes), (128, 64));
+    assert_eq!((p.stats.staged_offers, p.stats.staged_parts), (1, 0));
+    // No digests at all: read exactly, nothing to check.
+    let bare = deduped(&[bare_table(0, &[&w], &[off("w", &[0, 0], &[16, 4])])]);
+    let p = default_plan(&bare, &l);
+    assert!(p.checks.is_empty());
+    assert_eq!(p.reads, vec![read(0, 64, 64, Dest::Param(0), 0, 0)]);
+}
+
+#[test]
+fn a_partial_column_read_is_checked_by_whole_blocks_or_staged() {
+    // Row-parallel [4, 16] from one TP1 publisher into a TP4 receiver's quarter (columns 4..8):
+    // one run per row, checked by whole column blocks where they land.
+    let w = bf16("w", &[4, 16]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4, 4],
+        vec![copy("w", &[0, 4], &[4, 4], 0)],
+    )]);
+    let whole = || table(0, &[&w], &[off("w", &[0, 0], &[4, 16])]);
+    let p = default_plan(&deduped(&[with_grid(whole(), 4, 2)]), &l);
+    let got: Vec<_> = p
+        .checks
+        .iter()
+        .map(|c| {
+            (
+                c.part,
+                c.dst_offset,
+                c.rows,
+                c.row_bytes,
+                c.row_stride,
+                c.seg_bytes,
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (CheckedPart::Block(2), 0, 4, 4, 8, 4),
+            (CheckedPart::Block(3), 4, 4, 4, 8, 4)
+        ]
+    );
+    assert_eq!(p.stats.reads, 4);
+    assert_eq!((p.stats.checked_bytes, p.stats.wire_bytes), (32, 32));
+    // Blocks of 3 columns: 4..8 sits inside blocks 1..3 (columns 3..9), which are staged,
+    // one read per row, and checked there; 8 extra bytes for 32 wanted.
+    let p = default_plan(&deduped(&[with_grid(whole(), 4, 3)]), &l);
+    let s = Dest::Staging(0);
+    let got: Vec<_> = p
+        .checks
+        .iter()
+        .map(|c| (c.part, c.dst, c.dst_offset, c.row_bytes, c.row_stride))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (CheckedPart::Block(1), s, 0, 6, 12),
+            (CheckedPart::Block(2), s, 6, 6, 12)
+        ]
+    );
+    let want: Vec<_> = (0..4)
+        .map(|r| read(0, 32 * r + 6, 12, s, 12 * r, 0))
+        .collect();
+    assert_eq!(p.reads, want);
+    assert_eq!(
+        p.staging[0].tensor_box,
+        TensorBox::new(vec![0, 3], vec![4, 6])
+    );
+    assert_eq!(
+        (
+            p.stats.checked_bytes,
+            p.stats.wire_bytes,
+            p.stats.extra_wire_bytes
+        ),
+        (48, 48, 16)
+    );
 }
 
 #[test]
@@ -790,7 +931,7 @@ fn whole_offer_rows_landing_strided_are_gathered() {
         .map(|c| {
             (
                 c.owner,
-                c.chunk,
+                c.part,
                 c.dst_offset,
                 c.rows,
                 c.row_bytes,
@@ -798,7 +939,8 @@ fn whole_offer_rows_landing_strided_are_gathered() {
             )
         })
         .collect();
-    assert_eq!(got, vec![(0, None, 0, 4, 8, 16), (1, None, 8, 4, 8, 16)]);
+    let whole = CheckedPart::Whole;
+    assert_eq!(got, vec![(0, whole, 0, 4, 8, 16), (1, whole, 8, 4, 8, 16)]);
 }
 
 #[test]
@@ -835,7 +977,10 @@ fn whole_offers_inside_a_copy_are_staged_instead_of_read_row_by_row() {
         (r.src_strides.clone(), r.dst_strides.clone()),
         (vec![16, 1], vec![32, 1])
     );
-    assert!(p.staging.iter().all(|s| s.whole_offer));
+    assert!(p
+        .staging
+        .iter()
+        .all(|s| s.kind == reshard_core::StagingKind::Offer));
     assert_eq!(
         p.checks.len(),
         2,

@@ -1,14 +1,17 @@
 //! Property tests of the planner (issue §10, STYLE 8): random tensors, publisher splits with
 //! replicas, and receiver layouts; every plan is executed on a byte simulator whose source bytes
-//! are position-unique tags, and compared with a brute-force oracle.
+//! are position-unique tags, and compared with a brute-force oracle. Publishers digest their
+//! offers (whole, or with row chunks and column blocks on random grids), and the simulator runs
+//! the plan's digest checks as a receiver does: every byte a plan reads must be checked exactly
+//! once, and a changed source byte must fail a check (docs/design.md §6).
 
 use std::collections::HashMap;
 
 use proptest::prelude::*;
 use reshard_core::{
-    dedup, merge, DType, DedupOptions, Dest, ErrorDetail, ErrorKind, MemoryKind, MergedTable,
-    OfferLocation, ParamSpec, Plan, ShardOffer, ShardTable, TensorBox, TensorSpec, WantedCopy,
-    WantedLayout,
+    dedup, merge, CheckedPart, DType, DedupOptions, Dest, ErrorDetail, ErrorKind, MatrixView,
+    MemoryKind, MergedTable, OfferLocation, ParamSpec, PartDigests, Plan, SegmentFold, ShardOffer,
+    ShardTable, StagingKind, TensorBox, TensorSpec, WantedCopy, WantedLayout,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 
@@ -49,12 +52,26 @@ struct RawTensor {
     wants: Vec<RawWant>,
 }
 
+/// Which digests publishers send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Digests {
+    None,
+    /// The whole-offer digest only.
+    Whole,
+    /// Whole, and row chunks and column blocks on the standard grid.
+    Standard,
+    /// Whole, and parts on a grid cut from these raw numbers per offer (rarely aligned with
+    /// what a receiver wants, so parts get staged).
+    Grid(u64, u64),
+}
+
 #[derive(Debug, Clone)]
 struct RawCase {
     tensors: Vec<RawTensor>,
     threshold: u64,
     gap: u64,
     two_regions: bool,
+    digests: Digests,
 }
 
 fn want_strategy() -> impl Strategy<Value = RawWant> {
@@ -113,12 +130,19 @@ fn case_strategy() -> impl Strategy<Value = RawCase> {
         0u64..12,
         prop_oneof![3 => Just(0u64), 1 => 1u64..4],
         prop::bool::weighted(0.3),
+        prop_oneof![
+            1 => Just(Digests::None),
+            1 => Just(Digests::Whole),
+            1 => Just(Digests::Standard),
+            3 => any::<(u64, u64)>().prop_map(|(r, c)| Digests::Grid(r, c)),
+        ],
     )
-        .prop_map(|(tensors, threshold, gap, two_regions)| RawCase {
+        .prop_map(|(tensors, threshold, gap, two_regions, digests)| RawCase {
             tensors,
             threshold,
             gap,
             two_regions,
+            digests,
         })
 }
 
@@ -132,11 +156,17 @@ struct Case {
     /// Expected parameter bytes (0 where no copy writes).
     expected: Vec<Vec<u64>>,
     threshold: u64,
+    digests: Digests,
 }
 
 /// The tag of byte `b` of global element `g` of tensor `t`: unique across the whole case.
 fn tag(t: usize, g: u64, elem: u64, b: u64) -> u64 {
     1 + ((t as u64) << 40) + g * elem + b
+}
+
+/// The byte value a tagged byte holds (what publishers digest and receivers hash).
+fn byte_of(tag: u64) -> u8 {
+    (tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
 }
 
 fn row_major(shape: &[u64]) -> Vec<u64> {
@@ -188,7 +218,7 @@ fn build(raw: &RawCase) -> Case {
         .map(|r| ShardTable::new(r, format!("agent{r}"), 3))
         .collect();
     let mut cursor: HashMap<(u32, u64), u64> = HashMap::new();
-    let mut placed: Vec<(u32, u64, u64, usize, TensorBox)> = Vec::new();
+    let mut placed: Vec<(u32, u64, u64, usize, TensorBox, usize)> = Vec::new();
     for (ti, rt) in raw.tensors.iter().enumerate() {
         let dtype = DTYPES[rt.dtype];
         let spec = TensorSpec::new(format!("t{ti}"), dtype, rt.shape.clone());
@@ -228,9 +258,9 @@ fn build(raw: &RawCase) -> Case {
                         memory: MemoryKind::Dram,
                     },
                     digest: None,
-                    chunks: None,
+                    parts: None,
                 });
-                placed.push((owner, region, *at, ti, bx.clone()));
+                placed.push((owner, region, *at, ti, bx.clone(), t.offers.len() - 1));
                 *at += bx.elements() * dtype.size();
             }
         }
@@ -241,7 +271,7 @@ fn build(raw: &RawCase) -> Case {
         .iter()
         .map(|(&k, &len)| (k, vec![GARBAGE; len as usize]))
         .collect();
-    for (owner, region, at, ti, bx) in &placed {
+    for (owner, region, at, ti, bx, _) in &placed {
         let spec = &specs[*ti];
         let elem = spec.dtype.size();
         let (gs, ls) = (row_major(&spec.shape), row_major(&bx.extent));
@@ -254,6 +284,32 @@ fn build(raw: &RawCase) -> Case {
                 buf[(at + l * elem + b) as usize] = tag(*ti, g, elem, b);
             }
         });
+    }
+    // Digests of what each offer holds, as its publisher computes them.
+    for (owner, region, at, ti, bx, oi) in &placed {
+        let elem = specs[*ti].dtype.size();
+        let len = bx.elements() * elem;
+        let bytes: Vec<u8> = memory[&(*owner, *region)][*at as usize..(at + len) as usize]
+            .iter()
+            .map(|&t| byte_of(t))
+            .collect();
+        let v = MatrixView::of(&bx.extent);
+        let (whole, parts) = match raw.digests {
+            Digests::None => continue,
+            Digests::Whole => (PartDigests::compute(&bytes, &bx.extent, elem).0, None),
+            Digests::Standard => {
+                let (w, p) = PartDigests::compute(&bytes, &bx.extent, elem);
+                (w, Some(p))
+            }
+            Digests::Grid(r, c) => {
+                let (rows, cols) = (1 + r % v.rows, 1 + c % v.cols);
+                let (w, p) = PartDigests::compute_on(&bytes, &bx.extent, elem, rows, cols);
+                (w, Some(p))
+            }
+        };
+        let o = &mut tables[*owner as usize].offers[*oi];
+        o.digest = Some(whole);
+        o.parts = parts;
     }
     // Receiver layout: each want a padded block, consecutive same-dtype wants sometimes fused.
     let mut params: Vec<ParamSpec> = Vec::new();
@@ -319,6 +375,7 @@ fn build(raw: &RawCase) -> Case {
         layout,
         expected,
         threshold: raw.threshold,
+        digests: raw.digests,
     }
 }
 
@@ -432,6 +489,11 @@ struct Installed {
     params: Vec<Vec<u64>>,
     /// Times each parameter byte was written (reads and re-slices).
     writes: Vec<Vec<u32>>,
+    /// Times each parameter byte was written by a wire read.
+    read_writes: Vec<Vec<u32>>,
+    staging: Vec<Vec<u64>>,
+    /// Times each staging byte was written (by wire reads only).
+    staged: Vec<Vec<u32>>,
 }
 
 /// Executes `plan`: reads from publisher memory into staging and parameters, then re-slices.
@@ -477,6 +539,7 @@ fn execute(case: &Case, table: &MergedTable, plan: &Plan) -> Result<Installed, T
         buf[d..d + src.len()].copy_from_slice(src);
         count[d..d + src.len()].iter_mut().for_each(|c| *c += 1);
     }
+    let read_writes = writes.clone();
     for c in staged.iter().flatten() {
         prop_assert!(*c <= 1, "a staging byte was written twice");
     }
@@ -500,7 +563,135 @@ fn execute(case: &Case, table: &MergedTable, plan: &Plan) -> Result<Installed, T
             return Err(TestCaseError::fail(e));
         }
     }
-    Ok(Installed { params, writes })
+    Ok(Installed {
+        params,
+        writes,
+        read_writes,
+        staging,
+        staged,
+    })
+}
+
+/// What running a plan's digest checks found.
+struct Checked {
+    /// Checks whose fold differs from the publisher's digest.
+    failed: usize,
+    /// Times each parameter byte was hashed by a check.
+    params: Vec<Vec<u32>>,
+    /// Times each staging byte was hashed by a check.
+    staging: Vec<Vec<u32>>,
+}
+
+/// Runs `plan`'s digest checks over what `got` installed, as a receiver does: each check's rows
+/// cut into segments and folded, compared with its offer's digest in the case's tables. The
+/// byte of source tag `flip` (if any) is changed on its way to the receiver.
+fn run_checks(
+    case: &Case,
+    plan: &Plan,
+    got: &Installed,
+    flip: Option<u64>,
+) -> Result<Checked, TestCaseError> {
+    let offers: HashMap<(u32, u64, u64), &ShardOffer> = case
+        .tables
+        .iter()
+        .flat_map(|t| t.offers.iter().map(move |o| (t.publisher.rank, o)))
+        .map(|(r, o)| ((r, o.location.region, o.location.offset), o))
+        .collect();
+    let mut out = Checked {
+        failed: 0,
+        params: got.params.iter().map(|p| vec![0; p.len()]).collect(),
+        staging: got.staging.iter().map(|s| vec![0; s.len()]).collect(),
+    };
+    let mut fold = SegmentFold::new();
+    for c in &plan.checks {
+        let o = offers[&(c.owner, c.src_region, c.src_offset)];
+        let (tags, count) = match c.dst {
+            Dest::Param(i) => (&got.params[i as usize], &mut out.params[i as usize]),
+            Dest::Staging(i) => (&got.staging[i as usize], &mut out.staging[i as usize]),
+        };
+        fold.clear();
+        for r in 0..c.rows {
+            let s = (c.dst_offset + r * c.row_stride) as usize;
+            let e = s + c.row_bytes as usize;
+            prop_assert!(e <= tags.len(), "check {c:?} leaves its buffer");
+            let row: Vec<u8> = tags[s..e]
+                .iter()
+                .map(|&t| byte_of(t) ^ u8::from(Some(t) == flip))
+                .collect();
+            fold.row(&row, c.seg_bytes);
+            count[s..e].iter_mut().for_each(|n| *n += 1);
+        }
+        let parts = o.parts.as_ref();
+        let ok = match c.part {
+            CheckedPart::Whole => Some(fold.whole()) == o.digest,
+            CheckedPart::Chunk(k) => {
+                parts.and_then(|p| p.chunks.get(k as usize)) == Some(&fold.part())
+            }
+            CheckedPart::Block(j) => {
+                parts.and_then(|p| p.blocks.get(j as usize)) == Some(&fold.part())
+            }
+        };
+        out.failed += usize::from(!ok);
+    }
+    Ok(out)
+}
+
+/// With digests, every byte a wire read writes (into a parameter or staging) is hashed by
+/// exactly one check, every check passes, checked bytes equal wire bytes, and a changed byte
+/// at the source of any read fails a check. Without digests there are no checks.
+fn checks_cover_every_read_byte(
+    case: &Case,
+    plan: &Plan,
+    got: &Installed,
+    pick: (u64, u64),
+) -> Result<(), TestCaseError> {
+    if case.digests == Digests::None {
+        prop_assert!(plan.checks.is_empty());
+        return Ok(());
+    }
+    let checked = run_checks(case, plan, got, None)?;
+    prop_assert_eq!(checked.failed, 0, "a check fails on a correct install");
+    for (pi, (c, w)) in checked.params.iter().zip(&got.read_writes).enumerate() {
+        for (b, (&c, &w)) in c.iter().zip(w).enumerate() {
+            prop_assert_eq!(
+                c,
+                w,
+                "param {} byte {}: checked {} times, read {} times",
+                pi,
+                b,
+                c,
+                w
+            );
+        }
+    }
+    for (si, (c, w)) in checked.staging.iter().zip(&got.staged).enumerate() {
+        for (b, (&c, &w)) in c.iter().zip(w).enumerate() {
+            prop_assert_eq!(
+                c,
+                w,
+                "staging {} byte {}: checked {} times, read {} times",
+                si,
+                b,
+                c,
+                w
+            );
+        }
+    }
+    prop_assert_eq!(plan.stats.checked_bytes, plan.stats.wire_bytes);
+    if let Some(r) = plan
+        .reads
+        .get((pick.0 % plan.reads.len().max(1) as u64) as usize)
+    {
+        let at = r.src_offset + pick.1 % r.len;
+        let tag = case.memory[&(r.owner, r.src_region)][at as usize];
+        let bad = run_checks(case, plan, got, Some(tag))?;
+        prop_assert!(
+            bad.failed > 0,
+            "a changed byte under read {:?} passed every check",
+            r
+        );
+    }
+    Ok(())
 }
 
 fn options(case: &Case, allow_overlap: bool) -> PlanOptions {
@@ -582,6 +773,21 @@ proptest! {
         }
     }
 
+    /// Every installed byte is under a digest check (docs/design.md §6): each byte a wire read
+    /// brings, straight into a parameter or into staging that re-slices from it, is hashed by
+    /// exactly one check against the publisher's digests; all pass on a correct install, and a
+    /// byte changed at the source fails one. Checked bytes equal wire bytes.
+    #[test]
+    fn every_installed_byte_is_checked(raw in case_strategy(), pick in any::<(u64, u64)>()) {
+        let case = build(&raw);
+        let table = deduped(&case);
+        if let Ok(p) = plan(&table, &case.layout, &options(&case, false)) {
+            let got = execute(&case, &table, &p)?;
+            prop_assert_eq!(&got.params, &case.expected);
+            checks_cover_every_read_byte(&case, &p, &got, pick)?;
+        }
+    }
+
     /// The benchmark-only no-dedup arm reads every replica and installs the same bytes as the
     /// deduplicated plan.
     #[test]
@@ -652,11 +858,19 @@ proptest! {
         prop_assert!(s.coalesced_reads <= s.reads);
         prop_assert_eq!(s.wire_bytes, p.reads.iter().map(|r| r.len).sum::<u64>());
         prop_assert_eq!(s.descriptors_saved, s.exact_descriptors.saturating_sub(s.reads));
-        prop_assert_eq!(s.full_pull_sources + s.staged_offers, p.staging.len() as u64);
+        prop_assert_eq!(
+            s.full_pull_sources + s.staged_offers + s.staged_parts,
+            p.staging.len() as u64
+        );
+        let kinds = |k: StagingKind| p.staging.iter().filter(|s| s.kind == k).count() as u64;
+        prop_assert_eq!(
+            (s.full_pull_sources, s.staged_offers, s.staged_parts),
+            (kinds(StagingKind::FullPull), kinds(StagingKind::Offer), kinds(StagingKind::Part))
+        );
         prop_assert_eq!(s.param_bytes, case.layout.bytes());
         let written: u64 = case.expected.iter().flatten().filter(|&&x| x != 0).count() as u64;
         prop_assert_eq!(s.written_bytes, written);
-        // Exact reads carry each wanted byte once; staging reads carry whole offers.
+        // Exact reads carry each wanted byte once; staging reads carry whole offers or parts.
         let resliced: u64 = p.reslices.iter().map(|r| r.bytes()).sum();
         let staged: u64 = p
             .reads
@@ -665,21 +879,20 @@ proptest! {
             .map(|r| r.len)
             .sum();
         prop_assert_eq!(s.wire_bytes, written - resliced + staged);
-        // Extra bytes come only from dim-0 full pulls; a staged offer is wholly wanted.
-        let full_pull = |i: u32| !p.staging[i as usize].whole_offer;
-        let pulled: u64 = p
-            .reads
-            .iter()
-            .filter(|r| matches!(r.dst, Dest::Staging(i) if full_pull(i)))
-            .map(|r| r.len)
-            .sum();
-        let resliced_pulled: u64 = p
-            .reslices
-            .iter()
-            .filter(|r| full_pull(r.staging))
-            .map(|r| r.bytes())
-            .sum();
-        prop_assert_eq!(s.extra_wire_bytes, pulled.saturating_sub(resliced_pulled));
+        // Extra bytes: what full pulls, and staged offers and parts, read beyond what is
+        // re-sliced out of them.
+        let extra = |full: bool| {
+            let of = |i: u32| (p.staging[i as usize].kind == StagingKind::FullPull) == full;
+            let pulled: u64 = p
+                .reads
+                .iter()
+                .filter(|r| matches!(r.dst, Dest::Staging(i) if of(i)))
+                .map(|r| r.len)
+                .sum();
+            let resliced: u64 = p.reslices.iter().filter(|r| of(r.staging)).map(|r| r.bytes()).sum();
+            pulled.saturating_sub(resliced)
+        };
+        prop_assert_eq!(s.extra_wire_bytes, extra(true) + extra(false));
         prop_assert_eq!(s.checked_bytes, p.checks.iter().map(|c| c.bytes()).sum::<u64>());
         prop_assert!(p.tensors.iter().all(|t| case.specs.iter().any(|s| &s.name == t)));
         let mut owners: Vec<u32> = p.reads.iter().map(|r| r.owner).collect();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use reshard_core::encoding::encode_table;
 use reshard_core::rendezvous::{discover, Announcement, Rendezvous, Want};
-use reshard_core::{ChunkDigests, Digest};
+use reshard_core::{Digest, MatrixView, PartDigests};
 use reshard_planner::presets::preset;
 use reshard_planner::topology::{geometry_tables, PublisherTopology};
 use reshard_rendezvous::{Etcd, EtcdOptions};
@@ -38,16 +38,16 @@ async fn main() -> reshard_core::Result<()> {
     for t in &mut tables {
         t.publisher.incarnation = 1;
         for o in &mut t.offers {
-            // Realistic size: a digest per offer and eight row-chunk digests where rows allow.
+            // Realistic size: a digest per offer and its row-chunk and column-block digests.
             o.digest = Some(Digest::of(o.tensor.as_bytes()));
-            let rows = o.tensor_box.extent[0];
-            if rows >= 2 {
-                let per = rows.div_ceil(8);
-                o.chunks = Some(ChunkDigests {
-                    rows: per,
-                    digests: vec![Digest::of(b"chunk"); rows.div_ceil(per) as usize],
-                });
-            }
+            let v = MatrixView::of(&o.tensor_box.extent);
+            let (chunk_rows, block_cols) = v.grid();
+            o.parts = Some(PartDigests {
+                chunk_rows,
+                chunks: vec![7; v.rows.div_ceil(chunk_rows) as usize],
+                block_cols,
+                blocks: vec![7; v.cols.div_ceil(block_cols) as usize],
+            });
         }
     }
     let world = tables.len() as u32;

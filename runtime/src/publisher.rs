@@ -11,25 +11,23 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use reshard_core::{
-    ChunkDigests, Digest, Error, ErrorKind, HostBuffer, HostMemory, MemoryBlock, MemoryKind,
-    OfferLocation, OwnerId, Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec,
+    Digest, Error, ErrorKind, HostBuffer, HostMemory, MemoryBlock, MemoryKind, OfferLocation,
+    OwnerId, PartDigests, Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec,
     Transport,
 };
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{rank_geometry, PublisherTopology};
 
-/// Dim-0 chunks each offer's digest is also split into: every TP1/2/4/8 dim-0 slice of an offer
-/// whose rows divide by 8 is whole chunks, so a receiver reading only its slice can check it.
-pub const CHUNKS_PER_OFFER: u64 = 8;
-
-/// The whole digest of one offer's `bytes` (`rows` dim-0 rows), and its chunk digests when it
-/// has at least two rows: what every publisher puts in its table, whoever owns the memory.
-pub(crate) fn offer_digests(bytes: &[u8], rows: u64) -> (Digest, Option<ChunkDigests>) {
-    if rows < 2 {
-        return (Digest::of(bytes), None);
-    }
-    let (whole, chunks) = ChunkDigests::with_whole(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER));
-    (whole, Some(chunks))
+/// The whole digest of one offer's `bytes` (a box of extent `extent`, `elem` bytes per element)
+/// and its part digests ([`PartDigests::compute`]: row chunks and column blocks, each byte
+/// hashed once): what every publisher puts in its table, whoever owns the memory.
+pub(crate) fn offer_digests(
+    bytes: &[u8],
+    extent: &[u64],
+    elem: u64,
+) -> (Digest, Option<PartDigests>) {
+    let (whole, parts) = PartDigests::compute(bytes, extent, elem);
+    (whole, Some(parts))
 }
 
 /// One offer of this rank: a box of a tensor at an offset of the rank's region.
@@ -145,7 +143,8 @@ impl ShardPublisher {
                 .map(|s| {
                     offer_digests(
                         &memory[s.offset as usize..(s.offset + s.bytes) as usize],
-                        s.tensor_box.extent[0],
+                        &s.tensor_box.extent,
+                        self.specs[s.tensor].dtype.size(),
                     )
                 })
                 .collect::<Vec<_>>()
@@ -157,7 +156,7 @@ impl ShardPublisher {
     fn build_table(
         &self,
         step: u64,
-        digests: Option<Vec<(Digest, Option<ChunkDigests>)>>,
+        digests: Option<Vec<(Digest, Option<PartDigests>)>>,
     ) -> ShardTable {
         let rank = self.table.publisher.rank;
         let mut t = ShardTable::new(rank, self.transport.agent(), step)
@@ -168,7 +167,7 @@ impl ShardPublisher {
             if !std::mem::replace(&mut declared[s.tensor], true) {
                 t.tensors.push(spec.clone());
             }
-            let (digest, chunks) = match &digests {
+            let (digest, parts) = match &digests {
                 Some(d) => (Some(d[i].0), d[i].1.clone()),
                 None => (None, None),
             };
@@ -181,7 +180,7 @@ impl ShardPublisher {
                     memory: MemoryKind::Dram,
                 },
                 digest,
-                chunks,
+                parts,
             });
         }
         t

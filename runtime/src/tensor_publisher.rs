@@ -196,12 +196,16 @@ impl TensorPublisher {
                 })?;
                 let memory = memory.bytes();
                 let range = *offset as usize..(*offset + bytes) as usize;
-                Ok(offer_digests(&memory[range], b.extent[0]))
+                Ok(offer_digests(
+                    &memory[range],
+                    &b.extent,
+                    h.spec.dtype.size(),
+                ))
             })
             .collect::<Result<_>>()?;
         let mut t = ShardTable::new(self.rank, self.transport.agent(), step)
             .bound_to(self.transport.incarnation());
-        for (&(ti, oi), (digest, chunks)) in jobs.iter().zip(digests) {
+        for (&(ti, oi), (digest, parts)) in jobs.iter().zip(digests) {
             let h = &self.held[ti];
             if oi == 0 {
                 t.tensors.push(h.spec.clone());
@@ -217,7 +221,7 @@ impl TensorPublisher {
                     memory: MemoryKind::Dram,
                 },
                 digest: Some(digest),
-                chunks,
+                parts,
             });
         }
         self.table = t;
@@ -344,7 +348,7 @@ mod tests {
                 .find(|s| s.tensor == o.tensor && s.tensor_box == o.tensor_box)
                 .unwrap();
             assert_eq!(o.digest, s.digest, "{}", o.tensor);
-            assert_eq!(o.chunks, s.chunks, "{}", o.tensor);
+            assert_eq!(o.parts, s.parts, "{}", o.tensor);
         }
         // A wrong size names the tensor.
         let mut again = TensorPublisher::new(t, &model, &topo, 1).unwrap();

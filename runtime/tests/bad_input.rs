@@ -12,8 +12,8 @@ use reshard_core::encoding::{
 };
 use reshard_core::{
     DType, Digest, Error, ErrorDetail, ErrorKind, HostBuffer, MemoryBlock, MemoryKind,
-    OfferLocation, ParamSpec, Registration, ShardOffer, ShardTable, TensorBox, TensorSpec,
-    Transport, WantedCopy, WantedLayout,
+    OfferLocation, ParamSpec, PartDigests, Registration, ShardOffer, ShardTable, TensorBox,
+    TensorSpec, Transport, WantedCopy, WantedLayout,
 };
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::{expert_tensor, layer_tensor, ModelConfig};
@@ -181,7 +181,7 @@ async fn divergent_replicas() {
     let (first, last) = (h[0], h[h.len() - 1]);
     for o in offers_mut(&mut tables[last], NORM) {
         o.digest = Some(Digest::of(b"another tensor under the same name"));
-        o.chunks = None;
+        o.parts = None;
     }
     let e = refused(&mut s, &tables).await;
     assert_eq!(e.kind(), ErrorKind::ReplicaDivergence, "{e}");
@@ -246,6 +246,13 @@ async fn box_that_leaves_a_hole_outside_the_wanted_part() {
     let o = offers_mut(&mut tables[h[0]], &name).next().unwrap();
     assert_eq!(o.tensor_box.extent, vec![128, 96]);
     o.tensor_box.extent[1] = 58;
+    // The offer's column-block digests no longer fit its box: refused as an invalid table.
+    let e = refused(&mut s, &tables).await;
+    assert_eq!(e.kind(), ErrorKind::InvalidTable, "{e}");
+    assert_eq!(e.context().tensor.as_deref(), Some(name.as_str()));
+    assert_eq!(e.context().owner, Some(tables[h[0]].publisher.rank));
+    // Without part digests the box is consistent in itself, and the hole refuses it.
+    offers_mut(&mut tables[h[0]], &name).next().unwrap().parts = None;
     let e = refused(&mut s, &tables).await;
     assert_eq!(e.kind(), ErrorKind::MissingCoverage, "{e}");
     assert_eq!(e.context().tensor.as_deref(), Some(name.as_str()));
@@ -280,7 +287,7 @@ async fn partial_overlap_of_offers() {
         .clone();
     half.tensor_box.extent[0] /= 2;
     half.digest = None;
-    half.chunks = None;
+    half.parts = None;
     tables[last].offers.push(half);
     let e = refused(&mut s, &tables).await;
     assert_eq!(e.kind(), ErrorKind::OverlappingOffers, "{e}");
@@ -560,7 +567,7 @@ async fn zero_size_tensor() {
     // An offer of zero elements.
     for o in offers_mut(&mut tables[last], NORM) {
         o.tensor_box.extent[0] = 0;
-        o.chunks = None;
+        o.parts = None;
     }
     let e = refused(&mut s, &tables).await;
     assert_eq!(e.kind(), ErrorKind::InvalidTable, "{e}");
@@ -671,8 +678,8 @@ fn one_table(p: &OnePublisher, step: u64) -> ShardTable {
             offset: 0,
             memory: MemoryKind::Dram,
         },
-        digest: Some(Digest::of(&p.bytes)),
-        chunks: None,
+        digest: Some(PartDigests::compute(&p.bytes, &[8, 8], 1).0),
+        parts: None,
     });
     t
 }

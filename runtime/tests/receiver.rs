@@ -256,7 +256,7 @@ async fn overlapping_reslices_run_in_plan_order() {
                 memory: MemoryKind::Dram,
             },
             digest: None,
-            chunks: None,
+            parts: None,
         });
     }
     // Both copies land on the whole [4, 4] parameter: a's left half, then b's right half.
@@ -357,7 +357,7 @@ async fn coverage_floor_refuses_plans_that_write_too_little() {
             memory: MemoryKind::Dram,
         },
         digest: None,
-        chunks: None,
+        parts: None,
     });
     // The engine's parameter has 32 bytes; publishers fill 16 of them.
     let layout = WantedLayout {

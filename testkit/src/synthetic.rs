@@ -13,17 +13,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use reshard_core::{
-    ChunkDigests, Digest, Error, ErrorKind, HostBuffer, HostMemory, MemoryBlock, MemoryKind,
-    OfferLocation, OwnerId, Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec,
+    Digest, Error, ErrorKind, HostBuffer, HostMemory, MemoryBlock, MemoryKind, OfferLocation,
+    OwnerId, PartDigests, Registration, Result, ShardOffer, ShardTable, TensorBox, TensorSpec,
     Transport, WantedLayout,
 };
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{publisher_geometry, PublisherTopology};
 
 use crate::content;
-
-/// Dim-0 chunks each offer's digest is also split into.
-pub const CHUNKS_PER_OFFER: u64 = 8;
 
 /// Where the publishers' bytes live.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -62,7 +59,7 @@ struct Distinct {
     tensor_box: TensorBox,
     bytes: u64,
     digest: Option<Digest>,
-    chunks: Option<ChunkDigests>,
+    parts: Option<PartDigests>,
 }
 
 /// One publisher rank: its transport endpoint, its memory, its registration and its offers.
@@ -151,7 +148,7 @@ impl SyntheticCluster {
                         tensor_box: s.tensor_box.clone(),
                         bytes: s.tensor_box.elements() * specs[s.tensor].dtype.size(),
                         digest: None,
-                        chunks: None,
+                        parts: None,
                     });
                     distinct.len() - 1
                 });
@@ -312,7 +309,8 @@ impl SyntheticCluster {
         let copies = self.first_copies();
         let guards: Vec<_> = self.arenas.iter().map(|a| a.bytes()).collect();
         let arenas: Vec<&[u8]> = guards.iter().map(|g| &g[..]).collect();
-        let digests: Vec<(Option<Digest>, Option<ChunkDigests>)> = self
+        let specs = &self.specs;
+        let digests: Vec<(Option<Digest>, Option<PartDigests>)> = self
             .distinct
             .par_iter()
             .zip(copies.par_iter())
@@ -321,22 +319,17 @@ impl SyntheticCluster {
                     return (None, None);
                 }
                 let bytes = &arenas[a][at as usize..(at + d.bytes) as usize];
-                let rows = d.tensor_box.extent[0];
-                // Eight chunks per offer: every TP1/2/4/8 dim-0 slice of an offer whose rows
-                // divide by 8 is a whole number of chunks, so receivers can check it.
-                if rows < 2 {
-                    return (Some(Digest::of(bytes)), None);
-                }
-                let (whole, chunks) =
-                    ChunkDigests::with_whole(bytes, rows, rows.div_ceil(CHUNKS_PER_OFFER));
-                (Some(whole), Some(chunks))
+                // Row chunks and column blocks as production publishers make them.
+                let (whole, parts) =
+                    PartDigests::compute(bytes, &d.tensor_box.extent, specs[d.tensor].dtype.size());
+                (Some(whole), Some(parts))
             })
             .collect();
         drop(arenas);
         drop(guards);
         for (d, (g, c)) in self.distinct.iter_mut().zip(digests) {
             d.digest = g;
-            d.chunks = c;
+            d.parts = c;
         }
     }
 
@@ -384,7 +377,7 @@ impl SyntheticCluster {
                             memory: MemoryKind::Dram,
                         },
                         digest: d.digest,
-                        chunks: d.chunks.clone(),
+                        parts: d.parts.clone(),
                     });
                 }
                 t

@@ -23,8 +23,9 @@ const ABORT_READ: u64 = 256 << 10;
 const PROBE: usize = 8;
 
 /// Reads covering every offer of `tables`, in 256 KiB pieces, into one destination region:
-/// Per offer of [`read_every_offer`]: its destination range and digest.
-type OfferSpans = Vec<(std::ops::Range<usize>, Option<Digest>)>;
+/// Per offer of [`read_every_offer`]: its destination range, digest, box extent and element
+/// size (what its digest is computed over).
+type OfferSpans = Vec<(std::ops::Range<usize>, Option<Digest>, Vec<u64>, u64)>;
 
 /// returns the reads and, per offer, its destination range and digest.
 fn read_every_offer(tables: &[ShardTable], dst_region: u64) -> (Vec<ReadDesc>, OfferSpans) {
@@ -39,7 +40,13 @@ fn read_every_offer(tables: &[ShardTable], dst_region: u64) -> (Vec<ReadDesc>, O
                 .find(|s| s.name == o.tensor)
                 .expect("offer of a declared tensor");
             let len = o.tensor_box.extent.iter().product::<u64>() * spec.dtype.size();
-            offers.push((at as usize..(at + len) as usize, o.digest));
+            let span = at as usize..(at + len) as usize;
+            offers.push((
+                span,
+                o.digest,
+                o.tensor_box.extent.clone(),
+                spec.dtype.size(),
+            ));
             let mut k = 0;
             while k < len {
                 let n = ABORT_READ.min(len - k);
@@ -121,10 +128,10 @@ pub async fn abort_stops_a_posted_batch(h: &Harness) {
         .expect("prepare");
     let check_exact = |ctx: &str| {
         let d = dst.read();
-        for (range, digest) in &offers {
+        for (range, digest, extent, elem) in &offers {
             if let Some(want) = digest {
                 assert_eq!(
-                    &Digest::of(&d[range.clone()]),
+                    &reshard_core::offer_digest(&d[range.clone()], extent, *elem),
                     want,
                     "{ctx}: destination bytes {range:?} differ from the publisher's"
                 );

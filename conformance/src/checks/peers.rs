@@ -174,8 +174,8 @@ fn one_table(p: &OnePublisher, region: u64, digest_of: &[u8], step: u64) -> Shar
             offset: 0,
             memory: MemoryKind::Dram,
         },
-        digest: Some(Digest::of(digest_of)),
-        chunks: None,
+        digest: Some(reshard_core::offer_digest(digest_of, &[8, 8], 1)),
+        parts: None,
     });
     t
 }

@@ -15,7 +15,7 @@ struct JsonIn {
     table: serde_json::Value,
 }
 
-/// Pretty JSON for people: `{"schema_version": 2, "table": {...}}`.
+/// Pretty JSON for people: `{"schema_version": 3, "table": {...}}`.
 pub fn table_to_json(t: &ShardTable) -> String {
     serde_json::to_string_pretty(&JsonOut {
         schema_version: SCHEMA_VERSION,

@@ -3,7 +3,7 @@
 //! failure is a typed [`Error`] (never a panic), and no length field can make them allocate more
 //! than a small multiple of the input size.
 //!
-//! # Binary format, version 2
+//! # Binary format, version 3
 //!
 //! Fixed-width integers are little-endian; `varint` is unsigned LEB128 (at most 10 bytes, minimal
 //! form only); `str` is a varint byte length followed by that many bytes of UTF-8.
@@ -29,16 +29,21 @@
 //!   byte offset  varint    of the offer's first byte inside the region
 //!   memory       u8        0 = DRAM, 1 = VRAM followed by its device (varint, fits u32)
 //!   digest       u8        0 = none, 1 = followed by 16 digest bytes
-//!   chunks       u8        0 = none, 1 = followed by:
-//!     rows       varint    dim-0 rows per chunk (at least 1)
-//!     count      varint    ceil(extent[0] / rows)
-//!     digests    count x 16 bytes
+//!   parts        u8        0 = none, 1 = followed by (model::PartDigests, over the box's
+//!                          matrix view: rows = extent[0], columns = extent[1]; a 1-D box is
+//!                          one row):
+//!     chunk rows varint    rows per row chunk (at least 1)
+//!     count      varint    ceil(rows / chunk rows)
+//!     digests    count x 8 bytes (u64 little-endian)
+//!     block cols varint    columns per column block (at least 1)
+//!     count      varint    ceil(columns / block cols)
+//!     digests    count x 8 bytes (u64 little-endian)
 //! (end of input: trailing bytes are an error)
 //! ```
 //!
 //! # Errors
 //!
-//! [`ErrorKind::Decode`] means the bytes (or JSON) are not a well-formed version-2 encoding: bad
+//! [`ErrorKind::Decode`] means the bytes (or JSON) are not a well-formed version-3 encoding: bad
 //! magic, another schema version, truncation (the message names the field), trailing bytes,
 //! invalid UTF-8, an unknown dtype, memory or digest tag, a malformed varint, a name longer than
 //! [`MAX_NAME_LEN`], or offers whose copied tensor names would take more than 64 times the input
@@ -59,12 +64,12 @@ use serde::{Deserialize, Serialize};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{
-    ChunkDigests, DType, MemoryKind, OfferLocation, PublisherId, ShardOffer, ShardTable, TensorBox,
+    DType, MemoryKind, OfferLocation, PartDigests, PublisherId, ShardOffer, ShardTable, TensorBox,
     TensorSpec,
 };
 
 /// Schema version written by this build and the only one its decoders accept.
-pub const SCHEMA_VERSION: u16 = 2;
+pub const SCHEMA_VERSION: u16 = 3;
 
 /// The four bytes every binary shard table starts with.
 pub const MAGIC: [u8; 4] = *b"RSHT";
@@ -83,7 +88,7 @@ const DIGEST_SOME: u8 = 1;
 /// Smallest possible encodings, used to reject counts the remaining input cannot hold before
 /// anything is allocated for them.
 const MIN_TENSOR_BYTES: usize = 3; // name length, dtype, rank
-const MIN_OFFER_BYTES: usize = 7; // tensor, rank, region, byte offset, memory, digest, chunks
+const MIN_OFFER_BYTES: usize = 7; // tensor, rank, region, byte offset, memory, digest, parts
 
 /// The decoder copies each offer's tensor name; together those copies may take at most this many
 /// bytes per input byte (plus [`NAME_COPY_FLOOR`]). Real tables stay far below (about 1.5).
@@ -157,14 +162,16 @@ pub fn encode_table(t: &ShardTable) -> Vec<u8> {
                 w.extend_from_slice(&d.0);
             }
         }
-        match &o.chunks {
+        match &o.parts {
             None => w.push(DIGEST_NONE),
-            Some(c) => {
+            Some(p) => {
                 w.push(DIGEST_SOME);
-                put_varint(&mut w, c.rows);
-                put_varint(&mut w, c.digests.len() as u64);
-                for d in &c.digests {
-                    w.extend_from_slice(&d.0);
+                for (per, digests) in [(p.chunk_rows, &p.chunks), (p.block_cols, &p.blocks)] {
+                    put_varint(&mut w, per);
+                    put_varint(&mut w, digests.len() as u64);
+                    for d in digests {
+                        w.extend_from_slice(&d.to_le_bytes());
+                    }
                 }
             }
         }
@@ -353,31 +360,30 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
         }
     };
     let at = r.pos();
-    let chunks = match r.u8("chunk digests flag")? {
+    let parts = match r.u8("part digests flag")? {
         DIGEST_NONE => None,
         DIGEST_SOME => {
-            let rows = r.varint("chunk rows")?;
-            let at = r.pos();
-            let count = r.varint("chunk count")?;
-            // Bounded by the input before allocating: each digest takes 16 bytes.
-            if count > (r.remaining() / 16) as u64 {
-                return Err(r.fail_at(
-                    at,
-                    format!("truncated: {count} chunk digests announced, input too short"),
-                ));
-            }
-            let mut digests = Vec::with_capacity(count as usize);
-            for _ in 0..count {
-                let mut d = [0u8; 16];
-                d.copy_from_slice(r.take(16, "chunk digest")?);
-                digests.push(Digest(d));
-            }
-            Some(ChunkDigests { rows, digests })
+            let (chunk_rows, chunks) =
+                part_digests(r, ["row chunk rows", "row chunk count", "row chunk digest"])?;
+            let (block_cols, blocks) = part_digests(
+                r,
+                [
+                    "column block cols",
+                    "column block count",
+                    "column block digest",
+                ],
+            )?;
+            Some(PartDigests {
+                chunk_rows,
+                chunks,
+                block_cols,
+                blocks,
+            })
         }
         flag => {
             return Err(r.fail_at(
                 at,
-                format!("unknown chunk digests flag {flag} (known: 0 = none, 1 = present)"),
+                format!("unknown part digests flag {flag} (known: 0 = none, 1 = present)"),
             ))
         }
     };
@@ -390,8 +396,30 @@ fn decode_offer_body(r: &mut Reader<'_>, tensor: &str) -> Result<ShardOffer> {
             memory,
         },
         digest,
-        chunks,
+        parts,
     })
+}
+
+/// One axis of an offer's part digests: the part size, then a counted list of 64-bit digests.
+fn part_digests(r: &mut Reader<'_>, fields: [&str; 3]) -> Result<(u64, Vec<u64>)> {
+    let [size, count_field, digest] = fields;
+    let per = r.varint(size)?;
+    let at = r.pos();
+    let count = r.varint(count_field)?;
+    // Bounded by the input before allocating: each digest takes 8 bytes.
+    if count > (r.remaining() / 8) as u64 {
+        return Err(r.fail_at(
+            at,
+            format!("truncated: {count} digests announced ({count_field}), input too short"),
+        ));
+    }
+    let mut digests = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let mut d = [0u8; 8];
+        d.copy_from_slice(r.take(8, digest)?);
+        digests.push(u64::from_le_bytes(d));
+    }
+    Ok((per, digests))
 }
 
 /// Where in the encoding the decoder is, for error messages.

@@ -11,22 +11,41 @@ impl<'a> Planner<'a> {
         let mut staging = Vec::with_capacity(self.staging.len());
         let mut pull_reads = Vec::new();
         let mut staging_read_bytes = 0u64;
+        let mut staged_read_bytes = 0u64;
         let mut staged_offers = 0u64;
+        let mut staged_parts = 0u64;
         for (si, acc) in self.staging.iter_mut().enumerate() {
             let si = si as u32;
             let state = &self.states[acc.state as usize];
             let t = &table.tensors[state.table_index];
             let elem = t.spec.dtype.size();
+            if let Some(rect) = acc.part {
+                let o = &t.offers[acc.offers[0]];
+                let buffer = pull_part(
+                    &mut pull_reads,
+                    &mut self.checks,
+                    o,
+                    elem,
+                    acc.state,
+                    si,
+                    rect,
+                );
+                staged_parts += 1;
+                staged_read_bytes = staged_read_bytes.saturating_add(buffer.bytes);
+                staging.push(buffer);
+                continue;
+            }
             if !acc.rows {
                 // One whole offer, row-major over its own box.
                 let o = &t.offers[acc.offers[0]];
                 let len = o.tensor_box.elements() * elem;
                 staged_offers += 1;
-                pull_whole_offer(&mut pull_reads, &mut self.checks, o, len, acc.state, si, 0);
+                staged_read_bytes = staged_read_bytes.saturating_add(len);
+                pull_whole_offer(&mut pull_reads, &mut self.checks, o, elem, acc.state, si, 0);
                 staging.push(StagingBuffer {
                     tensor: acc.state,
                     tensor_box: o.tensor_box.clone(),
-                    whole_offer: true,
+                    kind: StagingKind::Offer,
                     bytes: len,
                 });
                 continue;
@@ -58,7 +77,7 @@ impl<'a> Planner<'a> {
                     &mut pull_reads,
                     &mut self.checks,
                     o,
-                    len,
+                    elem,
                     acc.state,
                     si,
                     dst_offset,
@@ -71,7 +90,7 @@ impl<'a> Planner<'a> {
             staging.push(StagingBuffer {
                 tensor: acc.state,
                 tensor_box: TensorBox::new(offset, extent),
-                whole_offer: false,
+                kind: StagingKind::FullPull,
                 bytes: (row_end - row_start) * row_bytes,
             });
         }
@@ -119,9 +138,12 @@ impl<'a> Planner<'a> {
             wire_bytes,
             exact_descriptors: self.exact_descriptors,
             descriptors_saved: self.exact_descriptors.saturating_sub(read_count),
-            extra_wire_bytes: staging_read_bytes.saturating_sub(self.full_pulled_bytes),
-            full_pull_sources: staging.len() as u64 - staged_offers,
+            extra_wire_bytes: staging_read_bytes
+                .saturating_sub(self.full_pulled_bytes)
+                .saturating_add(staged_read_bytes.saturating_sub(self.staged_wanted_bytes)),
+            full_pull_sources: staging.len() as u64 - staged_offers - staged_parts,
             staged_offers,
+            staged_parts,
             owners: owners.len() as u64,
             written_bytes: self.written_bytes,
             param_bytes: layout.bytes(),
@@ -150,36 +172,97 @@ impl<'a> Planner<'a> {
     }
 }
 
-/// Reads one whole offer (`len` bytes) into staging buffer `si` at `dst_offset`, and checks its
-/// digest there: a full pull lands the offer's bytes contiguously, so they are one row.
+/// Reads one whole offer into staging buffer `si` at `dst_offset`, and checks it there: a
+/// staged offer lands contiguously, row after row.
 fn pull_whole_offer(
     reads: &mut Vec<PlannedRead>,
     checks: &mut Vec<DigestCheck>,
     o: &MergedOffer,
-    len: u64,
+    elem: u64,
     tensor: u32,
     si: u32,
     dst_offset: u64,
 ) {
+    let v = MatrixView::of(&o.tensor_box.extent);
+    let row_bytes = v.cols * v.inner * elem;
     reads.push(PlannedRead {
         owner: o.owner,
         src_region: o.location.region,
         src_offset: o.location.offset,
+        len: v.rows * row_bytes,
+        dst: Dest::Staging(si),
+        dst_offset,
+        tensor,
+    });
+    let whole = PartRect {
+        rows: (0, v.rows),
+        cols: (0, v.cols),
+    };
+    rect_checks(
+        checks,
+        o,
+        tensor,
+        elem,
+        whole,
+        (Dest::Staging(si), dst_offset, row_bytes),
+    );
+}
+
+/// Reads `rect` of offer `o` (whole row chunks with every column, or whole column blocks with
+/// every row) into staging buffer `si`, row-major, and checks its parts there; returns the
+/// buffer.
+fn pull_part(
+    reads: &mut Vec<PlannedRead>,
+    checks: &mut Vec<DigestCheck>,
+    o: &MergedOffer,
+    elem: u64,
+    tensor: u32,
+    si: u32,
+    rect: PartRect,
+) -> StagingBuffer {
+    let b = &o.tensor_box;
+    let v = MatrixView::of(&b.extent);
+    let cell = v.inner * elem;
+    let row_bytes = v.cols * cell;
+    let (rows, cols) = (rect.rows.1 - rect.rows.0, rect.cols.1 - rect.cols.0);
+    let width = cols * cell;
+    let read = |src: u64, len: u64, dst_offset: u64| PlannedRead {
+        owner: o.owner,
+        src_region: o.location.region,
+        src_offset: o.location.offset + src,
         len,
         dst: Dest::Staging(si),
         dst_offset,
         tensor,
-    });
-    checks.push(DigestCheck {
+    };
+    if width == row_bytes {
+        reads.push(read(rect.rows.0 * row_bytes, rows * row_bytes, 0));
+    } else {
+        for r in 0..rows {
+            let src = (rect.rows.0 + r) * row_bytes + rect.cols.0 * cell;
+            reads.push(read(src, width, r * width));
+        }
+    }
+    rect_checks(checks, o, tensor, elem, rect, (Dest::Staging(si), 0, width));
+    // The rectangle as a box of the tensor.
+    let (mut offset, mut extent) = (b.offset.clone(), b.extent.clone());
+    match b.rank() {
+        0 => {}
+        1 => {
+            offset[0] += rect.cols.0;
+            extent[0] = cols;
+        }
+        _ => {
+            offset[0] += rect.rows.0;
+            extent[0] = rows;
+            offset[1] += rect.cols.0;
+            extent[1] = cols;
+        }
+    }
+    StagingBuffer {
         tensor,
-        owner: o.owner,
-        src_region: o.location.region,
-        src_offset: o.location.offset,
-        chunk: None,
-        dst: Dest::Staging(si),
-        dst_offset,
-        rows: 1,
-        row_bytes: len,
-        row_stride: len,
-    });
+        tensor_box: TensorBox::new(offset, extent),
+        kind: StagingKind::Part,
+        bytes: rows * width,
+    }
 }

@@ -22,8 +22,29 @@ pub(super) struct StagingAcc {
     pub(super) state: u32,
     /// Offer indices intersecting some full-pulled copy (may repeat; deduplicated at the end).
     pub(super) offers: Vec<usize>,
-    /// True for a dim-0 full pull (a row range of the tensor); false for one whole offer.
+    /// True for a dim-0 full pull (a row range of the tensor); false for one whole offer or
+    /// a part of one.
     pub(super) rows: bool,
+    /// For a staged part: the rows and columns of the offer's matrix view it holds.
+    pub(super) part: Option<PartRect>,
+}
+
+/// Rows and columns of an offer's [`MatrixView`]: whole row chunks (every column) or whole
+/// column blocks (every row) of it, or the whole offer.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct PartRect {
+    pub(super) rows: (u64, u64),
+    pub(super) cols: (u64, u64),
+}
+
+/// How the bytes of one overlap are read and checked.
+enum CheckForm {
+    /// Read straight into the parameter and checked there: the whole offer, whole row chunks
+    /// or whole column blocks of it (`None`: the publisher sent no digest to check with).
+    Direct(Option<PartRect>),
+    /// Read through staging: this rectangle of the offer (whole parts around what the copy
+    /// wants), checked there and re-sliced.
+    Stage(PartRect),
 }
 
 /// A re-slice whose source offset depends on the staging buffer's final extent, known only
@@ -57,6 +78,10 @@ pub(super) struct Planner<'a> {
     pub(super) exact_descriptors: u64,
     pub(super) written_bytes: u64,
     pub(super) full_pulled_bytes: u64,
+    /// Bytes of overlaps read through offer or part staging (what those copies want of it).
+    pub(super) staged_wanted_bytes: u64,
+    /// (MergedTable tensor index, offer index, rectangle) -> its part staging buffer.
+    pub(super) part_staging: rustc_hash::FxHashMap<(usize, usize, PartRect), u32>,
     // Scratch buffers reused across copies.
     pub(super) ov: Overlaps,
     pub(super) src_strides: Vec<u64>,
@@ -82,6 +107,8 @@ impl<'a> Planner<'a> {
             exact_descriptors: 0,
             written_bytes: 0,
             full_pulled_bytes: 0,
+            staged_wanted_bytes: 0,
+            part_staging: Default::default(),
             ov: Overlaps::default(),
             src_strides: Vec::new(),
             runs: Vec::new(),
@@ -197,13 +224,14 @@ impl<'a> Planner<'a> {
                 // An offer that lies wholly inside the copy but lands as many runs (a column
                 // block of a row-parallel tensor from a TP>1 publisher): one read of the whole
                 // offer into staging and a local re-slice, at no extra wire bytes.
-                if too_many
-                    && self.runs[k] > 1
-                    && self.ov.ext(k) == t.offers[self.ov.offers[k]].tensor_box.extent
-                {
+                let offer = &t.offers[self.ov.offers[k]];
+                if too_many && self.runs[k] > 1 && self.ov.ext(k) == offer.tensor_box.extent {
                     self.stage_offer(slot, pi, t, c, k);
-                } else {
-                    self.exact_overlap(slot, pi, t, c, k);
+                    continue;
+                }
+                match self.check_form(offer, c, k) {
+                    CheckForm::Direct(rect) => self.exact_overlap(slot, pi, t, c, k, rect),
+                    CheckForm::Stage(rect) => self.stage_part(slot, pi, t, c, k, rect),
                 }
             }
         }
@@ -319,6 +347,7 @@ impl<'a> Planner<'a> {
                     state: slot,
                     offers: Vec::new(),
                     rows: true,
+                    part: None,
                 });
                 self.states[slot as usize].staging = Some(s);
                 s
@@ -338,8 +367,8 @@ impl<'a> Planner<'a> {
         });
     }
 
-    /// Records overlap `k`, a whole offer inside the copy, as one read of the offer into its own
-    /// staging buffer (shared by every copy that stages it) plus a re-slice into the parameter.
+    /// Records overlap `k` as one read of its whole offer into the offer's own staging buffer
+    /// (shared by every copy that stages it) plus a re-slice of the overlap into the parameter.
     pub(super) fn stage_offer(
         &mut self,
         slot: u32,
@@ -357,28 +386,139 @@ impl<'a> Planner<'a> {
                 state: slot,
                 offers: vec![oi],
                 rows: false,
+                part: None,
             });
         }
-        let b = &t.offers[oi].tensor_box;
+        self.reslice_overlap(staging, slot, pi, t, c, k);
+    }
+
+    /// Records overlap `k` as a read of `rect` of its offer (whole row chunks or column blocks
+    /// around the overlap) into staging, where the parts are checked, plus a re-slice of the
+    /// overlap into the parameter. A rectangle that is the whole offer stages the offer.
+    pub(super) fn stage_part(
+        &mut self,
+        slot: u32,
+        pi: u32,
+        t: &MergedTensor,
+        c: &'a WantedCopy,
+        k: usize,
+        rect: PartRect,
+    ) {
+        let oi = self.ov.offers[k];
+        let v = MatrixView::of(&t.offers[oi].tensor_box.extent);
+        if rect.rows == (0, v.rows) && rect.cols == (0, v.cols) {
+            return self.stage_offer(slot, pi, t, c, k);
+        }
+        let ti = self.states[slot as usize].table_index;
+        let next = self.staging.len() as u32;
+        let staging = *self.part_staging.entry((ti, oi, rect)).or_insert(next);
+        if staging == next {
+            self.staging.push(StagingAcc {
+                state: slot,
+                offers: vec![oi],
+                rows: false,
+                part: Some(rect),
+            });
+        }
+        self.reslice_overlap(staging, slot, pi, t, c, k);
+    }
+
+    /// The re-slice of overlap `k` from `staging` (which holds a box around it) into the
+    /// parameter.
+    fn reslice_overlap(
+        &mut self,
+        staging: u32,
+        slot: u32,
+        pi: u32,
+        t: &MergedTensor,
+        c: &'a WantedCopy,
+        k: usize,
+    ) {
+        let (o_off, o_ext) = (self.ov.off(k), self.ov.ext(k));
         let elem = t.spec.dtype.size();
         let dst_offset = c.dst_offset
             + elem
-                * (0..b.rank())
-                    .map(|d| (b.offset[d] - c.src_box.offset[d]) * c.dst_strides[d])
+                * (0..o_off.len())
+                    .map(|d| (o_off[d] - c.src_box.offset[d]) * c.dst_strides[d])
                     .sum::<u64>();
+        self.staged_wanted_bytes = self
+            .staged_wanted_bytes
+            .saturating_add(elem * o_ext.iter().product::<u64>());
         self.pending.push(PendingReslice {
             staging,
             param: pi,
             tensor: slot,
-            src_box: b.clone(),
+            src_box: TensorBox::new(o_off.to_vec(), o_ext.to_vec()),
             dst_offset,
             dst_strides: &c.dst_strides,
         });
     }
 
+    /// Decides how overlap `k` of copy `c` with `offer` is read and checked (docs/design.md §6:
+    /// every byte a receiver installs is covered by a check). Reads land straight in the
+    /// parameter when what they bring is the whole offer, whole row chunks (every column) or
+    /// whole column blocks (every row) of it, each landing row contiguous; otherwise the
+    /// smallest rectangle of whole parts around the overlap is staged and checked there.
+    fn check_form(&mut self, offer: &MergedOffer, c: &WantedCopy, k: usize) -> CheckForm {
+        let b = &offer.tensor_box;
+        let (o_off, o_ext) = (self.ov.off(k), self.ov.ext(k));
+        let v = MatrixView::of(&b.extent);
+        let rel = |d: usize| (o_off[d] - b.offset[d], o_off[d] - b.offset[d] + o_ext[d]);
+        let (rows, cols, inner_full) = match b.rank() {
+            0 => ((0, 1), (0, 1), true),
+            1 => ((0, 1), rel(0), true),
+            _ => (rel(0), rel(1), o_ext[2..] == b.extent[2..]),
+        };
+        if offer.digest.is_none() && offer.parts.is_none() {
+            // Nothing to check against: staging would only cost bytes.
+            return CheckForm::Direct(None);
+        }
+        // Each matrix row of the overlap (dims 1.., or all of a 1-D box) lands contiguously, so
+        // it can be hashed where it lands.
+        let from = usize::from(b.rank() >= 2);
+        let direct = inner_full && lands_contiguous(&o_ext[from..], &c.dst_strides[from..]);
+        let all_rows = rows == (0, v.rows);
+        let all_cols = cols == (0, v.cols) && inner_full;
+        let whole = PartRect {
+            rows: (0, v.rows),
+            cols: (0, v.cols),
+        };
+        let Some(p) = &offer.parts else {
+            // Only the whole digest: the whole offer where it lands, else through staging.
+            return if direct && all_rows && all_cols {
+                CheckForm::Direct(Some(whole))
+            } else {
+                CheckForm::Stage(whole)
+            };
+        };
+        let (cr, bc) = (p.chunk_rows.max(1), p.block_cols.max(1));
+        let rows_aligned = rows.0 % cr == 0 && (rows.1 % cr == 0 || rows.1 == v.rows);
+        let cols_aligned = cols.0 % bc == 0 && (cols.1 % bc == 0 || cols.1 == v.cols);
+        let rect = PartRect { rows, cols };
+        if direct && ((all_cols && rows_aligned) || (all_rows && cols_aligned)) {
+            return CheckForm::Direct(Some(rect));
+        }
+        // Whole row chunks around the rows (every column), or whole column blocks around the
+        // columns (every row): whichever reads fewer bytes.
+        let by_rows = PartRect {
+            rows: (rows.0 / cr * cr, (rows.1.div_ceil(cr) * cr).min(v.rows)),
+            cols: (0, v.cols),
+        };
+        let by_cols = PartRect {
+            rows: (0, v.rows),
+            cols: (cols.0 / bc * bc, (cols.1.div_ceil(bc) * bc).min(v.cols)),
+        };
+        let area = |r: &PartRect| (r.rows.1 - r.rows.0).saturating_mul(r.cols.1 - r.cols.0);
+        CheckForm::Stage(if area(&by_rows) <= area(&by_cols) {
+            by_rows
+        } else {
+            by_cols
+        })
+    }
+
     /// Materialises the runs of overlap `k` as reads straight into the parameter, merging runs
-    /// that are contiguous on both sides, and adds a digest check when the whole offer lands
-    /// contiguously.
+    /// that are contiguous on both sides, and adds the digest checks of `rect` (the overlap in
+    /// the offer's matrix view, whole parts of it: see [`Planner::check_form`]).
     pub(super) fn exact_overlap(
         &mut self,
         slot: u32,
@@ -386,6 +526,7 @@ impl<'a> Planner<'a> {
         t: &MergedTensor,
         c: &WantedCopy,
         k: usize,
+        rect: Option<PartRect>,
     ) {
         let offer = &t.offers[self.ov.offers[k]];
         let b = &offer.tensor_box;
@@ -448,64 +589,97 @@ impl<'a> Planner<'a> {
                 break;
             }
         }
-        self.overlap_checks(slot, pi, offer, c, k, elem, rs.outer);
+        if let Some(rect) = rect {
+            let dst0 = c.dst_offset
+                + elem
+                    * (0..rank)
+                        .map(|d| (o_off[d] - c.src_box.offset[d]) * ds[d])
+                        .sum::<u64>();
+            // Matrix rows are dim-0 rows (a 1-D or scalar offer is one row).
+            let row_stride = if rank >= 2 {
+                elem * ds[0]
+            } else {
+                elem * o_ext.iter().product::<u64>()
+            };
+            rect_checks(
+                &mut self.checks,
+                offer,
+                slot,
+                elem,
+                rect,
+                (Dest::Param(pi), dst0, row_stride),
+            );
+        }
     }
+}
 
-    /// Digest checks for overlap `k`: the whole offer when all of it is read, else every dim-0
-    /// chunk (when the publisher sent chunk digests) whose rows are all read. Only overlaps made
-    /// of whole offer rows landing at one destination stride per row can be gathered for hashing.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn overlap_checks(
-        &mut self,
-        slot: u32,
-        pi: u32,
-        offer: &MergedOffer,
-        c: &WantedCopy,
-        k: usize,
-        elem: u64,
-        outer: usize,
-    ) {
-        let b = &offer.tensor_box;
-        let (o_off, o_ext) = (self.ov.off(k), self.ov.ext(k));
-        if outer > 1 || o_ext[1..] != b.extent[1..] {
-            return;
+/// Adds the digest checks of `rect` of offer `o` (the whole offer, whole row chunks with every
+/// column, or whole column blocks with every row), which lands at `dst` = (buffer, byte offset
+/// of its first byte, bytes from one matrix row to the next), each row contiguous. The whole
+/// digest covers a whole offer; row chunks or column blocks cover the rest, or a whole offer
+/// whose publisher sent no whole digest. Nothing is added without digests.
+pub(super) fn rect_checks(
+    checks: &mut Vec<DigestCheck>,
+    o: &MergedOffer,
+    tensor: u32,
+    elem: u64,
+    rect: PartRect,
+    dst: (Dest, u64, u64),
+) {
+    let (dst, dst_offset, row_stride) = dst;
+    let v = MatrixView::of(&o.tensor_box.extent);
+    let cell = v.inner * elem;
+    let grid = o
+        .parts
+        .as_deref()
+        .map_or_else(|| v.grid(), |p| (p.chunk_rows.max(1), p.block_cols.max(1)));
+    let (cr, bc) = grid;
+    let check = |part, first_row: u64, rows: u64, first_col: u64, cols: u64| DigestCheck {
+        tensor,
+        owner: o.owner,
+        src_region: o.location.region,
+        src_offset: o.location.offset,
+        part,
+        dst,
+        dst_offset: dst_offset
+            + (first_row - rect.rows.0) * row_stride
+            + (first_col - rect.cols.0) * cell,
+        rows,
+        row_bytes: cols * cell,
+        row_stride,
+        seg_bytes: bc * cell,
+    };
+    let whole = rect.rows == (0, v.rows) && rect.cols == (0, v.cols);
+    if whole && o.digest.is_some() {
+        checks.push(check(CheckedPart::Whole, 0, v.rows, 0, v.cols));
+        return;
+    }
+    if o.parts.is_none() {
+        return;
+    }
+    if rect.cols == (0, v.cols) {
+        for k in rect.rows.0 / cr..rect.rows.1.div_ceil(cr) {
+            let (a, z) = (k * cr, ((k + 1) * cr).min(v.rows));
+            checks.push(check(CheckedPart::Chunk(k as u32), a, z - a, 0, v.cols));
         }
-        let ds = &c.dst_strides;
-        let row_bytes = elem * o_ext[1..].iter().product::<u64>();
-        let row_stride = elem * ds[0];
-        let dst0 = c.dst_offset
-            + elem
-                * (0..o_ext.len())
-                    .map(|d| (o_off[d] - c.src_box.offset[d]) * ds[d])
-                    .sum::<u64>();
-        let (r0, r1) = (o_off[0] - b.offset[0], o_off[0] - b.offset[0] + o_ext[0]);
-        let check = |chunk: Option<u32>, first_row: u64, rows: u64| DigestCheck {
-            tensor: slot,
-            owner: offer.owner,
-            src_region: offer.location.region,
-            src_offset: offer.location.offset,
-            chunk,
-            dst: Dest::Param(pi),
-            dst_offset: dst0 + (first_row - r0) * row_stride,
-            rows,
-            row_bytes,
-            row_stride,
-        };
-        if r0 == 0 && r1 == b.extent[0] {
-            self.checks.push(check(None, 0, r1));
-            return;
-        }
-        let Some(chunks) = &offer.chunks else {
-            return;
-        };
-        let per = chunks.rows.max(1);
-        let first = r0.div_ceil(per);
-        for ci in first..chunks.digests.len() as u64 {
-            let (a, z) = (ci * per, ((ci + 1) * per).min(b.extent[0]));
-            if z > r1 {
-                break;
-            }
-            self.checks.push(check(Some(ci as u32), a, z - a));
+    } else {
+        for j in rect.cols.0 / bc..rect.cols.1.div_ceil(bc) {
+            let (a, z) = (j * bc, ((j + 1) * bc).min(v.cols));
+            checks.push(check(CheckedPart::Block(j as u32), 0, v.rows, a, z - a));
         }
     }
+}
+
+/// True when a box of extent `ext` lands contiguously at destination element strides `strides`
+/// (dims of extent 1 take any stride). Its source side is a contiguous part of a row-major
+/// offer whenever [`Planner::check_form`] asks.
+fn lands_contiguous(ext: &[u64], strides: &[u64]) -> bool {
+    let mut next = 1u64;
+    for (&e, &s) in ext.iter().zip(strides).rev() {
+        if e > 1 && s != next {
+            return false;
+        }
+        next = next.saturating_mul(e);
+    }
+    true
 }

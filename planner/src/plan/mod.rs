@@ -25,9 +25,9 @@ use geometry::*;
 
 use reshard_core::layout::{contiguous_runs, row_major_strides, ContiguousRuns};
 use reshard_core::{
-    Dest, DigestCheck, Error, ErrorDetail, ErrorKind, MergedOffer, MergedTable, MergedTensor,
-    OwnerId, ParamSpec, Plan, PlanParam, PlanStats, PlannedRead, Reslice, Result, StagingBuffer,
-    TensorBox, WantedCopy, WantedLayout,
+    CheckedPart, Dest, DigestCheck, Error, ErrorDetail, ErrorKind, MatrixView, MergedOffer,
+    MergedTable, MergedTensor, OwnerId, ParamSpec, Plan, PlanParam, PlanStats, PlannedRead,
+    Reslice, Result, StagingBuffer, StagingKind, TensorBox, WantedCopy, WantedLayout,
 };
 
 /// Knobs of [`plan`].

@@ -1,5 +1,6 @@
 //! Checks of what arrived, before the swap: the wire leg's byte count and throughput ceiling,
-//! and installed bytes against the publishers' digests (whole offers or row chunks).
+//! and installed bytes against the publishers' digests (whole offers, row chunks or column
+//! blocks).
 
 use rayon::prelude::*;
 use rustc_hash::FxHashMap;
@@ -7,8 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use reshard_core::{
-    ChunkDigests, Dest, Digest, Error, ErrorKind, HostBuffer, OwnerId, Plan, Result, ShardTable,
-    WireReport,
+    CheckedPart, Dest, Digest, DigestCheck, Error, ErrorKind, HostBuffer, OwnerId, PartDigests,
+    Plan, Result, SegmentFold, ShardTable, WireReport,
 };
 
 /// The wire-leg guards, before anything is re-sliced or installed: the backend must have moved
@@ -57,37 +58,61 @@ pub(super) fn guard_wire(
     Ok(gbytes)
 }
 
-/// Hashes a check's rows in order, as if they were contiguous (streaming XXH3-128 equals the
-/// one-shot digest of the concatenation).
-fn gather_digest(bytes: &[u8], c: &reshard_core::DigestCheck) -> Option<Digest> {
-    let at = |i: u64| {
-        let s = c.dst_offset.checked_add(i.checked_mul(c.row_stride)?)? as usize;
-        bytes.get(s..s.checked_add(c.row_bytes as usize)?)
-    };
-    if c.rows == 1 || c.row_stride == c.row_bytes {
-        let s = c.dst_offset as usize;
-        return bytes
-            .get(s..s.checked_add(c.bytes() as usize)?)
-            .map(Digest::of);
-    }
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+/// Folds a check's rows, each cut into the publisher's segments, as the publisher did
+/// ([`SegmentFold`]); `None` when a row lies outside the buffer.
+fn gather_fold(bytes: &[u8], c: &DigestCheck, fold: &mut SegmentFold) -> Option<()> {
+    fold.clear();
     for i in 0..c.rows {
-        h.update(at(i)?);
+        let s = c.dst_offset.checked_add(i.checked_mul(c.row_stride)?)?;
+        let s = usize::try_from(s).ok()?;
+        let row = bytes.get(s..s.checked_add(usize::try_from(c.row_bytes).ok()?)?)?;
+        fold.row(row, c.seg_bytes);
     }
-    Some(Digest(h.digest128().to_le_bytes()))
+    Some(())
 }
 
-/// The owner's bytes a digest check covers: the whole offer, or chunk `k`'s rows of it (chunk
-/// checks cover whole offer rows, so a source row is `row_bytes` long).
-fn checked_source_range(
-    c: &reshard_core::DigestCheck,
-    chunks: Option<&ChunkDigests>,
-) -> std::ops::Range<u64> {
-    let start = match (c.chunk, chunks) {
-        (Some(k), Some(ch)) => c.src_offset + u64::from(k) * ch.rows * c.row_bytes,
-        _ => c.src_offset,
+/// The owner's bytes a digest check covers, for error messages: the whole offer, chunk `k`'s
+/// rows, or column block `j`'s bytes of the offer's first row (the block takes the same
+/// columns of every row).
+fn checked_source_range(c: &DigestCheck, parts: Option<&PartDigests>) -> std::ops::Range<u64> {
+    let (start, len) = match (c.part, parts) {
+        (CheckedPart::Chunk(k), Some(p)) => (u64::from(k) * p.chunk_rows * c.row_bytes, c.bytes()),
+        (CheckedPart::Block(j), _) => (u64::from(j) * c.seg_bytes, c.row_bytes),
+        _ => (0, c.bytes()),
     };
-    start..start + c.bytes()
+    c.src_offset + start..c.src_offset + start + len
+}
+
+/// A published digest a check compares with.
+#[derive(Clone, Copy)]
+enum Want {
+    Whole(Digest),
+    Part(u64),
+}
+
+impl Want {
+    /// The publisher's digest `c` compares with, if it sent one.
+    fn of(c: &DigestCheck, digest: Option<Digest>, parts: Option<&PartDigests>) -> Option<Want> {
+        match c.part {
+            CheckedPart::Whole => digest.map(Want::Whole),
+            CheckedPart::Chunk(k) => parts?.chunks.get(k as usize).copied().map(Want::Part),
+            CheckedPart::Block(j) => parts?.blocks.get(j as usize).copied().map(Want::Part),
+        }
+    }
+
+    /// Whether `fold` matches, with both digests' prefixes for the error message.
+    fn compare(self, fold: &SegmentFold) -> (bool, String, String) {
+        match self {
+            Want::Whole(want) => {
+                let got = fold.whole();
+                (got == want, got.prefix(12), want.prefix(12))
+            }
+            Want::Part(want) => {
+                let got = fold.part();
+                (got == want, hex12(got), hex12(want))
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -104,26 +129,23 @@ pub(super) fn verify(
     staging: &[Arc<HostBuffer>],
 ) -> Result<Verdict> {
     // This step's digests, straight from the tables (the cached merged view has old ones).
-    type Digests<'a> = (Option<Digest>, Option<&'a ChunkDigests>);
+    type Digests<'a> = (Option<Digest>, Option<&'a PartDigests>);
     let mut offers: FxHashMap<(OwnerId, u64, u64), Digests<'_>> = FxHashMap::default();
     for t in tables {
         for o in &t.offers {
             offers.insert(
                 (t.publisher.rank, o.location.region, o.location.offset),
-                (o.digest, o.chunks.as_ref()),
+                (o.digest, o.parts.as_ref()),
             );
         }
     }
     let results: Vec<Result<Option<u64>>> = plan
         .checks
         .par_iter()
-        .map(|c| {
+        .map_init(SegmentFold::new, |fold, c| {
             let offer = offers.get(&(c.owner, c.src_region, c.src_offset));
-            let want = offer.and_then(|(digest, chunks)| match c.chunk {
-                None => *digest,
-                Some(k) => chunks.and_then(|ch| ch.digests.get(k as usize).copied()),
-            });
-            let Some(want) = want else {
+            let parts = offer.and_then(|(_, p)| *p);
+            let Some(want) = Want::of(c, offer.and_then(|(d, _)| *d), parts) else {
                 return Ok(None);
             };
             let buf = match c.dst {
@@ -131,27 +153,27 @@ pub(super) fn verify(
                 Dest::Staging(i) => &staging[i as usize],
             };
             let bytes = buf.read();
-            let got = gather_digest(&bytes, c).ok_or_else(|| {
+            gather_fold(&bytes, c, fold).ok_or_else(|| {
                 Error::new(ErrorKind::Internal, "digest check outside its buffer")
                     .with_tensor(plan.tensors[c.tensor as usize].clone())
             })?;
-            if got != want {
-                let what = match c.chunk {
-                    None => "the offer".to_string(),
-                    Some(k) => format!("row chunk {k} of the offer"),
+            let (ok, got, want) = want.compare(fold);
+            if !ok {
+                let what = match c.part {
+                    CheckedPart::Whole => "the offer".to_string(),
+                    CheckedPart::Chunk(k) => format!("row chunk {k} of the offer"),
+                    CheckedPart::Block(j) => format!("column block {j} of the offer"),
                 };
                 return Err(Error::new(
                     ErrorKind::Verification,
                     format!(
-                        "received bytes of {what} hash to {}.. but the publisher's digest is \
-                         {}..; live weights left untouched",
-                        got.prefix(12),
-                        want.prefix(12)
+                        "received bytes of {what} hash to {got}.. but the publisher's digest is \
+                         {want}..; live weights left untouched"
                     ),
                 )
                 .with_tensor(plan.tensors[c.tensor as usize].clone())
                 .with_owner(c.owner)
-                .with_range(checked_source_range(c, offer.and_then(|(_, ch)| *ch))));
+                .with_range(checked_source_range(c, parts)));
             }
             Ok(Some(c.bytes()))
         })
@@ -167,4 +189,9 @@ pub(super) fn verify(
         }
     }
     Ok(v)
+}
+
+/// The first 12 hex characters of a 64-bit part digest, for error messages.
+fn hex12(d: u64) -> String {
+    format!("{d:016x}")[..12].to_string()
 }
