@@ -305,7 +305,8 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
     println!(
         "verified: {}",
         if verified {
-            "every parameter of every rank byte-exact at every step of every arm"
+            "every parameter of every rank byte-exact and digest-checked at every step of every \
+             arm"
         } else {
             "FAILED"
         }

@@ -56,7 +56,8 @@ fn installed_json(r: &StepReport) -> serde_json::Value {
     let u = &r.update;
     serde_json::json!({
         "step": r.step,
-        "verified": true,
+        // Installed, and every installed byte matched a publisher digest.
+        "verified": u.fully_checked(),
         "reads": u.wire_reads,
         "wire_bytes": u.wire_bytes,
         "stages_s": u.stages,

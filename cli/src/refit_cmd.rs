@@ -206,12 +206,21 @@ pub(crate) async fn start_bench(
     })
 }
 
-/// Prints the verification verdict of `updates` measured updates plus the warm-up.
+/// Prints the verification verdict of `updates` measured updates plus the warm-up: `verified`
+/// (byte-exact and every installed byte digest-checked), else the failures, else byte-exact
+/// with checks turned off.
 pub(crate) fn print_verdict(verified: bool, failures: &[String], updates: u32) {
     if verified {
         println!(
-            "  verified: every parameter of every rank byte-exact at every step ({} updates)",
+            "  verified: every parameter of every rank byte-exact at every step, every installed \
+             byte checked against a publisher digest ({} updates)",
             updates + 1
+        );
+    } else if failures.is_empty() {
+        println!(
+            "  NOT VERIFIED: every parameter byte-exact against the reference, but digest \
+             checks are off ([receiver] verify_digests = false): a deployment would install \
+             these bytes unchecked"
         );
     } else {
         println!("  VERIFICATION FAILED:");
@@ -457,7 +466,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         ranks,
         ..
     } = summarize(&run, args.updates);
-    let (verified, failures) = (run.verified, run.failures);
+    let (verified, byte_exact, failures) = (run.verified, run.byte_exact, run.failures);
     let stages_map: BTreeMap<&str, f64> = StageTimes::NAMES
         .iter()
         .copied()
@@ -467,6 +476,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
     if args.json {
         let v = serde_json::json!({
             "verified": verified,
+            "byte_exact": byte_exact,
             "failures": failures,
             "transport": cfg.transport.kind,
             "rendezvous": cluster.meeting().hub().endpoint(),
@@ -536,5 +546,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         }
         print_verdict(verified, &failures, args.updates);
     }
-    Ok(Outcome(verified))
+    // Exit 1 on a wrong parameter or an unchecked byte while checks are on; checks turned off
+    // by configuration are reported (`verified: false`), not an error.
+    Ok(Outcome(byte_exact && failures.is_empty()))
 }

@@ -171,14 +171,13 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
         track(&bar, event)
     })
     .await?;
-    let failures = run.failures;
+    let (failures, verified) = (run.failures, run.verified);
     bar.finish_and_clear();
     let plan_builds: u64 = receivers.iter().map(|r| r.plan_builds()).sum();
     let descriptor_builds: u64 = receivers.iter().map(|r| r.descriptor_builds()).sum();
     drop(receivers);
     let regs_after_drop = live_regs.load(Ordering::SeqCst);
     let released = regs_after_drop == 0 && regs_steady > 0;
-    let verified = failures.is_empty();
     let rss_f: Vec<f64> = rss.iter().map(|&k| k as f64).collect();
     let (first, last) = (rss.first().copied(), rss.last().copied());
     let max = rss.iter().copied().max();

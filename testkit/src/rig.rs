@@ -152,9 +152,15 @@ pub enum RigEvent<'a> {
 pub struct RigRun {
     /// Measured updates per receiver rank (the warm-up is not kept).
     pub reports: Vec<Vec<UpdateReport>>,
-    /// Every parameter of every rank byte-exact at every step.
+    /// Every parameter of every rank byte-exact at every step, and every installed byte
+    /// matched a publisher digest ([`UpdateReport::fully_checked`]).
     pub verified: bool,
-    /// What differed, when something did.
+    /// Every parameter of every rank byte-exact at every step (against the generator's
+    /// reference, which no deployment has).
+    pub byte_exact: bool,
+    /// What went wrong: parameters that differ, and updates that installed bytes no digest
+    /// checked although their receiver verifies digests (a receiver told not to verify
+    /// installs unchecked bytes by choice: not a failure, but not `verified` either).
     pub failures: Vec<String>,
 }
 
@@ -171,6 +177,7 @@ pub async fn run_updates(
     let mut run = RigRun {
         reports: vec![Vec::new(); receivers.len()],
         verified: true,
+        byte_exact: true,
         failures: Vec::new(),
     };
     for update in 0..=updates as u64 {
@@ -195,8 +202,18 @@ pub async fn run_updates(
                 .live_params()
                 .ok_or_else(|| Error::new(ErrorKind::Internal, "no live weights after a refit"))?;
             let failures = differing_params(rx.layout(), live, &want, step, rank);
-            run.verified &= failures.is_empty();
+            run.byte_exact &= failures.is_empty();
+            run.verified &= failures.is_empty() && report.fully_checked();
             run.failures.extend(failures);
+            if !report.fully_checked() && rx.options().verify_digests {
+                run.failures.push(format!(
+                    "rank {rank} step {step}: {} of {} bytes on the wire were not checked \
+                     against a publisher digest ({} checks had no digest)",
+                    report.wire_bytes.saturating_sub(report.checked_bytes),
+                    report.wire_bytes,
+                    report.checks_without_digest
+                ));
+            }
             on_event(RigEvent::Updated {
                 update,
                 rank,

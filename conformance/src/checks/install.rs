@@ -39,9 +39,15 @@ async fn refit_all(h: &Harness, model: reshard_planner::presets::ModelConfig, to
         let mut rx = h.receiver(&cluster, tp, rank).await;
         let report = rx.update(&cluster.tables()).await.expect("refit");
         assert_eq!(report.wire_bytes, report.plan.wire_bytes);
+        // Every installed byte matched a publisher digest (docs/design.md §6).
+        assert_eq!(
+            report.checked_bytes, report.wire_bytes,
+            "every byte on the wire is digest-checked"
+        );
         assert!(
-            report.checks_passed > 0,
-            "some offers were verified by digest"
+            report.fully_checked(),
+            "{} checks without a digest",
+            report.checks_without_digest
         );
         assert_installed(&cluster, &rx);
     }
@@ -66,6 +72,12 @@ pub async fn install_byte_exact_moe_ep8_dp8_to_tp2(h: &Harness) {
         assert!(r.dedup.dropped > 0, "replicas must be deduplicated");
         assert_eq!(r.plan.owners, 8, "experts come from all eight ranks");
         assert!(r.plan.full_pull_sources > 0);
+        assert!(
+            r.fully_checked(),
+            "{} of {} bytes checked",
+            r.checked_bytes,
+            r.wire_bytes
+        );
         assert_installed(&cluster, &rx);
     }
 }

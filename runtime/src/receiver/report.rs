@@ -121,3 +121,14 @@ pub struct UpdateReport {
     /// Bytes the re-slice stage wrote into parameters (the re-slice rate's numerator).
     pub resliced_bytes: u64,
 }
+
+impl UpdateReport {
+    /// Every byte this update installed was compared with a publisher digest and matched: each
+    /// byte on the wire lies under exactly one of the plan's checks (directly in a parameter, or
+    /// in staging that the re-slice reads), so the bytes checked must equal the bytes moved,
+    /// with no check skipped for want of a digest (docs/design.md §6). False when verification
+    /// is off or a publisher sent no digests.
+    pub fn fully_checked(&self) -> bool {
+        self.checks_without_digest == 0 && self.checked_bytes == self.wire_bytes
+    }
+}
