@@ -9,7 +9,7 @@ use reshard_core::{
 };
 use reshard_planner::layouts::ReceiverLayouts;
 use reshard_planner::plan::{plan, PlanOptions};
-use reshard_planner::topology::geometry_tables;
+use reshard_planner::topology::{geometry_tables, with_digest_placeholders};
 
 use crate::{ModelArgs, Outcome};
 
@@ -42,7 +42,14 @@ struct RankRow {
     extra_wire_bytes: u64,
     full_pull_sources: u64,
     staged_offers: u64,
+    /// Parts of offers staged to be checked (whole row chunks or column blocks around what a
+    /// copy wants).
+    staged_parts: u64,
     owners: u64,
+    /// Bytes the plan's digest checks cover (with digests as production publishers send them).
+    checked_bytes: u64,
+    /// `checked_bytes / wire_bytes`: 1 when every byte read is checked.
+    checked_fraction: f64,
     /// Planner seconds for this rank; 0 when it reuses another rank's plan.
     plan_seconds: f64,
     fingerprint: String,
@@ -63,7 +70,14 @@ fn row(rank: u32, s: &PlanStats, secs: f64, fp: u64) -> RankRow {
         extra_wire_bytes: s.extra_wire_bytes,
         full_pull_sources: s.full_pull_sources,
         staged_offers: s.staged_offers,
+        staged_parts: s.staged_parts,
         owners: s.owners,
+        checked_bytes: s.checked_bytes,
+        checked_fraction: if s.wire_bytes == 0 {
+            1.0
+        } else {
+            s.checked_bytes as f64 / s.wire_bytes as f64
+        },
         plan_seconds: secs,
         fingerprint: format!("{fp:016x}"),
         plan_of_rank: rank,
@@ -156,7 +170,7 @@ fn peak_rss_bytes() -> Option<u64> {
 const MAX_RANK_COLUMNS: usize = 16;
 
 /// The row labels of the text output, in order.
-const ROW_KEYS: [&str; 11] = [
+const ROW_KEYS: [&str; 13] = [
     "copies (source tensors)",
     "full-pull sources",
     "reads (descriptors)",
@@ -164,11 +178,18 @@ const ROW_KEYS: [&str; 11] = [
     "exact descriptors before full pulls",
     "descriptors saved",
     "wire bytes",
-    "extra wire bytes from full pulls",
+    "extra wire bytes (full pulls, parts)",
     "owners (sessions) touched",
     "staged whole offers",
+    "staged parts (to be checked)",
+    "checked fraction of wire bytes",
     "plan seconds",
 ];
+
+/// Index of "plan seconds" in [`ROW_KEYS`].
+const SECONDS: usize = ROW_KEYS.len() - 1;
+/// Index of the checked fraction in [`ROW_KEYS`].
+const CHECKED: usize = SECONDS - 1;
 
 /// Value `i` (in [`ROW_KEYS`] order) of a row; plan seconds as a number.
 fn value(r: &RankRow, i: usize) -> f64 {
@@ -183,6 +204,8 @@ fn value(r: &RankRow, i: usize) -> f64 {
         7 => r.extra_wire_bytes as f64,
         8 => r.owners as f64,
         9 => r.staged_offers as f64,
+        10 => r.staged_parts as f64,
+        CHECKED => r.checked_fraction,
         _ => r.plan_seconds,
     }
 }
@@ -202,8 +225,9 @@ fn print_rows(title: &str, rows: &[RankRow]) {
         print!("  {k:<38}");
         for r in rows {
             let v = match i {
-                10 if r.plan_of_rank != r.rank => format!("= rank {}", r.plan_of_rank),
-                10 => format!("{:.4}", r.plan_seconds),
+                SECONDS if r.plan_of_rank != r.rank => format!("= rank {}", r.plan_of_rank),
+                SECONDS => format!("{:.4}", r.plan_seconds),
+                CHECKED => format!("{:.4}", r.checked_fraction),
                 _ => format!("{}", value(r, i) as u64),
             };
             print!(" {v:>18}");
@@ -226,7 +250,7 @@ fn print_summary(title: &str, rows: &[RankRow]) {
     for (i, k) in ROW_KEYS.iter().enumerate() {
         let mut v: Vec<f64> = rows
             .iter()
-            .filter(|r| i != 10 || r.plan_of_rank == r.rank)
+            .filter(|r| i != SECONDS || r.plan_of_rank == r.rank)
             .map(|r| value(r, i))
             .collect();
         v.sort_by(|a, b| a.total_cmp(b));
@@ -234,8 +258,10 @@ fn print_summary(title: &str, rows: &[RankRow]) {
             continue;
         };
         let med = reshard_core::median(v);
-        let (label, fmt): (&str, fn(f64) -> String) = if i == 10 {
+        let (label, fmt): (&str, fn(f64) -> String) = if i == SECONDS {
             ("plan seconds (per computed plan)", |x| format!("{x:.4}"))
+        } else if i == CHECKED {
+            (k, |x| format!("{x:.4}"))
         } else {
             (k, |x| format!("{}", x.round() as u64))
         };
@@ -261,6 +287,9 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
     let use_dedup = !args.no_dedup;
     let t = Instant::now();
     let mut tables = geometry_tables(&model, &pubs, 0)?;
+    // Digests as production publishers send them: which bytes a plan checks, and what it
+    // stages to check them, depend on them.
+    with_digest_placeholders(&mut tables);
     let (table, report) = build_table(&tables, use_dedup)?;
     let table_seconds = t.elapsed().as_secs_f64();
     let arm = plan_arm(

@@ -336,7 +336,7 @@ fn table_round_trips_through_binary_and_rejects_garbage() {
     let bin = dir.join("rank3.rsht");
     let args = ["table", "--layers", "1", "--experts", "16", "--rank", "3"];
     let json_out = json(&reshard(&args, &[]));
-    assert_eq!(json_out["schema_version"], 2);
+    assert_eq!(json_out["schema_version"], 3);
     assert_eq!(json_out["table"]["publisher"]["rank"], 3);
     let mut write = args.to_vec();
     write.extend(["--binary", bin.to_str().unwrap()]);
@@ -562,7 +562,12 @@ fn environment_overrides_the_config_file_and_the_file_overrides_defaults() {
     let v = json(&small_refit(&config, &env));
     assert_eq!(v["transport"], "loopback");
     assert_eq!(v["dedup"], true);
-    assert_eq!(v["verified"], true);
+    // Byte-exact, but nothing was digest-checked: not verified, and not an error either.
+    assert_eq!(
+        (&v["verified"], &v["byte_exact"]),
+        (&false.into(), &true.into()),
+        "{v}"
+    );
     assert!(v["wire_bytes"].as_u64().unwrap() > 0);
     assert_eq!(
         v["checked_bytes"], 0,
@@ -693,4 +698,57 @@ fn refit_over_every_cross_process_backend_with_publishers_in_another_process_is_
         }
     }
     eprintln!("refit in another process over: {ran:?}");
+}
+
+/// Every byte a refit installs is checked against a publisher digest, on dense layouts with the
+/// receiver's TP above the trainer's (row-parallel tensors read as column slices of the
+/// publishers' offers), below it, with DP replicas, with PP publishers, and on MoE
+/// (docs/design.md §6): `checked_bytes` equals `wire_bytes` and `verified` says so.
+#[test]
+fn every_installed_byte_is_checked_on_dense_moe_and_pp_layouts() {
+    let llama = ["--preset", "llama-3-8b", "--vocab", "32000"];
+    let cases: [(&[&str], &str, &str, &str); 6] = [
+        (&llama, "tp=2", "tp=4", "1"),
+        (&llama, "tp=4,dp=2", "tp=8", "1"),
+        (&llama, "tp=2,pp=2", "tp=4", "2"),
+        (&llama, "tp=8", "tp=2", "1"),
+        (&llama, "tp=1", "tp=16", "1"),
+        (
+            &[
+                "--preset",
+                "qwen3-30b-a3b",
+                "--experts",
+                "8",
+                "--vocab",
+                "4096",
+            ],
+            "ep=4,dp=4",
+            "tp=4",
+            "1",
+        ),
+    ];
+    for (model, pubs, recv, layers) in cases {
+        let mut args = vec![
+            "refit",
+            "--transport",
+            "loopback",
+            "--updates",
+            "1",
+            "--json",
+        ];
+        args.extend_from_slice(model);
+        args.extend_from_slice(&[
+            "--publishers",
+            pubs,
+            "--receivers",
+            recv,
+            "--layers",
+            layers,
+        ]);
+        let v = json(&reshard(&args, &[]));
+        let what = format!("{pubs} -> {recv}");
+        assert_eq!(v["verified"], true, "{what}: {}", v["failures"]);
+        assert!(v["wire_bytes"].as_u64().unwrap() > 0, "{what}");
+        assert_eq!(v["checked_bytes"], v["wire_bytes"], "{what}");
+    }
 }
