@@ -137,6 +137,7 @@ macro_rules! conformance_tests {
             divergent_replica_digests_fail,
             corrupted_source_bytes_fail_verification,
             corrupted_rows_of_a_partial_read_fail_verification,
+            rewritten_during_the_wire_leg_is_refused,
             transport_failing_mid_batch_leaves_live_weights,
             read_outside_registered_region_is_typed,
             throughput_ceiling_guard_refuses_install,

@@ -104,6 +104,41 @@ reshard_core::forward_transport!(FailingTransport => inner {
     }
 });
 
+/// Runs a publisher-side action once, at the first post, after the batch is handed over and
+/// before its bytes are awaited: a trainer rewriting its memory in place while a receiver's
+/// wire leg reads it.
+pub struct RewritingTransport {
+    inner: Arc<dyn Transport>,
+    action: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl std::fmt::Debug for RewritingTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RewritingTransport").finish_non_exhaustive()
+    }
+}
+
+impl RewritingTransport {
+    /// Wraps `inner`; `action` runs at the first post.
+    pub fn new(inner: Arc<dyn Transport>, action: impl FnOnce() + Send + 'static) -> Self {
+        RewritingTransport {
+            inner,
+            action: Mutex::new(Some(Box::new(action))),
+        }
+    }
+}
+
+reshard_core::forward_transport!(RewritingTransport => inner {
+    async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        // Taken out of the lock first: the action runs without it.
+        let action = self.action.lock().take();
+        if let Some(action) = action {
+            action();
+        }
+        self.inner.post(batch).await
+    }
+});
+
 /// Which read a [`MisdirectingTransport`] sends elsewhere, and where.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Misdirect {

@@ -27,7 +27,7 @@ use reshard_runtime::{Receiver, ReceiverOptions};
 
 use crate::faults::{is_no_op, schedule_strategy, FaultKind, FaultyTransport, Fired};
 use crate::fixtures::{tiny_dense, tiny_moe, Harness};
-use crate::wrappers::{FailingTransport, RecordingTransport};
+use crate::wrappers::{FailingTransport, RecordingTransport, RewritingTransport};
 use crate::Cluster;
 
 /// Publishers of `model` under `topo` and receiver rank `rank` of a TP2 engine refit to step 0,

@@ -102,6 +102,43 @@ pub async fn corrupted_rows_of_a_partial_read_fail_verification(h: &Harness) {
     assert_installed(&cluster, &rx0);
 }
 
+/// A publisher rewrites its memory in place while a receiver's wire leg reads it, after it
+/// published the step's digests (a trainer that overwrote without waiting): on a split that
+/// reads column slices of the publishers' offers (row-parallel `o_proj`, publisher TP 2 to
+/// receiver TP 4, so the receiver reads a quarter of every row and no whole offer or row
+/// chunk), the column-block digests catch it; the refit is refused with `Verification` and
+/// the live weights stay bit for bit (docs/design.md §6).
+pub async fn rewritten_during_the_wire_leg_is_refused(h: &Harness) {
+    let mut cluster = h.cluster(tiny_dense(4), "tp=2").await;
+    let mut rx = h.receiver(&cluster, 4, 1).await;
+    rx.update(&cluster.tables()).await.expect("refit step 0");
+    let before = snapshot(&rx);
+    let reference = cluster.expected_params(rx.layout()).expect("reference");
+    cluster.publish_step(1).expect("publish step 1");
+    let tables = cluster.tables();
+    // o_proj is [128, 128]; publisher 0 holds columns 0..64 ([128, 64] bf16), receiver rank 1
+    // of 4 wants columns 32..64 of every row: row 10, column 40 is one of its bytes.
+    let name = "model.layers.1.self_attn.o_proj.weight";
+    let cluster = Arc::new(cluster);
+    let publisher = cluster.clone();
+    let rewriting: Arc<dyn Transport> =
+        Arc::new(RewritingTransport::new(rx.transport().clone(), move || {
+            publisher
+                .corrupt(name, (10 * 64 + 40) * 2)
+                .expect("rewrite in place");
+        }));
+    rx.set_transport(rewriting);
+    let e = rx
+        .update(&tables)
+        .await
+        .expect_err("a rewrite under the reads");
+    assert_eq!(e.kind(), ErrorKind::Verification, "{e}");
+    assert_eq!(e.context().tensor.as_deref(), Some(name));
+    assert_eq!(e.context().owner, Some(0));
+    assert_kept(&rx, &reference, 0, "rewritten during the wire leg");
+    assert_eq!(snapshot(&rx), before, "live weights must be untouched");
+}
+
 /// A peer fails mid-batch: the error names the owner (and tensor); live weights stay.
 pub async fn transport_failing_mid_batch_leaves_live_weights(h: &Harness) {
     let (cluster, mut rx, reference) = refit_then_advance(h, tiny_moe(), "ep=8,dp=8", 0).await;
