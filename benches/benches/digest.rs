@@ -1,13 +1,23 @@
-//! Digest candidates on a 64 MiB buffer: XXH3-128 (chosen) against BLAKE3.
+//! Digests: XXH3-128 (chosen) against BLAKE3 on a 64 MiB buffer, and what a publisher pays per
+//! step to digest its offers: today's whole digest with row-chunk and column-block digests
+//! (`PartDigests::compute`, docs/design.md §6) against the schema-2 scheme it replaced (a
+//! streaming whole XXH3-128 plus eight row-chunk XXH3-128 digests, one pass), on the same bytes
+//! in the same run.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use rayon::prelude::*;
+use reshard_core::PartDigests;
+
+fn bytes(len: u64, seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i ^ seed).wrapping_mul(2654435761) >> 13) as u8)
+        .collect()
+}
 
 fn digests(c: &mut Criterion) {
-    let buf: Vec<u8> = (0..64u64 << 20)
-        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-        .collect();
+    let buf = bytes(64 << 20, 0);
     let mut g = c.benchmark_group("digest_64MiB");
     g.throughput(Throughput::Bytes(buf.len() as u64));
     g.sample_size(10);
@@ -16,5 +26,71 @@ fn digests(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, digests);
+/// The schema-2 publisher digests of one offer: the whole XXH3-128, streamed, and one XXH3-128
+/// per eighth of its rows, each chunk hashed while in cache.
+fn schema2(bytes: &[u8], rows: u64) -> ([u8; 16], Vec<u128>) {
+    let per = rows.div_ceil(8).max(1);
+    let chunk = (per * (bytes.len() as u64 / rows.max(1))).max(1) as usize;
+    let mut whole = xxhash_rust::xxh3::Xxh3::new();
+    let chunks = bytes
+        .chunks(chunk)
+        .map(|c| {
+            whole.update(c);
+            xxhash_rust::xxh3::xxh3_128(c)
+        })
+        .collect();
+    (whole.digest128().to_le_bytes(), chunks)
+}
+
+/// One EP8 publisher rank of Qwen3-30B-A3B's layer, BF16: its attention (replicated under EP),
+/// norms, router and 16 whole experts, digested as a publisher does (offers in parallel).
+fn publisher_step(c: &mut Criterion) {
+    let shapes: Vec<Vec<u64>> = [
+        vec![
+            vec![4096, 2048],
+            vec![512, 2048],
+            vec![512, 2048],
+            vec![2048, 4096],
+        ],
+        vec![
+            vec![128],
+            vec![128],
+            vec![2048],
+            vec![2048],
+            vec![128, 2048],
+        ],
+        (0..16)
+            .flat_map(|_| [vec![768, 2048], vec![768, 2048], vec![2048, 768]])
+            .collect(),
+    ]
+    .concat();
+    let offers: Vec<(Vec<u8>, Vec<u64>)> = shapes
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (bytes(2 * s.iter().product::<u64>(), i as u64), s))
+        .collect();
+    let total: u64 = offers.iter().map(|(b, _)| b.len() as u64).sum();
+    let mut g = c.benchmark_group("publisher_digests_qwen3_layer_ep8_rank");
+    g.throughput(Throughput::Bytes(total));
+    g.sample_size(20);
+    g.bench_function("schema2_whole_and_8_row_chunks", |b| {
+        b.iter(|| {
+            offers
+                .par_iter()
+                .map(|(bytes, s)| schema2(bytes, s[0]))
+                .collect::<Vec<_>>()
+        })
+    });
+    g.bench_function("whole_row_chunks_and_column_blocks", |b| {
+        b.iter(|| {
+            offers
+                .par_iter()
+                .map(|(bytes, s)| PartDigests::compute(bytes, s, 2))
+                .collect::<Vec<_>>()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, digests, publisher_step);
 criterion_main!(benches);
