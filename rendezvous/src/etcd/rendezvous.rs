@@ -9,7 +9,7 @@ use etcd_client::{GetOptions, WatchOptions};
 use futures::{StreamExt, TryStreamExt};
 use parking_lot::Mutex;
 
-use reshard_core::rendezvous::{Announced, Announcement, Member, Rendezvous};
+use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 use super::blobs::BlobRef;
@@ -96,8 +96,8 @@ impl Rendezvous for Etcd {
         Ok((members, revision))
     }
 
-    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Announcement>> {
-        let mut out: Vec<Announcement> = futures::stream::iter(ranks.iter().copied())
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
+        let mut out: Vec<Fetched> = futures::stream::iter(ranks.iter().copied())
             .map(|rank| async move {
                 let r = self
                     .client
@@ -122,22 +122,26 @@ impl Rendezvous for Etcd {
                     self.get_blob(&rec.metadata, revision, rank),
                     self.get_blob(&rec.config, revision, rank)
                 )?;
-                Ok::<_, Error>(Announcement {
-                    model: model.to_string(),
-                    rank,
-                    world: rec.world,
-                    step: rec.step,
-                    transport: rec.transport,
-                    incarnation: rec.incarnation,
-                    table,
-                    metadata,
-                    config,
+                Ok::<_, Error>(Fetched {
+                    announcement: Announcement {
+                        model: model.to_string(),
+                        rank,
+                        world: rec.world,
+                        step: rec.step,
+                        transport: rec.transport,
+                        incarnation: rec.incarnation,
+                        table,
+                        metadata,
+                        config,
+                    },
+                    // The blobs are this record's (read at its revision): its readiness is theirs.
+                    ready: rec.ready,
                 })
             })
             .buffer_unordered(FETCH_CONCURRENCY)
             .try_collect()
             .await?;
-        out.sort_by_key(|a| a.rank);
+        out.sort_by_key(|f| f.announcement.rank);
         Ok(out)
     }
 
