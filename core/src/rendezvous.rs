@@ -39,9 +39,25 @@ pub struct Announcement {
     pub config: Bytes,
 }
 
+/// Most publisher ranks one model may have: far above any real deployment (docs/deployment.md
+/// measures 1,024), low enough that a world size read from a rendezvous can never size an
+/// allocation or a loop beyond reason (docs/bad-input.md, "Rendezvous records").
+pub const MAX_WORLD: u32 = 1 << 20;
+
 impl Announcement {
-    /// Checks what every implementation refuses before announcing: a rank outside the world.
+    /// Checks what every implementation refuses before announcing: a rank outside the world, or
+    /// a world above [`MAX_WORLD`].
     pub fn check(&self) -> Result<()> {
+        if self.world > MAX_WORLD {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "model {:?} announces a world of {} publisher ranks, above the limit of {}",
+                    self.model, self.world, MAX_WORLD
+                ),
+            )
+            .with_owner(self.rank));
+        }
         if self.rank >= self.world {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -219,6 +235,17 @@ fn complete_step(members: &[Member], want: &Want) -> Result<Option<u64>> {
         return Ok(None);
     };
     for m in members {
+        if m.world > MAX_WORLD {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "publisher rank {} of model {:?} announces a world of {} ranks, above the \
+                     limit of {MAX_WORLD}",
+                    m.rank, want.model, m.world
+                ),
+            )
+            .with_owner(m.rank));
+        }
         if m.world != first.world || m.transport != first.transport {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -279,7 +306,8 @@ pub fn describe(members: &[Member], want: &Want) -> String {
         let state = if *is_ready { "ready" } else { "updating" };
         let _ = write!(out, "; ranks {} {state} at step {step}", ranges(ranks));
     }
-    let seen: Vec<OwnerId> = members.iter().map(|m| m.rank).collect();
+    // A set: `world` may be up to MAX_WORLD, and this runs once per rank of it.
+    let seen: std::collections::BTreeSet<OwnerId> = members.iter().map(|m| m.rank).collect();
     let missing: Vec<OwnerId> = (0..world).filter(|r| !seen.contains(r)).collect();
     if !missing.is_empty() {
         let _ = write!(out, "; missing ranks {}", ranges(&missing));
@@ -378,6 +406,15 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("nixl"));
+        // A world no deployment has is refused before any loop or list is sized from it.
+        let huge: Vec<Member> = (0..2)
+            .map(|r| Member {
+                world: MAX_WORLD + 1,
+                ..m(r, 1, true)
+            })
+            .collect();
+        let e = complete_step(&huge, &want(None)).unwrap_err();
+        assert_eq!((e.kind(), e.context().owner), (ErrorKind::Config, Some(0)));
     }
 
     #[test]

@@ -39,4 +39,5 @@ suite_tests!(
     a_disagreeing_architecture_is_refused,
     fetch_reports_each_records_readiness,
     a_record_not_ready_at_fetch_sends_discovery_round_again,
+    a_world_above_the_limit_is_refused_at_announce,
 );

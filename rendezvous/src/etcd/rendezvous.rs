@@ -12,10 +12,9 @@ use parking_lot::Mutex;
 use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::blobs::BlobRef;
 use super::keys::{blob_prefix, member_key, members_prefix, unescape, ROOT};
 use super::lease::{keep_alive, Held};
-use super::record::{parse_record, Record};
+use super::record::{parse_record, BlobRef, Record};
 use super::{unix_ms, Etcd, FETCH_CONCURRENCY};
 
 #[async_trait]
@@ -80,7 +79,16 @@ impl Rendezvous for Etcd {
         let now = unix_ms();
         let mut members = Vec::with_capacity(r.kvs().len());
         for kv in r.kvs() {
-            let rec = parse_record(model, kv.key(), kv.value())?;
+            // One bad record (garbage, or a count out of bounds) must not blind every receiver
+            // to the other members: it is left out, as a member not yet announced, and logged
+            // naming its key and field (docs/bad-input.md, "Rendezvous records").
+            let rec = match parse_record(model, kv.key(), kv.value()) {
+                Ok(rec) => rec,
+                Err(e) => {
+                    tracing::warn!(endpoint = %self.endpoint, "skipping a member record: {e}");
+                    continue;
+                }
+            };
             members.push(Member {
                 rank: rec.rank,
                 world: rec.world,

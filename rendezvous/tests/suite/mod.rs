@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use reshard_core::rendezvous::{
-    discover, Announced, Announcement, Fetched, Member, Rendezvous, Want,
+    discover, Announced, Announcement, Fetched, Member, Rendezvous, Want, MAX_WORLD,
 };
 use reshard_core::{ErrorKind, OwnerId, Result};
 
@@ -464,4 +464,20 @@ pub async fn a_record_not_ready_at_fetch_sends_discovery_round_again(s: &Sides) 
     for h in held {
         h.withdraw().await.unwrap();
     }
+}
+
+/// A world above `MAX_WORLD` is refused before anything is announced.
+pub async fn a_world_above_the_limit_is_refused_at_announce(s: &Sides) {
+    let e = s
+        .publishers
+        .announce(s.announcement(0, MAX_WORLD + 1, 1))
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::InvalidInput, Some(0))
+    );
+    let (members, _) = s.receivers.members(&s.model).await.unwrap();
+    assert!(members.is_empty(), "{members:?}");
 }
