@@ -39,9 +39,25 @@ pub struct Announcement {
     pub config: Bytes,
 }
 
+/// Most publisher ranks one model may have: far above any real deployment (docs/deployment.md
+/// measures 1,024), low enough that a world size read from a rendezvous can never size an
+/// allocation or a loop beyond reason (docs/bad-input.md, "Rendezvous records").
+pub const MAX_WORLD: u32 = 1 << 20;
+
 impl Announcement {
-    /// Checks what every implementation refuses before announcing: a rank outside the world.
+    /// Checks what every implementation refuses before announcing: a rank outside the world, or
+    /// a world above [`MAX_WORLD`].
     pub fn check(&self) -> Result<()> {
+        if self.world > MAX_WORLD {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "model {:?} announces a world of {} publisher ranks, above the limit of {}",
+                    self.model, self.world, MAX_WORLD
+                ),
+            )
+            .with_owner(self.rank));
+        }
         if self.rank >= self.world {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -77,6 +93,17 @@ pub struct Member {
     pub table_bytes: u64,
 }
 
+/// One rank's announcement as [`Rendezvous::fetch`] read it, with the readiness its record had
+/// at that moment: a receiver installs only announcements that were ready at the step it chose.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fetched {
+    /// The announcement.
+    pub announcement: Announcement,
+    /// False while the publisher rewrites its weights (it called [`Announced::unready`] and has
+    /// not advanced since): its table may no longer describe its memory.
+    pub ready: bool,
+}
+
 /// A publisher's hold on its announcement. Dropping it without [`Announced::withdraw`] leaves
 /// the announcement to expire with its lease, as a killed publisher's would.
 #[async_trait]
@@ -102,8 +129,9 @@ pub trait Rendezvous: Send + Sync {
     async fn announce(&self, announcement: Announcement) -> Result<Box<dyn Announced>>;
     /// The current members of `model`, ordered by rank, and the revision they were read at.
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)>;
-    /// The full announcements of `ranks` of `model` as they are now.
-    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Announcement>>;
+    /// The full announcements of `ranks` of `model` as they are now, ordered by rank, each with
+    /// its record's readiness read together with it (never a readiness of another moment).
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>>;
     /// Waits until a member of `model` appears, changes or goes after `revision`, or until
     /// `timeout` passes; returns the revision then.
     async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64>;
@@ -138,7 +166,9 @@ pub struct Discovered {
 /// Waits until every publisher rank of `want.model` is ready at one step (above
 /// `want.after_step`), then fetches their announcements. The step is the newest that any ready
 /// member stands at; members behind it are waited for. A set whose fetched announcements moved
-/// on meanwhile is discarded and looked at again, so the result never mixes steps.
+/// on meanwhile (another step, or not ready any more at the chosen step: a publisher began to
+/// rewrite its weights) is discarded and looked at again, so the result never mixes steps and
+/// never holds a table its publisher had already withdrawn from readiness.
 pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discovered> {
     let start = Instant::now();
     let deadline = start + want.timeout;
@@ -147,9 +177,14 @@ pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discov
         if let Some(step) = complete_step(&members, want)? {
             let world = members[0].world;
             let ranks: Vec<OwnerId> = (0..world).collect();
-            let announcements = rendezvous.fetch(&want.model, &ranks).await?;
-            if announcements.len() == world as usize && announcements.iter().all(|a| a.step == step)
+            let fetched = rendezvous.fetch(&want.model, &ranks).await?;
+            if fetched.len() == world as usize
+                && fetched
+                    .iter()
+                    .all(|f| f.ready && f.announcement.step == step)
             {
+                let announcements: Vec<Announcement> =
+                    fetched.into_iter().map(|f| f.announcement).collect();
                 if let Some(a) = announcements
                     .iter()
                     .find(|a| a.config != announcements[0].config)
@@ -171,7 +206,7 @@ pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discov
                     elapsed: start.elapsed(),
                 });
             }
-            // A publisher advanced or left between the two reads: look again.
+            // A publisher advanced, left or became not ready between the two reads: look again.
             continue;
         }
         let now = Instant::now();
@@ -200,6 +235,17 @@ fn complete_step(members: &[Member], want: &Want) -> Result<Option<u64>> {
         return Ok(None);
     };
     for m in members {
+        if m.world > MAX_WORLD {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "publisher rank {} of model {:?} announces a world of {} ranks, above the \
+                     limit of {MAX_WORLD}",
+                    m.rank, want.model, m.world
+                ),
+            )
+            .with_owner(m.rank));
+        }
         if m.world != first.world || m.transport != first.transport {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -260,7 +306,8 @@ pub fn describe(members: &[Member], want: &Want) -> String {
         let state = if *is_ready { "ready" } else { "updating" };
         let _ = write!(out, "; ranks {} {state} at step {step}", ranges(ranks));
     }
-    let seen: Vec<OwnerId> = members.iter().map(|m| m.rank).collect();
+    // A set: `world` may be up to MAX_WORLD, and this runs once per rank of it.
+    let seen: std::collections::BTreeSet<OwnerId> = members.iter().map(|m| m.rank).collect();
     let missing: Vec<OwnerId> = (0..world).filter(|r| !seen.contains(r)).collect();
     if !missing.is_empty() {
         let _ = write!(out, "; missing ranks {}", ranges(&missing));
@@ -359,6 +406,15 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("nixl"));
+        // A world no deployment has is refused before any loop or list is sized from it.
+        let huge: Vec<Member> = (0..2)
+            .map(|r| Member {
+                world: MAX_WORLD + 1,
+                ..m(r, 1, true)
+            })
+            .collect();
+        let e = complete_step(&huge, &want(None)).unwrap_err();
+        assert_eq!((e.kind(), e.context().owner), (ErrorKind::Config, Some(0)));
     }
 
     #[test]

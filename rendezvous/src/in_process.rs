@@ -12,7 +12,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use reshard_core::rendezvous::{Announced, Announcement, Member, Rendezvous};
+use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 /// A rendezvous hub in this process; clones share it.
@@ -219,15 +219,22 @@ impl Rendezvous for InProcess {
         Ok((members, state.revision))
     }
 
-    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Announcement>> {
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
         let state = self.hub.state.lock();
         let members = state.models.get(model);
+        let mut ranks = ranks.to_vec();
+        ranks.sort_unstable();
         ranks
             .iter()
             .map(|&rank| {
                 members
                     .and_then(|m| m.members.get(&rank))
-                    .map(|e| e.announcement.clone())
+                    // Read under the same lock as the announcement: the readiness of this very
+                    // table, as etcd reads both from one record.
+                    .map(|e| Fetched {
+                        announcement: e.announcement.clone(),
+                        ready: e.ready,
+                    })
                     .ok_or_else(|| {
                         Error::new(
                             ErrorKind::PeerUnknown,

@@ -92,6 +92,9 @@ suite_tests!(
     large_tables_arrive_intact,
     a_live_publisher_outlasts_its_lease,
     a_disagreeing_architecture_is_refused,
+    fetch_reports_each_records_readiness,
+    a_record_not_ready_at_fetch_sends_discovery_round_again,
+    a_world_above_the_limit_is_refused_at_announce,
 );
 
 #[tokio::test]
@@ -128,4 +131,128 @@ async fn models_are_listed_by_their_names() {
         .unwrap()
         .contains(&"Qwen/Qwen3-30B-A3B".to_string()));
     held.withdraw().await.unwrap();
+}
+
+/// The field a refused member record's error names (`field `...``), after checking the error is
+/// a `Decode` owned by `rank`.
+fn refused_field(e: &reshard_core::Error, rank: u32) -> Option<String> {
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::Decode, Some(rank)),
+        "{e}"
+    );
+    let msg = e.message();
+    let start = msg.find("field `")? + "field `".len();
+    Some(msg[start..start + msg[start..].find('`')?].to_string())
+}
+
+/// Member records garbled field by field (counts and sizes far beyond the blobs they describe,
+/// another rank's blobs, a world of u32::MAX, not JSON at all), written over a live publisher's
+/// record as a buggy or hostile process could: the member list leaves that rank out (the others
+/// stay visible), its fetch is a `Decode` error naming the rank and the field before any blob is
+/// sized from it, discovery waits for it instead of failing, and it completes once the record is
+/// good again. Before these checks a blob size of u64::MAX panicked in `Vec::with_capacity`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_member_records_are_skipped_and_refused_naming_the_field() {
+    use etcd_client::{Client, DeleteOptions, GetOptions};
+    use reshard_core::rendezvous::{discover, Want};
+
+    let Some(url) = endpoint() else { return };
+    let model = "bad_member_records";
+    // A lease far longer than the test: it runs for seconds, and a keep-alive starved on a busy
+    // machine must not remove a publisher these checks rely on.
+    let long = EtcdOptions {
+        lease_ttl: Duration::from_secs(30),
+        ..options()
+    };
+    let publishers = Etcd::connect(&url, long.clone()).await.unwrap();
+    let receivers = Etcd::connect(&url, long).await.unwrap();
+    let announce = |rank| {
+        let mut a = suite::announcement(rank, 2, 1);
+        a.model = model.into();
+        a
+    };
+    let held = [
+        publishers.announce(announce(0)).await.unwrap(),
+        publishers.announce(announce(1)).await.unwrap(),
+    ];
+    let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    let key = |rank: u32| format!("/reshard/v1/{model}/members/{rank:08}");
+    let read = |v: &[u8]| serde_json::from_slice::<serde_json::Value>(v).unwrap();
+    let r = raw.get(key(1), None).await.unwrap();
+    let good = read(r.kvs()[0].value());
+    let r = raw.get(key(0), None).await.unwrap();
+    let rank0_table = read(r.kvs()[0].value())["table"]["prefix"].clone();
+    let want = |timeout_ms| Want {
+        model: model.into(),
+        after_step: None,
+        timeout: Duration::from_millis(timeout_ms),
+    };
+
+    let cases: Vec<(Option<&str>, Vec<u8>)> = {
+        let mut cases = Vec::new();
+        for (field, value) in [
+            ("world", serde_json::json!(u32::MAX)),
+            ("rank", serde_json::json!(0)),
+            ("table.bytes", serde_json::json!(u64::MAX)),
+            ("table.chunks", serde_json::json!(u32::MAX)),
+            ("metadata.bytes", serde_json::json!(1u64 << 40)),
+            ("config.chunks", serde_json::json!(1000)),
+            ("table.prefix", rank0_table),
+            ("transport", serde_json::json!("x".repeat(100_000))),
+        ] {
+            let mut v = good.clone();
+            let mut at = &mut v;
+            for part in field.split('.') {
+                at = &mut at[part];
+            }
+            *at = value;
+            cases.push((Some(field), serde_json::to_vec(&v).unwrap()));
+        }
+        cases.push((None, b"garbage".to_vec()));
+        cases.push((None, b"{}".to_vec()));
+        cases
+    };
+    // A key under members/ that names no rank is left out as well.
+    let stray = format!("/reshard/v1/{model}/members/stray");
+    raw.put(stray.as_str(), "x", None).await.unwrap();
+    for (field, value) in cases {
+        raw.put(key(1), value, None).await.unwrap();
+        let (members, _) = receivers.members(model).await.expect("one bad record");
+        let ranks: Vec<u32> = members.iter().map(|m| m.rank).collect();
+        assert_eq!(ranks, [0], "{field:?}");
+        let e = receivers.fetch(model, &[0, 1]).await.unwrap_err();
+        let named = refused_field(&e, 1);
+        if field.is_some() {
+            assert_eq!(named.as_deref(), field, "{e}");
+        }
+        let e = discover(&receivers, &want(200)).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{field:?}: {e}");
+        assert!(e.to_string().contains("missing ranks 1"), "{e}");
+    }
+    raw.put(key(1), serde_json::to_vec(&good).unwrap(), None)
+        .await
+        .unwrap();
+    let found = discover(&receivers, &want(5_000)).await.unwrap();
+    assert_eq!(found.announcements[1], announce(1));
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+    // The records put here are on no lease: remove them.
+    raw.delete(
+        format!("/reshard/v1/{model}/"),
+        Some(DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .unwrap();
+    let left = raw
+        .get(
+            format!("/reshard/v1/{model}/"),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(left.count(), 0);
 }

@@ -37,4 +37,7 @@ suite_tests!(
     large_tables_arrive_intact,
     a_live_publisher_outlasts_its_lease,
     a_disagreeing_architecture_is_refused,
+    fetch_reports_each_records_readiness,
+    a_record_not_ready_at_fetch_sends_discovery_round_again,
+    a_world_above_the_limit_is_refused_at_announce,
 );

@@ -92,19 +92,36 @@ impl Subscriber {
         self.install(found).await
     }
 
-    /// Waits up to `timeout` for the publishers to be ready at a step above the one live.
+    /// Waits up to `timeout` for the publishers to be ready at a step above the one live. The
+    /// set found while connecting is used only while every publisher still stands ready at its
+    /// step; one that went stale since (a publisher began to rewrite its weights, advanced or
+    /// restarted) sends discovery round again rather than reading memory its publisher no
+    /// longer vouches for.
     pub async fn discover_next(&mut self, timeout: Duration) -> Result<Discovered> {
-        match self.pending.take() {
-            Some(f) if Some(f.step) > self.receiver.live_step() => Ok(f),
-            _ => {
-                let want = Want {
-                    model: self.model_name.clone(),
-                    after_step: self.receiver.live_step(),
-                    timeout,
-                };
-                discover(self.rendezvous.as_ref(), &want).await
+        if let Some(found) = self.pending.take() {
+            if Some(found.step) > self.receiver.live_step() && self.still_ready(&found).await? {
+                return Ok(found);
             }
         }
+        let want = Want {
+            model: self.model_name.clone(),
+            after_step: self.receiver.live_step(),
+            timeout,
+        };
+        discover(self.rendezvous.as_ref(), &want).await
+    }
+
+    /// Whether the rendezvous still shows every publisher of `found` ready at its step, under
+    /// the incarnation `found` announced (one `members` read, no tables fetched).
+    async fn still_ready(&self, found: &Discovered) -> Result<bool> {
+        let (members, _) = self.rendezvous.members(&self.model_name).await?;
+        Ok(members.len() == found.announcements.len()
+            && members.iter().zip(&found.announcements).all(|(m, a)| {
+                m.rank == a.rank
+                    && m.ready
+                    && m.step == found.step
+                    && m.incarnation == a.incarnation
+            }))
     }
 
     /// Loads the metadata of publishers not loaded yet (or restarted) and installs the step

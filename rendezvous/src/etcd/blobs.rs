@@ -1,29 +1,15 @@
 //! Blobs (transport metadata, model config, shard tables) as chunks of at most [`CHUNK_BYTES`],
-//! written under one prefix and read back at one revision, checked against their size and hash.
-
-use std::collections::BTreeMap;
+//! written under one prefix and read back at one revision, checked against their size and hash
+//! (the [`BlobRef`] a member record carries, checked and assembled in `record`).
 
 use bytes::Bytes;
 use etcd_client::{GetOptions, PutOptions};
 use futures::{StreamExt, TryStreamExt};
-use serde::{Deserialize, Serialize};
 
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
+use super::record::{BlobRef, CHUNK_BYTES, MAX_BLOB_BYTES};
 use super::{Etcd, FETCH_CONCURRENCY};
-
-/// Largest value one blob chunk holds: well under etcd's default 1.5 MiB request limit, with
-/// room for the key and the gRPC framing.
-pub const CHUNK_BYTES: usize = 512 * 1024;
-
-/// Where a blob's chunks are and what they must add up to.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(super) struct BlobRef {
-    pub(super) prefix: String,
-    pub(super) chunks: u32,
-    pub(super) bytes: u64,
-    pub(super) xxh3: u64,
-}
 
 impl Etcd {
     /// Writes `bytes` as chunks under `prefix`, attached to `lease`.
@@ -33,6 +19,18 @@ impl Etcd {
         bytes: &Bytes,
         lease: i64,
     ) -> Result<BlobRef> {
+        // Receivers refuse a record declaring more (docs/bad-input.md): fail here, where the
+        // publisher can say which blob is too large.
+        if bytes.len() as u64 > MAX_BLOB_BYTES {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "blob {prefix} is {} bytes, above the limit of {MAX_BLOB_BYTES} one etcd blob \
+                     may hold",
+                    bytes.len()
+                ),
+            ));
+        }
         let chunks: Vec<(usize, Bytes)> = bytes
             .chunks(CHUNK_BYTES)
             .enumerate()
@@ -65,7 +63,8 @@ impl Etcd {
         })
     }
 
-    /// Reads a blob's chunks at `revision` and checks their size and hash.
+    /// Reads a blob's chunks at `revision` and checks their size and hash. `blob` comes from a
+    /// record `parse_record` checked, so its chunk count is bounded by its size and the limit.
     pub(super) async fn get_blob(
         &self,
         blob: &BlobRef,
@@ -102,25 +101,6 @@ impl Etcd {
             .buffer_unordered(FETCH_CONCURRENCY)
             .try_collect()
             .await?;
-        let mut ordered: BTreeMap<u32, Vec<u8>> = parts.into_iter().collect();
-        let mut out = Vec::with_capacity(blob.bytes as usize);
-        for i in 0..blob.chunks {
-            out.extend_from_slice(&ordered.remove(&i).unwrap_or_default());
-        }
-        if out.len() as u64 != blob.bytes || xxhash_rust::xxh3::xxh3_64(&out) != blob.xxh3 {
-            return Err(Error::new(
-                ErrorKind::Decode,
-                format!(
-                    "publisher rank {rank}'s blob {} read back {} bytes that do not match its \
-                     record ({} bytes, xxh3 {:016x})",
-                    blob.prefix,
-                    out.len(),
-                    blob.bytes,
-                    blob.xxh3
-                ),
-            )
-            .with_owner(rank));
-        }
-        Ok(Bytes::from(out))
+        blob.assemble(parts, rank)
     }
 }

@@ -30,10 +30,26 @@ pub(super) fn member_key(model: &str, rank: OwnerId) -> String {
     format!("{}{rank:08}", members_prefix(model))
 }
 
-/// Where one blob of a rank's lease lies, its chunks numbered below it. Blobs are keyed by lease, not incarnation: when an old lease of a restarted rank expires, it
-/// deletes only its own keys.
+/// The rank a member record's key names, if `key` is one of `model`'s member keys (the
+/// prefix, then decimal digits only: what [`member_key`] writes).
+pub(super) fn member_rank(model: &str, key: &[u8]) -> Option<OwnerId> {
+    let digits = key.strip_prefix(members_prefix(model).as_bytes())?;
+    if digits.is_empty() || digits.len() > 10 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// Every blob of one rank lies below this prefix, whatever its lease.
+pub(super) fn blob_root(model: &str, rank: OwnerId) -> String {
+    format!("{}blobs/{rank:08}/", model_prefix(model))
+}
+
+/// Where one blob of a rank's lease lies, its chunks numbered below it. Blobs are keyed by
+/// lease, not incarnation: when an old lease of a restarted rank expires, it deletes only its
+/// own keys.
 pub(super) fn blob_prefix(model: &str, rank: OwnerId, lease: i64, name: &str) -> String {
-    format!("{}blobs/{rank:08}/{lease:x}/{name}/", model_prefix(model))
+    format!("{}{lease:x}/{name}/", blob_root(model, rank))
 }
 
 #[cfg(test)]
@@ -51,5 +67,27 @@ mod tests {
             member_key("Qwen/Q", 7),
             "/reshard/v1/Qwen%2FQ/members/00000007"
         );
+    }
+
+    #[test]
+    fn a_member_key_gives_back_its_rank_and_nothing_else_does() {
+        for rank in [0, 7, 99_999_999, u32::MAX] {
+            assert_eq!(
+                member_rank("m/x", member_key("m/x", rank).as_bytes()),
+                Some(rank)
+            );
+        }
+        let prefix = members_prefix("m");
+        for bad in [
+            prefix.clone(),
+            format!("{prefix}12a"),
+            format!("{prefix}+1"),
+            format!("{prefix}4294967296"),
+            format!("{prefix}00000000000"),
+            member_key("other", 1),
+        ] {
+            assert_eq!(member_rank("m", bad.as_bytes()), None, "{bad}");
+        }
+        assert!(blob_prefix("m", 3, 0x1f, "table").starts_with(&blob_root("m", 3)));
     }
 }

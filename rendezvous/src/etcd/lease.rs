@@ -1,20 +1,50 @@
 //! A publisher's lease: the keep-alive task that holds it and the [`Announced`] handle that
-//! advances, unreadies and withdraws the publisher's record under it.
+//! advances, unreadies and withdraws the publisher's record under it (and writes that record).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use etcd_client::{Client, DeleteOptions};
+use etcd_client::{Client, DeleteOptions, PutOptions};
 use parking_lot::Mutex;
 
 use reshard_core::rendezvous::Announced;
 use reshard_core::{Error, ErrorKind, Result};
 
-use super::keys::blob_prefix;
+use super::keys::{blob_prefix, member_key};
 use super::record::Record;
 use super::Etcd;
+
+impl Etcd {
+    /// Writes `record` as its rank's member record, attached to `lease`, after the checks every
+    /// receiver runs on it (a limit fails here, naming the field, not at every receiver).
+    pub(super) async fn put_record(&self, model: &str, record: &Record, lease: i64) -> Result<()> {
+        record.check(model, record.rank).map_err(|(field, why)| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "the member record of publisher rank {} of model {model:?} would be refused \
+                     by every receiver: field `{field}` {why}",
+                    record.rank
+                ),
+            )
+            .with_owner(record.rank)
+        })?;
+        let value = serde_json::to_vec(record)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("member record to JSON: {e}")))?;
+        self.client
+            .clone()
+            .put(
+                member_key(model, record.rank),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .map_err(|e| self.err("write a member record to", e))?;
+        Ok(())
+    }
+}
 
 /// A publisher's lease and the keep-alive task that holds it.
 pub(super) struct Held {

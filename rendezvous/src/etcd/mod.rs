@@ -7,16 +7,17 @@
 //!   record that says ready implies its blobs are there;
 //! - `blobs/<rank>/<lease>/metadata/<chunk>`, `blobs/<rank>/<lease>/config/<chunk>` and
 //!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata, the model's
-//!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's request limit (1.5 MiB by default),
-//!   since tables of large models are megabytes.
+//!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's
+//!   request limit (1.5 MiB by default), since tables of large models are megabytes.
 //!
 //! Every key of a publisher is attached to its lease: a publisher that dies stops the keep-alive
 //! and etcd deletes all of them when the lease's TTL runs out; a clean exit revokes the lease at
 //! once. A receiver reads a member's blobs at the revision it read the record at, so it never
 //! pairs one step's record with another step's table, even while the publisher advances.
 //!
-//! One concern per file: `keys` (the key layout and model-name escaping), `blobs` (chunked
-//! blobs and their check), `record` (the member record), `lease` (a publisher's lease, its
+//! One concern per file: `keys` (the key layout and model-name escaping), `blobs` (writing and
+//! reading chunked blobs), `record` (the member record and its blob references, decoded and
+//! bounded: no etcd client, so the fuzz target compiles it), `lease` (a publisher's lease, its
 //! keep-alive and the [`Announced`] handle) and `rendezvous` (the [`Rendezvous`] impl); this
 //! file has the connection itself.
 //!
@@ -34,8 +35,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use etcd_client::{Client, ConnectOptions, GetOptions};
 use reshard_core::{Error, ErrorKind, Result};
 
-pub use blobs::CHUNK_BYTES;
 use keys::ROOT;
+pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_TRANSPORT_LEN};
 
 /// Requests in flight at once when a receiver fetches many publishers' blobs.
 const FETCH_CONCURRENCY: usize = 32;

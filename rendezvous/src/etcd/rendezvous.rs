@@ -9,13 +9,12 @@ use etcd_client::{GetOptions, WatchOptions};
 use futures::{StreamExt, TryStreamExt};
 use parking_lot::Mutex;
 
-use reshard_core::rendezvous::{Announced, Announcement, Member, Rendezvous};
+use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::blobs::BlobRef;
 use super::keys::{blob_prefix, member_key, members_prefix, unescape, ROOT};
 use super::lease::{keep_alive, Held};
-use super::record::{parse_record, Record};
+use super::record::{parse_record, BlobRef, Record};
 use super::{unix_ms, Etcd, FETCH_CONCURRENCY};
 
 #[async_trait]
@@ -80,7 +79,16 @@ impl Rendezvous for Etcd {
         let now = unix_ms();
         let mut members = Vec::with_capacity(r.kvs().len());
         for kv in r.kvs() {
-            let rec = parse_record(model, kv.key(), kv.value())?;
+            // One bad record (garbage, or a count out of bounds) must not blind every receiver
+            // to the other members: it is left out, as a member not yet announced, and logged
+            // naming its key and field (docs/bad-input.md, "Rendezvous records").
+            let rec = match parse_record(model, kv.key(), kv.value()) {
+                Ok(rec) => rec,
+                Err(e) => {
+                    tracing::warn!(endpoint = %self.endpoint, "skipping a member record: {e}");
+                    continue;
+                }
+            };
             members.push(Member {
                 rank: rec.rank,
                 world: rec.world,
@@ -96,8 +104,8 @@ impl Rendezvous for Etcd {
         Ok((members, revision))
     }
 
-    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Announcement>> {
-        let mut out: Vec<Announcement> = futures::stream::iter(ranks.iter().copied())
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
+        let mut out: Vec<Fetched> = futures::stream::iter(ranks.iter().copied())
             .map(|rank| async move {
                 let r = self
                     .client
@@ -122,22 +130,26 @@ impl Rendezvous for Etcd {
                     self.get_blob(&rec.metadata, revision, rank),
                     self.get_blob(&rec.config, revision, rank)
                 )?;
-                Ok::<_, Error>(Announcement {
-                    model: model.to_string(),
-                    rank,
-                    world: rec.world,
-                    step: rec.step,
-                    transport: rec.transport,
-                    incarnation: rec.incarnation,
-                    table,
-                    metadata,
-                    config,
+                Ok::<_, Error>(Fetched {
+                    announcement: Announcement {
+                        model: model.to_string(),
+                        rank,
+                        world: rec.world,
+                        step: rec.step,
+                        transport: rec.transport,
+                        incarnation: rec.incarnation,
+                        table,
+                        metadata,
+                        config,
+                    },
+                    // The blobs are this record's (read at its revision): its readiness is theirs.
+                    ready: rec.ready,
                 })
             })
             .buffer_unordered(FETCH_CONCURRENCY)
             .try_collect()
             .await?;
-        out.sort_by_key(|a| a.rank);
+        out.sort_by_key(|f| f.announcement.rank);
         Ok(out)
     }
 

@@ -1,14 +1,20 @@
 //! One suite every rendezvous implementation passes: late publishers are waited for, a step is
-//! never mixed, a publisher gone (dropped handle, expired lease) wakes watchers, and a timeout
-//! says who was seen where. Publishers and receivers use separate clients where the
-//! implementation has clients, as separate processes would.
+//! never mixed, a record that is not ready is never part of a set, a publisher gone (dropped
+//! handle, expired lease) wakes watchers, and a timeout says who was seen where. Publishers and
+//! receivers use separate clients where the implementation has clients, as separate processes
+//! would.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use bytes::Bytes;
-use reshard_core::rendezvous::{discover, Announcement, Rendezvous, Want};
-use reshard_core::ErrorKind;
+use futures::future::BoxFuture;
+use reshard_core::rendezvous::{
+    discover, Announced, Announcement, Fetched, Member, Rendezvous, Want, MAX_WORLD,
+};
+use reshard_core::{ErrorKind, OwnerId, Result};
 
 /// The two sides of a rendezvous and how long a dropped publisher takes to disappear.
 pub struct Sides {
@@ -318,4 +324,160 @@ pub async fn a_disagreeing_architecture_is_refused(s: &Sides) {
     );
     a.withdraw().await.unwrap();
     b.withdraw().await.unwrap();
+}
+
+/// A rendezvous that runs a hook once, just before the first `fetch` reaches the real one: the
+/// moment between a receiver's member list and its fetch, where a publisher's state can change.
+pub struct BeforeFirstFetch {
+    inner: Arc<dyn Rendezvous>,
+    hook: parking_lot::Mutex<Option<BoxFuture<'static, ()>>>,
+    /// Fetches made so far.
+    pub fetches: AtomicUsize,
+}
+
+impl BeforeFirstFetch {
+    /// `inner`, with `hook` run before its first fetch.
+    pub fn new(inner: Arc<dyn Rendezvous>, hook: BoxFuture<'static, ()>) -> Self {
+        Self {
+            inner,
+            hook: parking_lot::Mutex::new(Some(hook)),
+            fetches: AtomicUsize::new(0),
+        }
+    }
+}
+
+#[async_trait]
+impl Rendezvous for BeforeFirstFetch {
+    fn endpoint(&self) -> String {
+        self.inner.endpoint()
+    }
+    async fn announce(&self, a: Announcement) -> Result<Box<dyn Announced>> {
+        self.inner.announce(a).await
+    }
+    async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
+        self.inner.members(model).await
+    }
+    async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
+        self.fetches.fetch_add(1, Ordering::SeqCst);
+        let hook = self.hook.lock().take();
+        if let Some(hook) = hook {
+            hook.await;
+        }
+        self.inner.fetch(model, ranks).await
+    }
+    async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        self.inner.changed(model, revision, timeout).await
+    }
+    async fn models(&self) -> Result<Vec<String>> {
+        self.inner.models().await
+    }
+}
+
+/// `fetch` reads each record's readiness together with its announcement: a publisher that
+/// marked itself not ready is fetched as not ready, at the step it still stands at, until it
+/// advances.
+pub async fn fetch_reports_each_records_readiness(s: &Sides) {
+    let a = s
+        .publishers
+        .announce(s.announcement(0, 2, 1))
+        .await
+        .unwrap();
+    let b = s
+        .publishers
+        .announce(s.announcement(1, 2, 1))
+        .await
+        .unwrap();
+    let r = &s.receivers;
+    let ready = |f: &[Fetched]| {
+        f.iter()
+            .map(|f| (f.announcement.rank, f.ready))
+            .collect::<Vec<_>>()
+    };
+    let f = r.fetch(&s.model, &[1, 0]).await.unwrap();
+    assert_eq!(
+        ready(&f),
+        [(0, true), (1, true)],
+        "ordered by rank, both ready"
+    );
+    assert_eq!(f[1].announcement, s.announcement(1, 2, 1));
+    b.unready().await.unwrap();
+    let f = r.fetch(&s.model, &[0, 1]).await.unwrap();
+    assert_eq!(ready(&f), [(0, true), (1, false)]);
+    assert_eq!(
+        f[1].announcement,
+        s.announcement(1, 2, 1),
+        "still step 1's table"
+    );
+    b.advance(2, Bytes::from_static(b"t1 2")).await.unwrap();
+    let f = r.fetch(&s.model, &[1]).await.unwrap();
+    assert_eq!((f[0].ready, f[0].announcement.step), (true, 2));
+    a.withdraw().await.unwrap();
+    b.withdraw().await.unwrap();
+}
+
+/// Between a receiver's member list (every rank ready at step 1) and its fetch, rank 1 marks
+/// itself not ready at step 1, the step discovery chose, to rewrite its weights. The fetched set
+/// is all at step 1 but not all ready: discovery goes round again and returns step 2 once both
+/// ranks advanced, with step 2's tables, never step 1 with a table its publisher withdrew.
+pub async fn a_record_not_ready_at_fetch_sends_discovery_round_again(s: &Sides) {
+    let held: Arc<Vec<Box<dyn Announced>>> = Arc::new(vec![
+        s.publishers
+            .announce(s.announcement(0, 2, 1))
+            .await
+            .unwrap(),
+        s.publishers
+            .announce(s.announcement(1, 2, 1))
+            .await
+            .unwrap(),
+    ]);
+    let (tx, advanced) = tokio::sync::oneshot::channel();
+    let hook = {
+        let held = held.clone();
+        Box::pin(async move {
+            held[1].unready().await.unwrap();
+            // Both advance later, while discovery waits: rank 0 first, so one moment holds rank 0
+            // ready at step 2 and rank 1 still updating at step 1.
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                held[0]
+                    .advance(2, Bytes::from_static(b"t0 2"))
+                    .await
+                    .unwrap();
+                held[1]
+                    .advance(2, Bytes::from_static(b"t1 2"))
+                    .await
+                    .unwrap();
+                let _ = tx.send(held);
+            });
+        })
+    };
+    let r = BeforeFirstFetch::new(s.receivers.clone(), hook);
+    let found = discover(&r, &s.want(None, 10_000)).await.unwrap();
+    assert_eq!(found.step, 2, "{:?}", found.announcements);
+    let tables: Vec<&[u8]> = found.announcements.iter().map(|a| &a.table[..]).collect();
+    assert_eq!(tables, [&b"t0 2"[..], b"t1 2"]);
+    assert!(r.fetches.load(Ordering::SeqCst) >= 2, "went round again");
+    drop(held);
+    let held = Arc::try_unwrap(advanced.await.unwrap())
+        .ok()
+        .expect("the only holder");
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+}
+
+/// A world above `MAX_WORLD` is refused before anything is announced.
+pub async fn a_world_above_the_limit_is_refused_at_announce(s: &Sides) {
+    let e = s
+        .publishers
+        .announce(s.announcement(0, MAX_WORLD + 1, 1))
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::InvalidInput, Some(0))
+    );
+    let (members, _) = s.receivers.members(&s.model).await.unwrap();
+    assert!(members.is_empty(), "{members:?}");
 }
