@@ -37,4 +37,5 @@ suite_tests!(
     large_tables_arrive_intact,
     a_live_publisher_outlasts_its_lease,
     a_disagreeing_architecture_is_refused,
+    a_note_is_shown_with_the_member_and_clears,
 );

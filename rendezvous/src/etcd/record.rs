@@ -23,6 +23,10 @@ pub(super) struct Record {
     pub(super) table: BlobRef,
     pub(super) metadata: BlobRef,
     pub(super) config: BlobRef,
+    /// The publisher's status line (`Announced::set_note`). Optional both ways: records
+    /// without it parse (as written before it existed), and readers that predate it ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) note: Option<String>,
 }
 
 impl Etcd {
@@ -54,4 +58,27 @@ pub(super) fn parse_record(model: &str, key: &[u8], value: &[u8]) -> Result<Reco
             ),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_note_is_optional_both_ways() {
+        // A record as written before notes existed.
+        let old = br#"{"rank":1,"world":2,"step":3,"ready":true,"transport":"ucx",
+            "incarnation":4,"granted_unix_ms":5,
+            "table":{"prefix":"t","chunks":1,"bytes":9,"xxh3":0},
+            "metadata":{"prefix":"m","chunks":1,"bytes":9,"xxh3":0},
+            "config":{"prefix":"c","chunks":1,"bytes":9,"xxh3":0}}"#;
+        let mut r = parse_record("q", b"k", old).unwrap();
+        assert_eq!(r.note, None);
+        // Without a note nothing new is written, so older readers see the same record.
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert!(v.get("note").is_none(), "{v}");
+        r.note = Some("refused step 4".into());
+        let back = parse_record("q", b"k", &serde_json::to_vec(&r).unwrap()).unwrap();
+        assert_eq!(back.note.as_deref(), Some("refused step 4"));
+    }
 }
