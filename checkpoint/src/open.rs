@@ -112,7 +112,8 @@ pub(crate) fn check_layout<'m>(
     data_len: u64,
     file: &str,
 ) -> Result<Vec<(String, &'m TensorInfo, DType)>> {
-    let abs = |b: u64, e: u64| data_start + b..data_start + e;
+    // Offsets come from the header: a range past the end must not wrap around when shifted.
+    let abs = |b: u64, e: u64| data_start.saturating_add(b)..data_start.saturating_add(e);
     let mut infos: Vec<_> = meta.tensors().into_iter().collect();
     infos.sort_by_key(|(_, i)| i.data_offsets);
     // Ranges past the end first: a truncated file names the tensor it cut.

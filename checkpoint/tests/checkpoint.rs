@@ -490,6 +490,8 @@ fn a_shard_truncated_under_an_open_checkpoint_is_an_error_naming_file_and_range(
         assert_eq!(e.kind(), ErrorKind::Config, "{e}");
         assert_eq!(e.context().tensor.as_deref(), Some(t));
         assert!(e.message().contains(&file), "{e}");
+        // The read itself came back short (not only the size check after it).
+        assert!(e.message().contains("the file ends at byte"), "{e}");
         let r = e.context().range.clone().expect("a byte range");
         assert!(
             r.start < r.end && r.end > cut && r.start >= range.start,
