@@ -65,9 +65,11 @@ impl Proc {
     }
 
     fn line(&self, who: &str) -> Value {
-        self.lines
-            .recv_timeout(Duration::from_secs(90))
-            .unwrap_or_else(|_| panic!("{who} printed nothing for 90 s"))
+        match self.lines.recv_timeout(Duration::from_secs(90)) {
+            Ok(v) => v,
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!("{who} printed nothing for 90 s"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{who} exited"),
+        }
     }
 
     fn alive(&mut self) -> bool {
