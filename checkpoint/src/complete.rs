@@ -1,11 +1,12 @@
-//! Completeness checks and picking the newest complete `step-N/` checkpoint of a folder.
+//! Completeness checks, the `step-N/` checkpoints of a folder (the newest complete one, or all
+//! of them for a publisher that refuses some), and telling that a folder changed.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use reshard_core::{Error, ErrorKind, Result};
 
-use crate::open::{parse_header, read_index};
+use crate::file::ShardFile;
+use crate::open::read_index;
 use crate::INDEX_FILE;
 
 /// Why `dir` is not a complete checkpoint, or `None` when it is (see the crate docs): the index
@@ -33,38 +34,25 @@ pub fn is_complete(dir: &Path) -> bool {
 }
 
 fn shard_size_ok(path: &Path, name: &str) -> Result<()> {
-    let err = |m: String| Error::new(ErrorKind::Config, format!("shard file {name}: {m}"));
-    let mut f = std::fs::File::open(path).map_err(|e| err(format!("cannot open: {e}")))?;
-    let len = f
-        .metadata()
-        .map_err(|e| err(format!("cannot stat: {e}")))?
-        .len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|e| err(format!("cannot read the header length: {e}")))?;
-    let n = u64::from_le_bytes(n);
-    // Bound the header read by the file size (and the crate's 100 MB header limit).
-    if n > len.saturating_sub(8) || n > 100_000_000 {
-        return Err(err(format!(
-            "header length {n} does not fit the {len}-byte file"
-        )));
-    }
-    let mut head = vec![0u8; 8 + n as usize];
-    f.read_exact(&mut head[8..])
-        .map_err(|e| err(format!("cannot read the header: {e}")))?;
-    head[..8].copy_from_slice(&n.to_le_bytes());
-    let (start, meta) = parse_header(&head, name)?;
+    let file = ShardFile::open(path, name)?;
+    let (start, meta) = file.read_header()?;
     let data: u64 = meta
         .tensors()
         .values()
         .map(|i| i.data_offsets.1 as u64)
         .max()
         .unwrap_or(0);
-    let expect = start as u64 + data;
-    if len != expect {
-        return Err(err(format!(
-            "is {len} bytes but its header implies {expect}"
-        )));
+    // `data` comes from the header: an offset near u64::MAX must not wrap around.
+    let expect = start.checked_add(data);
+    if expect != Some(file.len()) {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "shard file {name}: is {} bytes but its header implies {}",
+                file.len(),
+                expect.map_or("more than u64 bytes".to_string(), |e| e.to_string())
+            ),
+        ));
     }
     Ok(())
 }
@@ -74,12 +62,16 @@ fn shard_size_ok(path: &Path, name: &str) -> Result<()> {
 /// the largest N (incomplete ones are skipped, other entries ignored). `Ok(None)`: nothing
 /// complete yet.
 pub fn newest_complete(dir: &Path) -> Result<Option<(u64, PathBuf)>> {
+    Ok(candidates(dir)?.into_iter().find(|(_, p)| is_complete(p)))
+}
+
+/// The checkpoints `dir` offers, newest first: `dir` itself when it holds an index (with the
+/// step of its index, else 0), otherwise every `step-N/` subfolder, largest N first, complete
+/// or not (other entries ignored).
+pub fn candidates(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     if dir.join(INDEX_FILE).exists() {
-        if !is_complete(dir) {
-            return Ok(None);
-        }
-        let step = read_index(dir)?.step.unwrap_or(0);
-        return Ok(Some((step, dir.to_path_buf())));
+        let step = read_index(dir).ok().and_then(|i| i.step).unwrap_or(0);
+        return Ok(vec![(step, dir.to_path_buf())]);
     }
     let rd = std::fs::read_dir(dir).map_err(|e| {
         Error::new(
@@ -96,5 +88,39 @@ pub fn newest_complete(dir: &Path) -> Result<Option<(u64, PathBuf)>> {
         })
         .collect();
     steps.sort_by_key(|s| std::cmp::Reverse(s.0));
-    Ok(steps.into_iter().find(|(_, p)| is_complete(p)))
+    Ok(steps)
+}
+
+/// What a checkpoint folder holds, as far as telling that it changed goes: every entry's name,
+/// size and modification time, and the folder's own modification time. Two reads compare equal
+/// when nothing in the folder was written, added, removed or renamed in between (to the file
+/// system's timestamp resolution), so a publisher that refused a folder tries it again only
+/// after it changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FolderState {
+    modified: Option<std::time::SystemTime>,
+    entries: Vec<(std::ffi::OsString, u64, Option<std::time::SystemTime>)>,
+}
+
+impl FolderState {
+    /// Reads the state of `dir`; an unreadable folder or entry reads as absent (so it compares
+    /// equal until it becomes readable).
+    pub fn read(dir: &Path) -> FolderState {
+        let modified = std::fs::metadata(dir).and_then(|m| m.modified()).ok();
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .map(|e| {
+                let meta = e.metadata().ok();
+                (
+                    e.file_name(),
+                    meta.as_ref().map_or(0, |m| m.len()),
+                    meta.and_then(|m| m.modified().ok()),
+                )
+            })
+            .collect();
+        entries.sort();
+        FolderState { modified, entries }
+    }
 }

@@ -194,6 +194,24 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
         qk_norm: model_type.starts_with("qwen3"),
         dtype,
     };
+    // The bounds first, named by the keys of this file (validate names the model's fields).
+    if let Some(b) = model.out_of_bounds() {
+        let what = match b.field {
+            "layers" => "key \"num_hidden_layers\"",
+            "experts" => "key \"num_experts\"",
+            "tensors" => "the tensor count (from \"num_hidden_layers\" and \"num_experts\")",
+            _ => "the total size in bytes (from the dimensions and \"torch_dtype\")",
+        };
+        let is = if b.value == u64::MAX {
+            "overflows u64".to_string()
+        } else {
+            format!("is {}", b.value)
+        };
+        return Err(err(format!(
+            "{what} {is}, above the {} reshard accepts",
+            b.limit
+        )));
+    }
     model.validate().map_err(|e| err(e.message().to_string()))?;
     Ok(model)
 }
@@ -253,6 +271,37 @@ mod tests {
         let e = from_hf_config(&bad, "t").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.message().contains("vocab_size"), "{e}");
+    }
+
+    /// The config: 10^12 layers of a model a few hundred bytes wide.
+    fn absurd() -> Value {
+        json!({
+            "model_type": "llama", "hidden_size": 8, "num_attention_heads": 1,
+            "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 1_000_000_000_000u64,
+            "intermediate_size": 8, "vocab_size": 64, "torch_dtype": "bfloat16"
+        })
+    }
+
+    #[test]
+    fn counts_above_the_bounds_are_refused_naming_the_key() {
+        let e = from_hf_config(&absurd(), "t").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(
+            e.message()
+                .contains("\"num_hidden_layers\" is 1000000000000"),
+            "{e}"
+        );
+        let mut v = to_hf_config(&preset("qwen3-30b-a3b").unwrap());
+        v["num_experts"] = json!(1u64 << 40);
+        let e = from_hf_config(&v, "t").unwrap_err();
+        assert!(e.message().contains("\"num_experts\""), "{e}");
+        v["num_experts"] = json!(16_384);
+        let e = from_hf_config(&v, "t").unwrap_err();
+        assert!(e.message().contains("tensor count"), "{e}");
+        v["num_experts"] = json!(128);
+        v["vocab_size"] = json!(u64::MAX / 4);
+        let e = from_hf_config(&v, "t").unwrap_err();
+        assert!(e.message().contains("total size in bytes"), "{e}");
     }
 
     #[test]

@@ -1,43 +1,35 @@
-//! Opening a checkpoint: config, index, memory-mapped shards, and validation of every tensor
-//! against the architecture `config.json` describes.
+//! Opening a checkpoint: config, index, shard files opened for positioned reads (never mapped:
+//! `file`), and validation of every tensor against the architecture `config.json` describes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-use reshard_core::{Error, ErrorKind, Result, TensorSpec};
+use reshard_core::{DType, Error, ErrorKind, Result, TensorSpec};
 use reshard_planner::presets::ModelConfig;
-use safetensors::tensor::Metadata;
-use safetensors::SafeTensors;
+use safetensors::tensor::{Metadata, TensorInfo};
 use serde_json::Value;
 
 use crate::config::dtype_from_safetensors as from_st_dtype;
 use crate::config::read_config;
-use crate::mmap::map_file;
+use crate::file::ShardFile;
 use crate::{INDEX_FILE, STEP_KEY};
-
-/// A mapped shard file.
-pub(crate) struct Shard {
-    pub(crate) name: String,
-    pub(crate) map: Mmap,
-}
 
 /// Where one tensor's bytes are.
 pub(crate) struct Entry {
     pub(crate) spec: TensorSpec,
     pub(crate) shard: usize,
-    /// Absolute byte range inside the shard's map.
-    pub(crate) start: usize,
-    pub(crate) end: usize,
+    /// Absolute byte range inside the shard file.
+    pub(crate) start: u64,
+    pub(crate) end: u64,
 }
 
-/// An opened, validated checkpoint whose shard files are memory-mapped read-only.
+/// An opened, validated checkpoint whose shard files are held open for positioned reads.
 pub struct Checkpoint {
     dir: PathBuf,
     model: ModelConfig,
     step: u64,
     specs: Vec<TensorSpec>,
-    pub(crate) shards: Vec<Shard>,
+    pub(crate) shards: Vec<ShardFile>,
     pub(crate) entries: HashMap<String, Entry>,
 }
 
@@ -108,22 +100,81 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     Ok(Index { step, weight_map })
 }
 
-/// Parses the safetensors header of `bytes` (a whole shard file) without the crate's
-/// whole-buffer check, so a file too short for its header can be reported per tensor.
-pub(crate) fn parse_header(bytes: &[u8], file: &str) -> Result<(usize, Metadata)> {
-    let bad = |m: &str| cfg_err(format!("shard file {file}: {m}"));
-    let n = bytes
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-        .ok_or_else(|| bad("shorter than the 8-byte header length"))?;
-    let end = usize::try_from(n)
-        .ok()
-        .and_then(|n| n.checked_add(8))
-        .filter(|&e| e <= bytes.len())
-        .ok_or_else(|| bad(&format!("header length {n} runs past the end of the file")))?;
-    let meta: Metadata = serde_json::from_slice(&bytes[8..end])
-        .map_err(|e| bad(&format!("header is not valid safetensors JSON: {e}")))?;
-    Ok((end, meta))
+/// Checks what the `safetensors` crate checks of a whole file, from the header and the file size
+/// alone (the data is never read here): tensors' data ranges inside the file, contiguous from
+/// the start of the data, each exactly its dtype x shape in bytes (computed with checked
+/// arithmetic), and no bytes after the last. The data starts at file byte `data_start` and is
+/// `data_len` bytes (the file size less the header); errors carry file byte ranges. Returns the
+/// tensors sorted by data offset, each with its dtype.
+pub(crate) fn check_layout<'m>(
+    meta: &'m Metadata,
+    data_start: u64,
+    data_len: u64,
+    file: &str,
+) -> Result<Vec<(String, &'m TensorInfo, DType)>> {
+    // Offsets come from the header: a range past the end must not wrap around when shifted.
+    let abs = |b: u64, e: u64| data_start.saturating_add(b)..data_start.saturating_add(e);
+    let mut infos: Vec<_> = meta.tensors().into_iter().collect();
+    infos.sort_by_key(|(_, i)| i.data_offsets);
+    // Ranges past the end first: a truncated file names the tensor it cut.
+    for (t, info) in &infos {
+        let (b, e) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+        if b > e || e > data_len {
+            return Err(cfg_err(format!(
+                "tensor {t} in shard file {file}: data bytes {b}..{e} lie outside the \
+                 {data_len} data bytes of the file (truncated?)"
+            ))
+            .with_tensor(t.as_str())
+            .with_range(abs(b, e)));
+        }
+    }
+    let mut at = 0u64;
+    let mut out = Vec::with_capacity(infos.len());
+    for (t, info) in infos {
+        let (b, e) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+        if b != at {
+            return Err(cfg_err(format!(
+                "tensor {t} in shard file {file}: data bytes {b}..{e} do not start where the \
+                 previous tensor ends ({at}): safetensors data is contiguous"
+            ))
+            .with_tensor(t.as_str())
+            .with_range(abs(b, e)));
+        }
+        let dtype = from_st_dtype(info.dtype).ok_or_else(|| {
+            cfg_err(format!(
+                "tensor {t} in shard file {file} has unsupported dtype {:?}",
+                info.dtype
+            ))
+            .with_tensor(t.as_str())
+        })?;
+        let bytes = info
+            .shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+            .and_then(|n| n.checked_mul(dtype.size()));
+        if bytes != Some(e - b) {
+            return Err(cfg_err(format!(
+                "tensor {t} in shard file {file}: shape {:?} of {dtype} is {} but its data \
+                 bytes {b}..{e} are {} bytes",
+                info.shape,
+                bytes.map_or("more than u64 bytes".to_string(), |n| format!("{n} bytes")),
+                e - b
+            ))
+            .with_tensor(t.as_str())
+            .with_range(abs(b, e)));
+        }
+        at = e;
+        out.push((t, info, dtype));
+    }
+    if at != data_len {
+        return Err(cfg_err(format!(
+            "shard file {file}: {} bytes follow the last tensor's data, which ends at data byte \
+             {at} of {data_len}",
+            data_len - at
+        ))
+        .with_range(abs(at, data_len)));
+    }
+    Ok(out)
 }
 
 /// The step recorded in a shard's `__metadata__`, if any.
@@ -145,8 +196,9 @@ fn step_from_dir_name(dir: &Path) -> Option<u64> {
 }
 
 impl Checkpoint {
-    /// Opens the checkpoint in `dir`: reads `config.json` and the index, maps every shard and
-    /// validates every tensor against the architecture (see the crate docs for the error kinds).
+    /// Opens the checkpoint in `dir`: reads `config.json` and the index, opens every shard file,
+    /// reads its header and validates every tensor against the architecture (see the crate docs
+    /// for the error kinds). Tensor data is read later, by [`Checkpoint::copy_box`].
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref();
         let index = read_index(dir)?;
@@ -154,15 +206,13 @@ impl Checkpoint {
         let mut files: Vec<&String> = index.weight_map.values().collect();
         files.sort();
         files.dedup();
-        let mut shards = Vec::with_capacity(files.len());
+        let mut shards: Vec<ShardFile> = Vec::with_capacity(files.len());
         let mut found: HashMap<String, Entry> = HashMap::new();
         let mut step = index.step;
         let mut stray: Option<Error> = None;
         for name in files {
-            let path = dir.join(name);
-            let map = map_file(&path)?;
-            let (start, meta) = parse_header(&map, name)?;
-            let data_len = map.len() - start;
+            let file = ShardFile::open(&dir.join(name), name)?;
+            let (start, meta) = file.read_header()?;
             if let (Some(s), Some(i)) = (shard_step(&meta), step) {
                 if s != i {
                     return Err(cfg_err(format!(
@@ -171,25 +221,9 @@ impl Checkpoint {
                 }
             }
             step = step.or(shard_step(&meta));
-            let mut infos: Vec<_> = meta.tensors().into_iter().collect();
-            infos.sort_by_key(|(_, i)| i.data_offsets);
-            for (t, info) in &infos {
-                let (b, e) = info.data_offsets;
-                if b > e || e > data_len {
-                    return Err(cfg_err(format!(
-                        "tensor {t} in shard file {name}: data bytes {b}..{e} lie outside the \
-                         {data_len} data bytes of the file (truncated?)"
-                    ))
-                    .with_tensor(t.as_str()));
-                }
-            }
-            // The crate's own checks: offsets contiguous, sizes matching dtype x shape, no
-            // trailing bytes.
-            SafeTensors::deserialize(&map).map_err(|e| {
-                cfg_err(format!("shard file {name} is not valid safetensors: {e:?}"))
-            })?;
+            let infos = check_layout(&meta, start, file.len() - start, name)?;
             let shard = shards.len();
-            for (t, info) in infos {
+            for (t, info, dtype) in infos {
                 // A tensor the index does not place here is reported after the missing-tensor
                 // check: a renamed tensor is then named by what the architecture expects.
                 let listed = index.weight_map.get(&t);
@@ -204,28 +238,18 @@ impl Checkpoint {
                         .with_tensor(t.as_str()),
                     );
                 }
-                let dtype = from_st_dtype(info.dtype).ok_or_else(|| {
-                    cfg_err(format!(
-                        "tensor {t} in shard file {name} has unsupported dtype {:?}",
-                        info.dtype
-                    ))
-                    .with_tensor(t.as_str())
-                })?;
                 let shape = info.shape.iter().map(|&d| d as u64).collect();
                 found.insert(
                     t.clone(),
                     Entry {
                         spec: TensorSpec::new(t.clone(), dtype, shape),
                         shard,
-                        start: start + info.data_offsets.0,
-                        end: start + info.data_offsets.1,
+                        start: start + info.data_offsets.0 as u64,
+                        end: start + info.data_offsets.1 as u64,
                     },
                 );
             }
-            shards.push(Shard {
-                name: name.clone(),
-                map,
-            });
+            shards.push(file);
         }
         let specs = model.tensors();
         for want in &specs {
@@ -322,10 +346,24 @@ impl Checkpoint {
         Ok(&self.shards[self.entry(tensor)?.shard].name)
     }
 
-    /// The whole tensor's bytes, row-major, straight from the mapped file.
-    pub fn tensor_bytes(&self, tensor: &str) -> Result<&[u8]> {
+    /// The whole tensor's bytes, row-major, read from its shard file (an error naming file and
+    /// byte range when the file changed since [`Checkpoint::open`]).
+    pub fn tensor_bytes(&self, tensor: &str) -> Result<Vec<u8>> {
         let e = self.entry(tensor)?;
-        Ok(&self.shards[e.shard].map[e.start..e.end])
+        let file = &self.shards[e.shard];
+        let len = usize::try_from(e.end - e.start).map_err(|_| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                format!("tensor {tensor} does not fit this machine's memory"),
+            )
+            .with_tensor(tensor)
+        })?;
+        // Bounded by the file: open checked the range against the file's size.
+        let mut out = vec![0u8; len];
+        file.read_exact_at(e.start, &mut out)
+            .and_then(|()| file.check_unchanged(&(e.start..e.end)))
+            .map_err(|err| err.with_tensor(tensor))?;
+        Ok(out)
     }
 
     pub(crate) fn entry(&self, tensor: &str) -> Result<&Entry> {

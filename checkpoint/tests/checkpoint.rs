@@ -4,8 +4,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use reshard_checkpoint::{
-    incomplete_reason, is_complete, newest_complete, write_checkpoint, Checkpoint, WriteOptions,
-    INDEX_FILE,
+    candidates, incomplete_reason, is_complete, newest_complete, write_checkpoint, Checkpoint,
+    FolderState, WriteOptions, INDEX_FILE,
 };
 use reshard_core::{ErrorKind, TensorBox};
 use reshard_planner::presets::{preset, ModelConfig, MoeConfig};
@@ -452,4 +452,297 @@ fn without_a_recorded_step_the_step_folder_name_is_used() {
     }
     assert_eq!(Checkpoint::open(&dir).unwrap().step(), 42);
     assert_eq!(newest_complete(root.path()).unwrap(), Some((42, dir)));
+}
+
+/// The shard file holding `tensor`, the tensor's byte range in it, and the checkpoint opened.
+fn opened_with_tensor(dir: &Path, tensor: &str) -> (Checkpoint, PathBuf, std::ops::Range<u64>) {
+    let ck = Checkpoint::open(dir).unwrap();
+    let path = file_of(dir, tensor);
+    let f = raw(&path);
+    let off = &f.header[tensor]["data_offsets"];
+    let start = f.data_start as u64 + off[0].as_u64().unwrap();
+    let end = f.data_start as u64 + off[1].as_u64().unwrap();
+    (ck, path, start..end)
+}
+
+#[test]
+fn a_shard_truncated_under_an_open_checkpoint_is_an_error_naming_file_and_range() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&qwen_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let t = "model.layers.1.self_attn.o_proj.weight";
+    let (ck, path, range) = opened_with_tensor(tmp.path(), t);
+    let spec = ck.spec(t).unwrap().clone();
+    // Cut the file in the middle of the tensor, after open validated it: a shared mapping
+    // would raise SIGBUS on the first page past the new end (this test process would die).
+    let cut = (range.start + range.end) / 2;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+    // A column box (one read per row) and the whole tensor (one read).
+    let cols = TensorBox::new(vec![0, 16], vec![64, 16]);
+    for b in [cols, spec.full_box()] {
+        let mut dst = vec![0u8; (b.elements() * 2) as usize];
+        let e = ck.copy_box(t, &b, &mut dst).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert_eq!(e.context().tensor.as_deref(), Some(t));
+        assert!(e.message().contains(&file), "{e}");
+        // The read itself came back short (not only the size check after it).
+        assert!(e.message().contains("the file ends at byte"), "{e}");
+        let r = e.context().range.clone().expect("a byte range");
+        assert!(
+            r.start < r.end && r.end > cut && r.start >= range.start,
+            "{r:?} {e}"
+        );
+        assert!(r.end <= range.end, "{r:?} {e}");
+    }
+    let e = ck.tensor_bytes(t).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().range.clone(), Some(range.clone()));
+    // A tensor before the cut still reads, but the file is reported changed all the same: its
+    // bytes belong to a checkpoint that is no longer what was opened.
+    let early = ck
+        .tensors()
+        .iter()
+        .find(|s| file_of(tmp.path(), &s.name) == path)
+        .unwrap()
+        .clone();
+    let e = ck.tensor_bytes(&early.name).unwrap_err();
+    assert!(e.message().contains("is now"), "{e}");
+}
+
+#[test]
+fn a_shard_rewritten_in_place_with_the_same_size_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let t = "model.layers.0.mlp.up_proj.weight";
+    let (ck, path, range) = opened_with_tensor(tmp.path(), t);
+    let mut dst = vec![0u8; (range.end - range.start) as usize];
+    let spec = ck.spec(t).unwrap().clone();
+    ck.copy_box(t, &spec.full_box(), &mut dst).unwrap();
+    // Another step's bytes written over the same file, same size: nothing is short. (The
+    // pause puts the rewrite in a later tick of the file system's coarse clock, as any real
+    // rewrite after the checkpoint was opened is; it is not a timing assertion.)
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let mut bytes = fs::read(&path).unwrap();
+    for b in &mut bytes[range.start as usize..range.end as usize] {
+        *b ^= 0x5a;
+    }
+    fs::write(&path, &bytes).unwrap();
+    let e = ck.copy_box(t, &spec.full_box(), &mut dst).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.context().tensor.as_deref(), Some(t));
+    assert_eq!(e.context().range.clone(), Some(range.clone()));
+    assert!(e.message().contains("modified"), "{e}");
+    // A folder rewritten by rename (the writer's way) leaves the open files intact: the open
+    // checkpoint still reads the bytes it opened.
+    let ck = Checkpoint::open(tmp.path()).unwrap();
+    write_checkpoint(&llama_tiny(), 2, tmp.path(), &small_shards()).unwrap();
+    ck.copy_box(t, &spec.full_box(), &mut dst).unwrap();
+    assert!(dst == bytes[range.start as usize..range.end as usize]);
+    assert!(
+        fs::read(&path).unwrap() != bytes,
+        "step 2 replaced the file"
+    );
+}
+
+/// Rewrites `path`'s header through `edit` (tensor name -> info), keeping the data bytes.
+fn edit_header(path: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+    let mut f = raw(path);
+    edit(&mut f.header);
+    f.write(path);
+}
+
+#[test]
+fn headers_are_checked_against_the_file_before_anything_is_allocated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    // A shard file of several tensors.
+    let name = w
+        .shards
+        .iter()
+        .max_by_key(|n| raw(&tmp.path().join(n)).header.len())
+        .unwrap()
+        .clone();
+    let path = tmp.path().join(&name);
+    let good = fs::read(&path).unwrap();
+    // A header length past the end of the file (but under the format's 100 MB limit), then
+    // one past any limit: refused from the 8 length bytes, never allocated.
+    for n in [50_000_000u64, u64::MAX] {
+        let mut bytes = good.clone();
+        bytes[..8].copy_from_slice(&n.to_le_bytes());
+        fs::write(&path, &bytes).unwrap();
+        let e = open_err(tmp.path());
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert_eq!(e.context().range.clone(), Some(0..8), "{e}");
+        assert!(
+            e.message().contains(&name) && e.message().contains("header length"),
+            "{e}"
+        );
+        assert!(!is_complete(tmp.path()));
+    }
+    fs::write(&path, &good).unwrap();
+    let f = raw(&path);
+    let mut names: Vec<(u64, String)> = f
+        .header
+        .iter()
+        .filter(|(t, _)| *t != "__metadata__")
+        .map(|(t, i)| (i["data_offsets"][0].as_u64().unwrap(), t.clone()))
+        .collect();
+    names.sort();
+    let (a, b) = (names[0].1.clone(), names[1].1.clone());
+    // The second tensor moved over the first one's bytes (its own size kept): the tensors no
+    // longer follow each other.
+    edit_header(&path, |h| {
+        let off = &h[&b]["data_offsets"];
+        let len = off[1].as_u64().unwrap() - off[0].as_u64().unwrap();
+        h.get_mut(&b).unwrap()["data_offsets"] = serde_json::json!([0, len]);
+    });
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("contiguous"), "{e}");
+    fs::write(&path, &good).unwrap();
+    // A shape whose element count overflows u64: named, not multiplied out.
+    edit_header(&path, |h| {
+        h.get_mut(&a).unwrap()["shape"] = serde_json::json!([1u64 << 40, 1u64 << 40]);
+    });
+    let e = open_err(tmp.path());
+    assert_eq!(e.context().tensor.as_deref(), Some(a.as_str()));
+    assert!(e.message().contains("more than u64 bytes"), "{e}");
+    fs::write(&path, &good).unwrap();
+    // Bytes after the last tensor's data.
+    let mut longer = good.clone();
+    longer.extend_from_slice(&[0u8; 64]);
+    fs::write(&path, &longer).unwrap();
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    let end = good.len() as u64;
+    assert_eq!(e.context().range.clone(), Some(end..end + 64), "{e}");
+    fs::write(&path, &good).unwrap();
+    Checkpoint::open(tmp.path()).unwrap();
+}
+
+#[test]
+fn an_absurd_layer_count_in_config_json_is_refused_before_anything_is_built() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let cfg = tmp.path().join("config.json");
+    let mut v: Value = serde_json::from_slice(&fs::read(&cfg).unwrap()).unwrap();
+    v["num_hidden_layers"] = 1_000_000_000_000u64.into();
+    v["hidden_size"] = 8.into();
+    v["num_attention_heads"] = 1.into();
+    v["num_key_value_heads"] = 1.into();
+    v["head_dim"] = 8.into();
+    v["vocab_size"] = 64.into();
+    fs::write(&cfg, serde_json::to_vec(&v).unwrap()).unwrap();
+    let e = open_err(tmp.path());
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("\"num_hidden_layers\""), "{e}");
+}
+
+#[test]
+fn candidates_list_every_step_folder_and_a_folder_state_sees_any_change() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    for s in [2, 10] {
+        write_checkpoint(
+            &llama_tiny(),
+            s,
+            &r.join(format!("step-{s}")),
+            &small_shards(),
+        )
+        .unwrap();
+    }
+    fs::create_dir(r.join("step-11")).unwrap(); // being written: listed, not complete
+    fs::create_dir(r.join("other")).unwrap();
+    let steps: Vec<u64> = candidates(r).unwrap().into_iter().map(|c| c.0).collect();
+    assert_eq!(steps, vec![11, 10, 2]);
+    assert_eq!(newest_complete(r).unwrap().unwrap().0, 10);
+    let d = r.join("step-10");
+    assert_eq!(candidates(&d).unwrap(), vec![(10, d.clone())]);
+    let before = FolderState::read(&d);
+    assert_eq!(FolderState::read(&d), before, "nothing changed");
+    // The pause puts each change in a later tick of the file system's coarse clock.
+    let pause = || std::thread::sleep(std::time::Duration::from_millis(20));
+    pause();
+    let shard = d.join(candidates_shard(&d));
+    let mut bytes = fs::read(&shard).unwrap();
+    bytes[100] ^= 1;
+    fs::write(&shard, &bytes).unwrap();
+    let rewritten = FolderState::read(&d);
+    assert_ne!(rewritten, before, "a file rewritten in place, same size");
+    pause();
+    fs::write(d.join("notes.txt"), b"x").unwrap();
+    assert_ne!(FolderState::read(&d), rewritten, "a file added");
+}
+
+/// Some shard file of checkpoint `dir`.
+fn candidates_shard(dir: &Path) -> String {
+    index(dir)["weight_map"]["model.norm.weight"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// The README's "nothing panics on a bad file": single-byte changes all over a shard file's
+/// header (and a data offset near u64::MAX) give a typed error or a checkpoint that copies every
+/// tensor, never a panic (this test would fail on one).
+#[test]
+fn byte_flips_in_a_shard_header_are_errors_never_panics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = write_checkpoint(&llama_tiny(), 1, tmp.path(), &small_shards()).unwrap();
+    let name = w
+        .shards
+        .iter()
+        .max_by_key(|n| raw(&tmp.path().join(n)).header.len())
+        .unwrap()
+        .clone();
+    let path = tmp.path().join(&name);
+    let good = fs::read(&path).unwrap();
+    let header_end = raw(&path).data_start;
+    let end = raw(&path)
+        .header
+        .values()
+        .filter_map(|i| i["data_offsets"][1].as_u64())
+        .max()
+        .unwrap();
+    let mut refused = 0;
+    let try_all = |refused: &mut usize| {
+        let complete = is_complete(tmp.path());
+        match Checkpoint::open(tmp.path()) {
+            Err(e) => {
+                assert!(matches!(e.kind(), ErrorKind::Config), "{e}");
+                *refused += 1;
+            }
+            Ok(ck) => {
+                assert!(complete);
+                for s in ck.tensors() {
+                    let mut dst = vec![0u8; s.bytes() as usize];
+                    ck.copy_box(&s.name, &s.full_box(), &mut dst).unwrap();
+                }
+            }
+        }
+    };
+    for at in (0..header_end).step_by(3) {
+        for x in [0x01u8, 0x80, 0xff] {
+            let mut bytes = good.clone();
+            bytes[at] ^= x;
+            fs::write(&path, &bytes).unwrap();
+            try_all(&mut refused);
+        }
+    }
+    assert!(refused > 0);
+    // A data offset near u64::MAX: the completeness check must not wrap around.
+    let text = String::from_utf8_lossy(&good[8..header_end]).into_owned();
+    let huge = text.replace(&format!(",{end}]"), &format!(",{}]", u64::MAX - 4));
+    assert_ne!(huge, text);
+    let mut bytes = (huge.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(huge.as_bytes());
+    bytes.extend_from_slice(&good[header_end..]);
+    fs::write(&path, &bytes).unwrap();
+    try_all(&mut refused);
+    assert!(!is_complete(tmp.path()));
 }

@@ -1,5 +1,6 @@
 //! `reshard status`: what the rendezvous holds: per model, every publisher rank with its step,
-//! readiness, transport, incarnation, table size and lease age.
+//! readiness, transport, incarnation, table size and lease age, and the publisher's note when it
+//! set one (why it does not advance to a newer checkpoint).
 
 use clap::Args;
 use reshard_core::Result;
@@ -52,6 +53,9 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
                     m.table_bytes,
                     m.age.as_secs_f64()
                 );
+                if let Some(note) = &m.note {
+                    println!("             note: {note}");
+                }
             }
         }
         out.push(serde_json::json!({
@@ -61,7 +65,7 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
             "publishers": members.iter().map(|m| serde_json::json!({
                 "rank": m.rank, "step": m.step, "ready": m.ready, "transport": m.transport,
                 "incarnation": m.incarnation, "table_bytes": m.table_bytes,
-                "lease_age_s": m.age.as_secs_f64(),
+                "lease_age_s": m.age.as_secs_f64(), "note": m.note,
             })).collect::<Vec<_>>(),
         }));
     }

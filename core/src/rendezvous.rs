@@ -91,6 +91,25 @@ pub struct Member {
     pub age: Duration,
     /// Bytes of its encoded table.
     pub table_bytes: u64,
+    /// The publisher's own status line, when it set one ([`Announced::set_note`]): why it does
+    /// not advance to a newer checkpoint, for `reshard status`.
+    pub note: Option<String>,
+}
+
+/// Longest note a member carries, in bytes; [`clip_note`] cuts a longer one.
+pub const MAX_NOTE_BYTES: usize = 512;
+
+/// `note` cut to at most [`MAX_NOTE_BYTES`] bytes on a character boundary (a cut one ends in
+/// `...`), so a member record stays small whatever error text it carries.
+pub fn clip_note(note: &str) -> String {
+    if note.len() <= MAX_NOTE_BYTES {
+        return note.to_string();
+    }
+    let mut end = MAX_NOTE_BYTES - 3;
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &note[..end])
 }
 
 /// One rank's announcement as [`Rendezvous::fetch`] read it, with the readiness its record had
@@ -113,6 +132,10 @@ pub trait Announced: Send + Sync {
     async fn unready(&self) -> Result<()>;
     /// Announces step `step` with its new table, ready (weights and digests already written).
     async fn advance(&self, step: u64, table: Bytes) -> Result<()>;
+    /// Sets (`Some`) or clears (`None`) the member's note, cut by [`clip_note`]; step and
+    /// readiness are unchanged. A publisher serving an older step says here why it does not
+    /// advance (a newer checkpoint it refused), so `reshard status` shows it.
+    async fn set_note(&self, note: Option<String>) -> Result<()>;
     /// Fails when the lease was lost (the service expired it): the publisher is no longer seen.
     fn check_alive(&self) -> Result<()>;
     /// Removes the announcement now.
@@ -369,7 +392,21 @@ mod tests {
             incarnation: 1,
             age: Duration::ZERO,
             table_bytes: 10,
+            note: None,
         }
+    }
+
+    #[test]
+    fn a_long_note_is_cut_on_a_character_boundary() {
+        assert_eq!(clip_note("short"), "short");
+        let long = "é".repeat(MAX_NOTE_BYTES);
+        let cut = clip_note(&long);
+        assert!(
+            cut.len() <= MAX_NOTE_BYTES && cut.ends_with("..."),
+            "{}",
+            cut.len()
+        );
+        assert!(long.starts_with(cut.trim_end_matches('.')));
     }
 
     fn want(after: Option<u64>) -> Want {

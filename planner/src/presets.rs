@@ -46,6 +46,57 @@ pub struct ModelConfig {
     pub dtype: DType,
 }
 
+/// Most decoder layers a model may have. The deepest published decoders have 126 (Llama-3.1-405B)
+/// to about 160 layers; 4,096 is 25x that, and keeps the per-layer loops and names of a
+/// configuration read from a file or an announcement from running for hours or exhausting memory.
+pub const MAX_LAYERS: u64 = 4096;
+
+/// Most routed experts per layer. Published MoE models have up to 384 (Kimi-K2) or 512; 16,384
+/// is 32x that.
+pub const MAX_EXPERTS: u64 = 16_384;
+
+/// Most tensors a model may have ([`ModelConfig::tensor_count`]). Kimi-K2, the largest preset,
+/// has 70,702; 2^20 is 15x that, and [`ModelConfig::tensors`] of a model this size is about
+/// 150 MB of names and shapes, which every publisher and receiver builds once: an allocation a
+/// host survives, where a count taken from outside unchecked (10^12 layers) aborts the process.
+pub const MAX_TENSORS: u64 = 1 << 20;
+
+/// Most bytes a model may have ([`ModelConfig::total_bytes`]): 1 PiB, 512x Kimi-K2's 2 TB in
+/// BF16. Every offset and size inside the model then fits u64 with a factor of 16,000 to spare,
+/// so the arithmetic over boxes, ranks and digests that follows validation cannot overflow.
+pub const MAX_TOTAL_BYTES: u64 = 1 << 50;
+
+/// A model field, or a count derived from fields, above what reshard accepts
+/// ([`ModelConfig::out_of_bounds`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutOfBounds {
+    /// The [`ModelConfig`] field (`layers`, `experts`), or the derived count (`tensors`,
+    /// `total_bytes`).
+    pub field: &'static str,
+    /// Its value; `u64::MAX` when the count itself overflows u64.
+    pub value: u64,
+    /// The largest value accepted.
+    pub limit: u64,
+}
+
+impl std::fmt::Display for OutOfBounds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.value == u64::MAX {
+            write!(
+                f,
+                "{} overflows u64 (at most {} accepted)",
+                self.field, self.limit
+            )
+        } else {
+            write!(
+                f,
+                "{} is {}, above the {} reshard accepts",
+                self.field, self.value, self.limit
+            )
+        }
+    }
+}
+
 /// A named, documented model configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Preset {
@@ -229,8 +280,11 @@ impl ModelConfig {
         Ok(self)
     }
 
-    /// Checks the architecture is self-consistent: no zero sizes, query heads a multiple of KV
-    /// heads. A `Config` error names the field.
+    /// Checks the architecture is self-consistent and bounded: no zero sizes, query heads a
+    /// multiple of KV heads, layers, experts, tensor count and total bytes within
+    /// [`MAX_LAYERS`], [`MAX_EXPERTS`], [`MAX_TENSORS`] and [`MAX_TOTAL_BYTES`]. A `Config` error
+    /// names the field. Every configuration from outside (a `config.json`, a publisher's
+    /// announcement, a Python argument) passes here before anything is sized from it.
     pub fn validate(&self) -> Result<()> {
         let mut fields = vec![
             ("layers", self.layers),
@@ -264,13 +318,46 @@ impl ModelConfig {
         }
         // Every tensor and fused parameter is at most the model's size, so one checked total
         // keeps all later unchecked shape arithmetic in range.
-        if self.checked_total_bytes().is_none() {
+        if let Some(b) = self.out_of_bounds() {
             return Err(Error::new(
                 ErrorKind::Config,
-                format!("model {}: total size overflows u64 bytes", self.name),
+                format!("model {}: {b}", self.name),
             ));
         }
         Ok(())
+    }
+
+    /// The first field or derived count above its limit, checked without building anything:
+    /// layers, experts, then the tensor count and the total bytes (each `u64::MAX` when the
+    /// count overflows). `None` when the model is within every limit.
+    pub fn out_of_bounds(&self) -> Option<OutOfBounds> {
+        let over = |field, value: Option<u64>, limit| {
+            let value = value.unwrap_or(u64::MAX);
+            (value > limit).then_some(OutOfBounds {
+                field,
+                value,
+                limit,
+            })
+        };
+        over("layers", Some(self.layers), MAX_LAYERS)
+            .or_else(|| {
+                let experts = self.moe.as_ref().map_or(0, |m| m.experts);
+                over("experts", Some(experts), MAX_EXPERTS)
+            })
+            .or_else(|| over("tensors", self.checked_tensor_count(), MAX_TENSORS))
+            .or_else(|| over("total_bytes", self.checked_total_bytes(), MAX_TOTAL_BYTES))
+    }
+
+    /// Tensor count from the architecture formula, `None` on overflow.
+    fn checked_tensor_count(&self) -> Option<u64> {
+        let attn = if self.qk_norm { 6 } else { 4 };
+        let mlp = match &self.moe {
+            Some(m) => m.experts.checked_mul(3)?.checked_add(1)?,
+            None => 3,
+        };
+        let per_layer = mlp.checked_add(attn + 2)?;
+        let globals = if self.tied_embeddings { 2 } else { 3 };
+        self.layers.checked_mul(per_layer)?.checked_add(globals)
     }
 
     /// Total bytes from the architecture formula, `None` on overflow.
@@ -313,7 +400,9 @@ impl ModelConfig {
     pub fn tensors(&self) -> Vec<TensorSpec> {
         let dt = self.dtype;
         let h = self.hidden;
-        let mut out = Vec::with_capacity(self.tensor_count());
+        // Bounded even for a model `validate` would refuse, so a caller that skipped it cannot
+        // abort on the reservation.
+        let mut out = Vec::with_capacity(self.tensor_count().min(MAX_TENSORS as usize));
         out.push(TensorSpec::new(
             "model.embed_tokens.weight",
             dt,
@@ -359,16 +448,12 @@ impl ModelConfig {
         out
     }
 
-    /// Number of tensors [`ModelConfig::tensors`] returns, without building them.
+    /// Number of tensors [`ModelConfig::tensors`] returns, without building them (saturates at
+    /// `usize::MAX` for a configuration that [`ModelConfig::validate`] rejects).
     pub fn tensor_count(&self) -> usize {
-        let attn = if self.qk_norm { 6 } else { 4 };
-        let mlp = match &self.moe {
-            Some(m) => 1 + 3 * m.experts,
-            None => 3,
-        };
-        let per_layer = attn + 2 + mlp;
-        let globals = if self.tied_embeddings { 2 } else { 3 };
-        (self.layers * per_layer + globals) as usize
+        self.checked_tensor_count()
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(usize::MAX)
     }
 
     /// Total bytes of all tensors, computed without building them (saturates at `u64::MAX` for
@@ -410,6 +495,78 @@ mod tests {
         m.vocab = u64::MAX / 2;
         assert_eq!(m.validate().unwrap_err().kind(), ErrorKind::Config);
         assert_eq!(m.total_bytes(), u64::MAX);
+    }
+
+    /// The config: 10^12 layers of a model otherwise a few hundred bytes wide.
+    fn absurd_layers() -> ModelConfig {
+        ModelConfig {
+            name: "absurd".into(),
+            layers: 1_000_000_000_000,
+            hidden: 8,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            intermediate: 8,
+            moe: None,
+            vocab: 64,
+            tied_embeddings: false,
+            qk_norm: false,
+            dtype: DType::Bf16,
+        }
+    }
+
+    #[test]
+    fn counts_from_outside_are_bounded_naming_the_field() {
+        let m = absurd_layers();
+        // Small enough in bytes to pass the overflow check alone: only the bounds refuse it.
+        assert!(m.checked_total_bytes().is_some());
+        let e = m.validate().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("layers is 1000000000000"), "{e}");
+        assert_eq!(m.out_of_bounds().unwrap().field, "layers");
+        // The receiver's path: an announced architecture is validated before the tensor index.
+        let recv: crate::topology::ReceiverTopology = "tp=1".parse().unwrap();
+        let e = crate::layouts::receiver_layout(&m, &recv, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("layers"), "{e}");
+
+        let mut moe = preset("qwen3-30b-a3b").unwrap();
+        moe.moe.as_mut().unwrap().experts = MAX_EXPERTS + 1;
+        assert_eq!(moe.out_of_bounds().unwrap().field, "experts");
+        // Each field within its own limit, their product is not.
+        moe.moe.as_mut().unwrap().experts = MAX_EXPERTS;
+        moe.layers = 64;
+        let b = moe.out_of_bounds().unwrap();
+        // Per layer: 4 projections, q/k norms, 2 layer norms, the router and 3 per expert.
+        assert_eq!(
+            (b.field, b.value),
+            ("tensors", 64 * (9 + 3 * MAX_EXPERTS) + 3)
+        );
+        assert_eq!(moe.validate().unwrap_err().kind(), ErrorKind::Config);
+        let mut wide = preset("llama-3-8b").unwrap();
+        wide.vocab = 1 << 40;
+        assert_eq!(wide.out_of_bounds().unwrap().field, "total_bytes");
+        wide.vocab = u64::MAX / 2;
+        let b = wide.out_of_bounds().unwrap();
+        assert_eq!((b.field, b.value), ("total_bytes", u64::MAX));
+        // At the limits exactly, accepted.
+        let mut edge = absurd_layers();
+        edge.layers = MAX_LAYERS;
+        edge.validate().unwrap();
+        assert_eq!(edge.tensors().len(), edge.tensor_count());
+    }
+
+    #[test]
+    fn every_preset_is_well_inside_the_bounds() {
+        for p in presets() {
+            let m = &p.config;
+            m.validate().unwrap();
+            assert!(m.layers * 16 <= MAX_LAYERS, "{}", p.name);
+            assert!(m.moe.as_ref().map_or(0, |x| x.experts) * 16 <= MAX_EXPERTS);
+            assert!(m.tensor_count() as u64 * 14 <= MAX_TENSORS, "{}", p.name);
+            assert!(m.total_bytes() * 500 <= MAX_TOTAL_BYTES, "{}", p.name);
+        }
+        assert_eq!(preset("kimi-k2").unwrap().tensor_count(), 70_702);
     }
 
     #[test]

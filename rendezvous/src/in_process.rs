@@ -12,7 +12,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
+use reshard_core::rendezvous::{clip_note, Announced, Announcement, Fetched, Member, Rendezvous};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 /// A rendezvous hub in this process; clones share it.
@@ -44,6 +44,7 @@ struct Model {
 struct Entry {
     announcement: Announcement,
     ready: bool,
+    note: Option<String>,
     lease: u64,
     granted: Instant,
 }
@@ -130,6 +131,15 @@ impl Announced for Held {
         })
     }
 
+    async fn set_note(&self, note: Option<String>) -> Result<()> {
+        let note = note.as_deref().map(clip_note);
+        self.with_entry(|e| {
+            let changed = e.note != note;
+            e.note = note;
+            changed
+        })
+    }
+
     fn check_alive(&self) -> Result<()> {
         let state = self.hub.state.lock();
         match state
@@ -181,6 +191,7 @@ impl Rendezvous for InProcess {
                 Entry {
                     announcement,
                     ready: true,
+                    note: None,
                     lease,
                     granted: Instant::now(),
                 },
@@ -212,6 +223,7 @@ impl Rendezvous for InProcess {
                         incarnation: e.announcement.incarnation,
                         age: e.granted.elapsed(),
                         table_bytes: e.announcement.table.len() as u64,
+                        note: e.note.clone(),
                     })
                     .collect()
             })

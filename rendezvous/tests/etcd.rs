@@ -95,6 +95,7 @@ suite_tests!(
     fetch_reports_each_records_readiness,
     a_record_not_ready_at_fetch_sends_discovery_round_again,
     a_world_above_the_limit_is_refused_at_announce,
+    a_note_is_shown_with_the_member_and_clears,
 );
 
 #[tokio::test]

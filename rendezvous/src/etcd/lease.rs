@@ -9,7 +9,7 @@ use bytes::Bytes;
 use etcd_client::{Client, DeleteOptions, PutOptions};
 use parking_lot::Mutex;
 
-use reshard_core::rendezvous::Announced;
+use reshard_core::rendezvous::{clip_note, Announced};
 use reshard_core::{Error, ErrorKind, Result};
 
 use super::keys::{blob_prefix, member_key};
@@ -110,6 +110,17 @@ impl Announced for Held {
                 .await
                 .map_err(|e| self.etcd.err("delete an old table from", e))?;
         }
+        Ok(())
+    }
+
+    async fn set_note(&self, note: Option<String>) -> Result<()> {
+        self.check_alive()?;
+        let mut record = self.current();
+        record.note = note.as_deref().map(clip_note);
+        self.etcd
+            .put_record(&self.model, &record, self.lease)
+            .await?;
+        *self.record.lock() = record;
         Ok(())
     }
 

@@ -51,6 +51,10 @@ pub(super) struct Record {
     pub(super) table: BlobRef,
     pub(super) metadata: BlobRef,
     pub(super) config: BlobRef,
+    /// The publisher's status line (`Announced::set_note`). Optional both ways: records
+    /// without it parse (as written before it existed), and readers that predate it ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) note: Option<String>,
 }
 
 /// The record `value` of key `key`, decoded and checked (see [`Record::check`]), or a `Decode`
@@ -248,6 +252,7 @@ mod tests {
             table: blob("table-9", &[1; CHUNK_BYTES + 1]),
             metadata: blob("metadata", b"meta"),
             config: blob("config", b""),
+            note: None,
         }
     }
 
@@ -407,5 +412,18 @@ mod tests {
             .assemble(vec![(0, b"meta".to_vec())], 3)
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Decode);
+    }
+
+    #[test]
+    fn the_note_is_optional_both_ways() {
+        // A record as written before notes existed.
+        let mut old = serde_json::to_value(good()).unwrap();
+        assert!(old.get("note").is_none(), "no note, nothing written: {old}");
+        old.as_object_mut().unwrap().remove("note");
+        let mut r = parse(&old).unwrap();
+        assert_eq!(r.note, None);
+        r.note = Some("refused step 4".into());
+        let back = parse(&serde_json::to_value(&r).unwrap()).unwrap();
+        assert_eq!(back.note.as_deref(), Some("refused step 4"));
     }
 }

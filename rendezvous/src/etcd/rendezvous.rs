@@ -50,6 +50,7 @@ impl Rendezvous for Etcd {
                 table: BlobRef::default(),
                 metadata: BlobRef::default(),
                 config: BlobRef::default(),
+                note: None,
             }),
             lost,
             keeper,
@@ -98,6 +99,7 @@ impl Rendezvous for Etcd {
                 incarnation: rec.incarnation,
                 age: Duration::from_millis(now.saturating_sub(rec.granted_unix_ms)),
                 table_bytes: rec.table.bytes,
+                note: rec.note,
             });
         }
         members.sort_by_key(|m| m.rank);

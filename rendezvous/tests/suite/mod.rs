@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use reshard_core::rendezvous::{
-    discover, Announced, Announcement, Fetched, Member, Rendezvous, Want, MAX_WORLD,
+    discover, Announced, Announcement, Fetched, Member, Rendezvous, Want, MAX_NOTE_BYTES, MAX_WORLD,
 };
 use reshard_core::{ErrorKind, OwnerId, Result};
 
@@ -480,4 +480,45 @@ pub async fn a_world_above_the_limit_is_refused_at_announce(s: &Sides) {
     );
     let (members, _) = s.receivers.members(&s.model).await.unwrap();
     assert!(members.is_empty(), "{members:?}");
+}
+
+/// A publisher's note reaches the members list and clears again; it changes neither step nor
+/// readiness (discovery still finds the step), and a long one arrives cut to the limit.
+pub async fn a_note_is_shown_with_the_member_and_clears(s: &Sides) {
+    let a = s
+        .publishers
+        .announce(s.announcement(0, 1, 3))
+        .await
+        .unwrap();
+    let r = s.receivers.clone();
+    let note = |r: Arc<dyn Rendezvous>, model: String| async move {
+        let (m, _) = r.members(&model).await.unwrap();
+        (m[0].step, m[0].ready, m[0].note.clone())
+    };
+    assert_eq!(note(r.clone(), s.model.clone()).await, (3, true, None));
+    a.set_note(Some("refused step 4: bad header".into()))
+        .await
+        .unwrap();
+    assert_eq!(
+        note(r.clone(), s.model.clone()).await,
+        (3, true, Some("refused step 4: bad header".into()))
+    );
+    assert_eq!(
+        discover(r.as_ref(), &s.want(None, 5_000))
+            .await
+            .unwrap()
+            .step,
+        3
+    );
+    a.set_note(Some("x".repeat(10 * MAX_NOTE_BYTES)))
+        .await
+        .unwrap();
+    let (_, _, long) = note(r.clone(), s.model.clone()).await;
+    assert!(long.unwrap().len() <= MAX_NOTE_BYTES);
+    // Advancing keeps the note (the publisher clears it when it has nothing to say).
+    a.unready().await.unwrap();
+    a.advance(5, Bytes::from_static(b"t 5")).await.unwrap();
+    assert!(note(r.clone(), s.model.clone()).await.2.is_some());
+    a.set_note(None).await.unwrap();
+    assert_eq!(note(r, s.model.clone()).await, (5, true, None));
 }
