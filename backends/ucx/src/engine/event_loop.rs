@@ -7,20 +7,21 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use reshard_core::{OwnerId, WireReport};
+use reshard_core::{Error, ErrorKind, OwnerId, WireReport};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
-use super::mailbox::{BatchSignal, Cmd};
+use super::mailbox::{BatchHold, Cmd};
 use super::resolve::PreparedEntry;
 use super::{Engine, Reply, BUSY_NAP, HOT, IDLE_NAP, MIN_NAP, PROGRESS_ROUNDS, SPIN};
 use crate::meta::EndpointMeta;
 use crate::raw;
+use crate::SCHEME;
 
 /// A post waiting for one of its owners' endpoints to be (re-)created.
 pub(super) struct DeferredPost {
     prepared: u64,
-    batch: u64,
-    signal: Arc<BatchSignal>,
+    pub(super) batch: u64,
+    signal: BatchHold,
     pub(super) ack: Reply<()>,
     done: Reply<WireReport>,
 }
@@ -236,8 +237,14 @@ impl Engine {
             ack,
             done,
         } = d;
-        if ack.is_closed() {
-            // The post was given up before it started: start nothing.
+        if ack.is_closed() || signal.stopping() {
+            // The post was given up, or its handle dropped, before it started: start nothing
+            // (dropping `signal` tells the handle's drop the batch is quiet).
+            let _ = ack.send(Err(Error::new(
+                ErrorKind::Aborted,
+                "the ucx batch was ended before it started",
+            )
+            .with_backend(SCHEME)));
             return;
         }
         let _ = ack.send(self.post(prepared, batch, signal, done));

@@ -47,7 +47,7 @@ mod regions;
 mod resolve;
 mod shutdown;
 
-pub(crate) use mailbox::{BatchSignal, Cmd, Mailbox};
+pub(crate) use mailbox::{BatchHold, BatchSignal, Cmd, Mailbox};
 
 use event_loop::DeferredPost;
 use execute::{PendingRead, Running};
