@@ -433,6 +433,40 @@ async fn quiescent_after_post_future_dropped_tcp() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_right_after_an_abort_waits_for_the_re_created_endpoint_tcp() {
+    if !available() {
+        return;
+    }
+    let _serial = serial().await;
+    // Abort force-closes the endpoint and the owner's endpoint is re-created in the
+    // background; a prepare in the meantime (a receiver re-prepares after the epoch moved)
+    // waits for it rather than failing as if the owner had never been loaded.
+    let p = pair(TCP_LEN, tcp(30_000), false).await;
+    let prepared = p
+        .receiver
+        .prepare(chunked(&p, TCP_LEN as u64, 16 * MIB as u64))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let epoch = p.receiver.epoch();
+        let inflight = p.receiver.post(&prepared).await.unwrap();
+        mid_flight(&p.dst, Duration::from_millis(50)).await;
+        inflight.abort().await;
+        assert_ne!(
+            p.receiver.epoch(),
+            epoch,
+            "the abort force-closed the endpoint"
+        );
+        let head = p
+            .receiver
+            .prepare(chunked(&p, 32 * MIB as u64, MIB as u64))
+            .await
+            .expect("a prepare right after an abort");
+        clean_post(&p, &head).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quiescent_after_timeout_tcp() {
     if !available() {
         return;
