@@ -20,8 +20,9 @@ pub struct CmaOptions {
     /// Most iovecs on each side of one call (1..=1024): many small reads of one owner go into
     /// one system call. 1 turns the batching off (for measurements).
     pub iovecs_per_call: usize,
-    /// The no-progress bound of `wait`, in milliseconds: how long it goes on while no call of
-    /// the batch completes.
+    /// The no-progress bound, in milliseconds: how long `wait` goes on while no call of the
+    /// batch completes, and how long `wait`, `abort` or a dropped batch wait for calls still
+    /// running after the batch ended before quarantining them.
     pub timeout_ms: u64,
     /// Let any process of the same user read this one when Yama's `ptrace_scope` is 1, with
     /// `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)` at endpoint creation. Off by default: it

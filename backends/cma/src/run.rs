@@ -3,15 +3,21 @@
 //!
 //! A `process_vm_readv` cannot be interrupted, so a batch ends by closing its gate: no thread
 //! starts another call of it, and the ending waits for the calls already running (each at most
-//! `piece_bytes`). Threads enter the gate before they claim a call and leave after its last
-//! byte is written, so "nothing inside and closed" means nothing of the batch can land.
+//! `piece_bytes`). Threads claim a call as they enter the gate and leave after its last byte is
+//! written, so "nothing inside and closed" means nothing of the batch can land.
+//!
+//! Every such wait (`wait`, `abort`, a dropped handle) is bounded by the no-progress timer
+//! (rule 4): when no call has returned for `timeout_ms` since the batch was ended, the calls
+//! still inside are quarantined (rule 3). Their job keeps the batch, and with it the peers and
+//! the destination blocks, alive until they return, and the endpoint refuses, with a
+//! quarantined error, every post that would write the bytes they may still write.
 
 use async_trait::async_trait;
 use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
 use reshard_core::{Error, ErrorKind, InFlight, OwnerId, ReadBatch, Result, WireReport};
 use std::io;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
@@ -28,10 +34,8 @@ pub(crate) struct Run {
     /// a registration dropped meanwhile releases its block only after this (rule 2).
     prepared: Arc<Prepared>,
     batch: Arc<ReadBatch>,
-    /// Next call to claim.
-    next: AtomicUsize,
     state: Mutex<RunState>,
-    /// Signalled when the last job inside the gate leaves.
+    /// Signalled whenever a job leaves the gate.
     left: Condvar,
     /// Signalled after every call (progress, failure) and when the gate empties.
     progress: Notify,
@@ -40,12 +44,32 @@ pub(crate) struct Run {
 }
 
 struct RunState {
+    /// Next call to claim.
+    next: usize,
     closed: bool,
-    inside: usize,
+    /// When the batch was closed (its no-progress timer then runs from here at the earliest).
+    closed_at: Option<Instant>,
+    /// Calls running now (claimed and not yet returned): at most one per copy thread.
+    inside: Vec<usize>,
     done_calls: usize,
     counted: WireReport,
     error: Option<Error>,
+    /// When a call last returned (or the batch started).
     last_progress: Instant,
+    /// An ending gave up waiting for the calls inside: until they return, the bytes they
+    /// write are quarantined.
+    quarantined: bool,
+}
+
+impl RunState {
+    /// How long no call has returned, counted from the batch's end at the earliest.
+    fn idle_since_end(&self) -> Duration {
+        let from = match self.closed_at {
+            Some(at) => at.max(self.last_progress),
+            None => self.last_progress,
+        };
+        from.elapsed()
+    }
 }
 
 impl Run {
@@ -53,14 +77,16 @@ impl Run {
         Run {
             prepared,
             batch,
-            next: AtomicUsize::new(0),
             state: Mutex::new(RunState {
+                next: 0,
                 closed: false,
-                inside: 0,
+                closed_at: None,
+                inside: Vec::new(),
                 done_calls: 0,
                 counted: WireReport::default(),
                 error: None,
                 last_progress: Instant::now(),
+                quarantined: false,
             }),
             left: Condvar::new(),
             progress: Notify::new(),
@@ -74,6 +100,7 @@ impl Run {
         let mut st = self.state.lock();
         if !st.closed {
             st.closed = true;
+            st.closed_at = Some(Instant::now());
             if st.error.is_none() && st.done_calls < self.prepared.calls.calls.len() {
                 st.error = Some(why());
             }
@@ -82,50 +109,108 @@ impl Run {
         self.progress.notify_one();
     }
 
-    /// Blocks until no job is inside the gate (call after [`Run::close`]).
-    fn drain_blocking(&self) {
+    /// Blocks until no job is inside the gate (call after [`Run::close`]), or until no call
+    /// has returned for `bound` since the batch was closed: then the calls still inside are
+    /// quarantined and the description of what is kept is returned.
+    fn drain_blocking(&self, bound: Duration) -> std::result::Result<(), String> {
         let mut st = self.state.lock();
-        while st.inside > 0 {
-            self.left.wait(&mut st);
+        loop {
+            if st.inside.is_empty() {
+                return Ok(());
+            }
+            let idle = st.idle_since_end();
+            if idle >= bound {
+                return Err(self.quarantine(&mut st));
+            }
+            self.left.wait_for(&mut st, bound - idle);
         }
+    }
+
+    /// Marks the calls inside quarantined; returns what is kept, for errors and logs.
+    fn quarantine(&self, st: &mut RunState) -> String {
+        st.quarantined = true;
+        let ranges: Vec<String> = self
+            .segs_of(&st.inside)
+            .map(|s| format!("{:#x}..{:#x}", s.local, s.local + s.len))
+            .collect();
+        format!(
+            "{} process_vm_readv call(s) of this batch have not returned; the destination \
+             bytes they may still write (addresses {}) are quarantined: kept alive, and posts \
+             that write them are refused until the calls return",
+            st.inside.len(),
+            ranges.join(", ")
+        )
+    }
+
+    fn segs_of<'a>(&'a self, calls: &'a [usize]) -> impl Iterator<Item = &'a Seg> + 'a {
+        let c = &self.prepared.calls;
+        calls
+            .iter()
+            .flat_map(move |&i| &c.segs[c.calls[i].segs.clone()])
+    }
+
+    /// Destination bytes that quarantined calls of this batch may still write (empty when it
+    /// has no quarantined call running any more).
+    pub(crate) fn quarantined_ranges(&self) -> Vec<Range<u64>> {
+        let st = self.state.lock();
+        if !st.quarantined {
+            return Vec::new();
+        }
+        self.segs_of(&st.inside)
+            .map(|s| s.local..s.local + s.len)
+            .collect()
+    }
+
+    /// The owner and remote range of the first read a running call of this batch moves.
+    fn running_read(&self, st: &RunState) -> Option<(OwnerId, Range<u64>)> {
+        let seg = self.segs_of(&st.inside).next()?;
+        let c = &self.prepared.calls;
+        let call = st.inside.first().map(|&i| &c.calls[i])?;
+        let owner = self.prepared.peers.get(call.peer as usize)?.0;
+        let r = self.batch.reads.get(seg.read as usize)?;
+        Some((
+            owner,
+            r.remote_offset..r.remote_offset.saturating_add(r.len),
+        ))
     }
 
     /// The loop of one copy job: claim calls until none is left or the gate is closed.
     pub(crate) fn work(&self) {
         let n = self.prepared.calls.calls.len();
         loop {
-            {
+            let i = {
                 let mut st = self.state.lock();
-                if st.closed {
+                if st.closed || st.next >= n {
                     return;
                 }
-                st.inside += 1;
-            }
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let r = (i < n).then(|| self.execute(i));
+                let i = st.next;
+                st.next += 1;
+                st.inside.push(i);
+                i
+            };
+            let r = self.execute(i);
             let mut st = self.state.lock();
-            st.inside -= 1;
-            match &r {
-                Some(Ok(c)) => {
+            if let Some(k) = st.inside.iter().position(|&c| c == i) {
+                st.inside.swap_remove(k);
+            }
+            // A call that returned is progress, whether it moved its bytes or failed.
+            st.last_progress = Instant::now();
+            match r {
+                Ok(c) => {
                     st.done_calls += 1;
                     st.counted.reads += c.reads;
                     st.counted.bytes += c.bytes;
-                    st.last_progress = Instant::now();
                 }
-                Some(Err(_)) => st.closed = true,
-                None => {}
-            }
-            if let Some(Err(e)) = r {
-                st.error.get_or_insert(e);
-            }
-            if st.inside == 0 {
-                self.left.notify_all();
+                Err(e) => {
+                    let now = st.last_progress;
+                    st.closed = true;
+                    st.closed_at.get_or_insert(now);
+                    st.error.get_or_insert(e);
+                }
             }
             drop(st);
+            self.left.notify_all();
             self.progress.notify_one();
-            if i >= n {
-                return;
-            }
         }
     }
 
@@ -278,65 +363,64 @@ impl CmaInFlight {
         }
     }
 
-    /// Waits until the batch is over: every call done, or closed with nothing inside. The
-    /// no-progress bound closes the batch when no call completed for `timeout`; if a call is
-    /// still inside another `timeout` later (a read the kernel does not finish, e.g. a remote
-    /// page that never faults in), the batch is reported quarantined: its memory stays with
-    /// the running job.
-    async fn settle(&mut self, aborting: bool) -> Result<WireReport> {
+    /// Waits until the batch is over: every call done, or closed with nothing inside.
+    ///
+    /// The no-progress bound closes an open batch when no call returned for `timeout`. Once
+    /// the batch is closed (by that, a failure, `abort` or the endpoint's drop), the calls
+    /// inside are waited for while they keep returning; when none has returned for another
+    /// `timeout` (a read the kernel does not finish, e.g. a remote page that never faults in),
+    /// they are quarantined and the batch ends with a quarantined `Timeout`.
+    async fn settle(&mut self) -> Result<WireReport> {
         let n = self.run.prepared.calls.calls.len();
-        let mut closed_at: Option<Instant> = None;
         loop {
             let notified = self.run.progress.notified();
             let wait_for = {
                 let mut st = self.run.state.lock();
-                if st.done_calls == n && st.inside == 0 {
+                if st.done_calls == n && st.inside.is_empty() {
                     self.finished = true;
                     return Ok(st.counted);
                 }
-                if st.closed && st.inside == 0 {
+                if st.closed && st.inside.is_empty() {
                     self.finished = true;
                     return Err(st.error.take().unwrap_or_else(|| {
                         Error::new(ErrorKind::Aborted, "batch aborted").with_backend(SCHEME)
                     }));
                 }
-                let now = Instant::now();
-                if st.closed {
-                    let at = *closed_at.get_or_insert(now);
-                    if !aborting && now.duration_since(at) >= self.timeout {
-                        self.finished = true;
-                        let e = st.error.take().unwrap_or_else(|| {
-                            Error::new(ErrorKind::Timeout, "batch stalled").with_backend(SCHEME)
-                        });
-                        return Err(Error::new(
+                let idle = st.idle_since_end();
+                if idle < self.timeout {
+                    self.timeout - idle
+                } else if !st.closed {
+                    st.closed = true;
+                    st.closed_at = Some(Instant::now());
+                    let timeout = self.timeout;
+                    st.error.get_or_insert_with(|| {
+                        Error::new(
                             ErrorKind::Timeout,
-                            format!(
-                                "a process_vm_readv of this batch has not returned {:?} after \
-                                 the batch ended ({e}); its destination memory is kept and \
-                                 must not be reused",
-                                self.timeout
-                            ),
+                            format!("no read of the batch completed for {timeout:?}"),
                         )
                         .with_backend(SCHEME)
-                        .set_quarantined());
-                    }
-                    self.timeout.saturating_sub(now.duration_since(at))
+                        .set_retryable(true)
+                    });
+                    continue;
                 } else {
-                    let idle = now.duration_since(st.last_progress);
-                    if idle >= self.timeout {
-                        st.closed = true;
-                        let timeout = self.timeout;
-                        st.error.get_or_insert_with(|| {
-                            Error::new(
-                                ErrorKind::Timeout,
-                                format!("no read of the batch completed for {timeout:?}"),
-                            )
-                            .with_backend(SCHEME)
-                            .set_retryable(true)
-                        });
-                        continue;
+                    self.finished = true;
+                    let why = st.error.take().unwrap_or_else(|| {
+                        Error::new(ErrorKind::Timeout, "batch stalled").with_backend(SCHEME)
+                    });
+                    let what = self.run.quarantine(&mut st);
+                    let mut e = Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "no process_vm_readv of this batch returned for {:?} after the batch \
+                             ended ({why}); {what}",
+                            self.timeout
+                        ),
+                    )
+                    .with_backend(SCHEME);
+                    if let Some((owner, range)) = self.run.running_read(&st) {
+                        e = e.with_owner(owner).with_range(range);
                     }
-                    self.timeout - idle
+                    return Err(e.set_quarantined());
                 }
             };
             let _ = tokio::time::timeout(wait_for, notified).await;
@@ -344,10 +428,21 @@ impl CmaInFlight {
     }
 }
 
+/// Runs `f`, which blocks, letting a multi-thread tokio runtime move its other tasks off this
+/// worker thread meanwhile (`block_in_place`); elsewhere (no runtime, a current-thread
+/// runtime) `f` simply runs.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 #[async_trait]
 impl InFlight for CmaInFlight {
     async fn wait(mut self: Box<Self>) -> Result<WireReport> {
-        self.settle(false).await
+        self.settle().await
     }
 
     async fn abort(mut self: Box<Self>) {
@@ -356,7 +451,13 @@ impl InFlight for CmaInFlight {
                 .with_backend(SCHEME)
                 .set_retryable(true)
         });
-        let _ = self.settle(true).await;
+        // Bounded like `wait` (rule 4); abort has no error to return, so a quarantine is
+        // logged (and reported to every later post into those bytes).
+        if let Err(e) = self.settle().await {
+            if e.is_quarantined() {
+                tracing::warn!("cma abort: {e}");
+            }
+        }
     }
 }
 
@@ -364,11 +465,16 @@ impl Drop for CmaInFlight {
     fn drop(&mut self) {
         // Dropped without wait/abort, or with their future dropped part-way: no call starts
         // any more, and the ones running (at most one per copy thread, each at most
-        // piece_bytes) are waited out, so no byte lands after the drop (rule 1).
+        // piece_bytes) are waited out, so no byte lands after the drop (rule 1). The wait is
+        // bounded by the no-progress timer (rule 4): calls that do not return are quarantined
+        // (rule 3); a drop has no error to return, so that is logged as an error.
         if !self.finished {
             self.run
                 .close(|| Error::new(ErrorKind::Aborted, "batch dropped"));
-            self.run.drain_blocking();
+            let timeout = self.timeout;
+            if let Err(what) = blocking(|| self.run.drain_blocking(timeout)) {
+                tracing::error!("cma batch dropped in flight: {what}");
+            }
         }
     }
 }

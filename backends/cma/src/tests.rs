@@ -433,3 +433,205 @@ async fn a_batch_prepared_before_its_destination_was_deregistered_is_refused_at_
     assert_eq!(e.context().range, Some(100..164));
     assert!(buf.read().iter().all(|&b| b == 0), "nothing landed");
 }
+
+/// A userfaultfd over pages of a mapping that were never touched: any access to them, also
+/// the kernel's on behalf of a `process_vm_readv`, blocks until the fd answers the fault or
+/// is closed. So a read of such a page is a system call that does not return on its own.
+struct Uffd(std::os::fd::OwnedFd);
+
+/// `struct uffdio_api` of linux/userfaultfd.h.
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+/// `struct uffdio_register` of linux/userfaultfd.h (its range inlined).
+#[repr(C)]
+struct UffdioRegister {
+    start: u64,
+    len: u64,
+    mode: u64,
+    ioctls: u64,
+}
+
+const UFFD_API: u64 = 0xAA;
+/// `_IOWR(0xAA, 0x3F, struct uffdio_api)`.
+const UFFDIO_API: u64 = 0xC018_AA3F;
+/// `_IOWR(0xAA, 0x00, struct uffdio_register)`.
+const UFFDIO_REGISTER: u64 = 0xC020_AA00;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+
+impl Uffd {
+    /// `None` (saying why) where userfaultfd is not permitted: it needs CAP_SYS_PTRACE unless
+    /// vm.unprivileged_userfaultfd is 1, and faults taken by the kernel are only held for such
+    /// a descriptor.
+    fn new() -> Option<Self> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: a plain system call creating a descriptor.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+        if fd < 0 {
+            eprintln!(
+                "NOTE: userfaultfd is not permitted here ({}): the stalled-read test is skipped",
+                std::io::Error::last_os_error()
+            );
+            return None;
+        }
+        // SAFETY: `fd` was just created and is owned by nothing else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
+        // SAFETY: the ioctl reads and writes `api`, a live struct of the size it encodes.
+        let r = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut api) };
+        assert_eq!(r, 0, "UFFDIO_API: {}", std::io::Error::last_os_error());
+        Some(Uffd(fd))
+    }
+
+    /// Holds every first access to the `len` bytes at `addr` (untouched anonymous memory).
+    fn hold(&self, addr: usize, len: usize) {
+        use std::os::fd::AsRawFd;
+        let mut reg = UffdioRegister {
+            start: addr as u64,
+            len: len as u64,
+            mode: UFFDIO_REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
+        // SAFETY: the ioctl reads and writes `reg`, a live struct of the size it encodes.
+        let r = unsafe { libc::ioctl(self.0.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
+        assert_eq!(r, 0, "UFFDIO_REGISTER: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// A `process_vm_readv` that never returns (its source page is held by a userfaultfd nobody
+/// answers) cannot hold `wait`, `abort` or a dropped handle past the no-progress bound
+/// (docs/in-flight-safety.md, rule 4): `wait` ends with a quarantined, not retryable
+/// `Timeout` naming the read, and after each ending the bytes the call may still write are
+/// quarantined (rule 3): posts into them are refused with a quarantined error while other
+/// memory stays usable, until the call returns; then the same batch moves every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiescence_is_bounded_when_a_read_never_returns() {
+    let Some(uffd) = Uffd::new() else {
+        return;
+    };
+    let page = 4096usize;
+    let pages = 16usize;
+    // Not the first or last page: `load_peer` reads those to check the region is mapped.
+    let held = 8usize;
+    let tx = endpoint("tx");
+    let mem = Arc::new(Mapped::new(pages * page));
+    uffd.hold(mem.addr + held * page, page);
+    for p in (0..pages).filter(|&p| p != held) {
+        // SAFETY: a page of the test's own mapping, not referenced anywhere else yet.
+        unsafe { std::ptr::write_bytes((mem.addr + p * page) as *mut u8, p as u8 + 1, page) };
+    }
+    let src = tx.register(mem.clone()).await.unwrap();
+    let meta = tx.export_metadata().await.unwrap();
+    let options = CmaOptions {
+        workers: 2,
+        // One page per call, so only the held page's call stalls.
+        piece_bytes: page as u64,
+        iovecs_per_call: 1,
+        timeout_ms: 100,
+        ..CmaOptions::default()
+    };
+    let reads = |region: u64, skip_held: bool| ReadBatch {
+        reads: (0..pages)
+            .filter(|&p| !(skip_held && p == held))
+            .map(|p| ReadDesc {
+                owner: 1,
+                remote_region: src.id(),
+                remote_offset: (p * page) as u64,
+                local_region: region,
+                local_offset: (p * page) as u64,
+                len: page as u64,
+            })
+            .collect(),
+    };
+    let held_range = Some((held * page) as u64..((held + 1) * page) as u64);
+    const RETURNS: std::time::Duration = std::time::Duration::from_secs(60);
+    let mut stalled = Vec::new();
+    // One receiver per ending: each stalled call keeps one of its copy threads.
+    for ending in ["wait", "abort", "drop"] {
+        let rx = CmaTransport::new(ending, options.clone()).unwrap();
+        rx.load_peer(1, meta.clone()).await.unwrap();
+        let dst = Arc::new(HostBuffer::zeroed(pages * page));
+        let other = Arc::new(HostBuffer::zeroed(pages * page));
+        let rd = rx.register(dst.clone()).await.unwrap();
+        let ro = rx.register(other.clone()).await.unwrap();
+        let prepared = rx.prepare(reads(rd.id(), false)).await.unwrap();
+        let inflight = rx.post(&prepared).await.unwrap();
+        // Calls are claimed in page order: once every other page has landed, the held page's
+        // call has been running (stalled) since before the last of them.
+        let start = std::time::Instant::now();
+        while (0..pages)
+            .filter(|&p| p != held)
+            .any(|p| dst.read()[p * page] != p as u8 + 1)
+        {
+            assert!(start.elapsed() < std::time::Duration::from_secs(30));
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        match ending {
+            "wait" => {
+                let e = tokio::time::timeout(RETURNS, inflight.wait())
+                    .await
+                    .expect("wait on a batch whose read never returns returned")
+                    .expect_err("a batch whose read never returns fails");
+                assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+                assert!(e.is_quarantined() && !e.is_retryable(), "{e}");
+                assert_eq!(e.context().owner, Some(1), "{e}");
+                assert_eq!(e.context().range, held_range, "{e}");
+                assert_eq!(e.context().backend.as_deref(), Some(SCHEME));
+            }
+            // Each must return (a generous guard, so an unbounded wait fails the test rather
+            // than hanging it; the bound itself is 100 ms).
+            "abort" => tokio::time::timeout(RETURNS, inflight.abort())
+                .await
+                .expect("abort of a batch whose read never returns returned"),
+            _ => tokio::time::timeout(RETURNS, tokio::task::spawn_blocking(move || drop(inflight)))
+                .await
+                .expect("dropping a batch whose read never returns returned")
+                .unwrap(),
+        }
+        // It returned; the call still runs, so the bytes it may write are not posted into ...
+        let e = match rx.post(&prepared).await {
+            Ok(_) => panic!("{ending}: posted into bytes a stalled read may still write"),
+            Err(e) => e,
+        };
+        assert!(e.is_quarantined() && !e.is_retryable(), "{ending}: {e}");
+        assert_eq!(e.context().owner, Some(1), "{ending}: {e}");
+        assert_eq!(e.context().range, held_range, "{ending}: {e}");
+        // ... while other memory is (without the held page, which would stall again).
+        let p = rx.prepare(reads(ro.id(), true)).await.unwrap();
+        let report = rx.post(&p).await.unwrap().wait().await.unwrap();
+        assert_eq!(report.bytes, ((pages - 1) * page) as u64, "{ending}");
+        assert!(other.read()[..page].iter().all(|&b| b == 1), "{ending}");
+        stalled.push((rx, prepared, dst, rd, ro));
+    }
+    // Closing the userfaultfd lets the held page fault in (as zeros): the stalled calls return.
+    drop(uffd);
+    for (rx, prepared, dst, ..) in &stalled {
+        let start = std::time::Instant::now();
+        let report = loop {
+            match rx.post(prepared).await {
+                Ok(f) => break f.wait().await.unwrap(),
+                Err(e) if e.is_quarantined() => {
+                    // The stalled calls return as their threads are scheduled again.
+                    assert!(start.elapsed() < std::time::Duration::from_secs(30), "{e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(report.bytes, (pages * page) as u64);
+        // SAFETY: the test's own mapping, every page of it now present and only read here.
+        let src = unsafe { std::slice::from_raw_parts(mem.addr as *const u8, pages * page) };
+        assert!(
+            dst.read()[..] == src[..],
+            "byte exact once the read returned"
+        );
+    }
+}

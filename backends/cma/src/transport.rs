@@ -13,6 +13,7 @@ use reshard_core::{
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::ops::Range;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -257,6 +258,45 @@ impl CmaTransport {
         Ok(())
     }
 
+    /// Refuses a batch that writes bytes which quarantined calls of an earlier batch (ended
+    /// while they had not returned) may still write (docs/in-flight-safety.md, rule 3): a
+    /// quarantined error naming the first such read. Once those calls return, their bytes are
+    /// free again.
+    fn refuse_quarantined(&self, prepared: &PreparedBatch, st: &Prepared) -> Result<()> {
+        let busy: Vec<Range<u64>> = self
+            .live
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .flat_map(|run| run.quarantined_ranges())
+            .collect();
+        if busy.is_empty() {
+            return Ok(());
+        }
+        let hit = st.calls.segs.iter().find(|s| {
+            busy.iter()
+                .any(|b| b.start < s.local + s.len && s.local < b.end)
+        });
+        let Some(r) = hit.and_then(|s| prepared.batch().reads.get(s.read as usize)) else {
+            return Ok(());
+        };
+        Err(Error::new(
+            ErrorKind::Transport,
+            format!(
+                "a read writes local bytes {}..{} of region {}, which a process_vm_readv of an \
+                 earlier batch that has not returned may still write (quarantined); use other \
+                 memory or wait until it returns",
+                r.local_offset,
+                r.local_offset.saturating_add(r.len),
+                r.local_region
+            ),
+        )
+        .with_owner(r.owner)
+        .with_range(span(r.remote_offset, r.len))
+        .with_backend(SCHEME)
+        .set_quarantined())
+    }
+
     /// Records every read of a post as its calls will execute it: the owner is one under which
     /// the peer process actually read from is loaded (the batch's own owner when that is
     /// still so), and regions and offsets are resolved back from the addresses the calls use,
@@ -316,7 +356,8 @@ impl CmaTransport {
 impl Drop for CmaTransport {
     fn drop(&mut self) {
         // Every waiter wakes with an error (rule 4); the calls already running finish, and the
-        // handles' drops or waits wait them out.
+        // handles' drops or waits wait them out (bounded by the no-progress timer, past which
+        // they are quarantined: their jobs keep the memory they write alive).
         for run in self.live.get_mut().drain(..).filter_map(|w| w.upgrade()) {
             run.close(|| {
                 Error::new(
@@ -450,6 +491,7 @@ impl Transport for CmaTransport {
         if st.epoch != self.epoch() {
             self.still_valid(prepared, st)?;
         }
+        self.refuse_quarantined(prepared, st)?;
         let pool = self.pool()?;
         let skip = self.skip_read.get();
         if let Some(log) = self.log.read().as_ref() {

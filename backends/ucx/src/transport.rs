@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::alloc::{Allocation, UcxHostMemory};
 use crate::config::UcxOptions;
-use crate::engine::{self, BatchSignal, Cmd, EngineOptions, LogSlot, Mailbox};
+use crate::engine::{self, BatchHold, BatchSignal, Cmd, EngineOptions, LogSlot, Mailbox};
 use crate::meta::EndpointMeta;
 use crate::raw::{self, Context, ContextOptions};
 use crate::SCHEME;
@@ -320,26 +320,37 @@ impl Transport for UcxTransport {
         )?;
         let batch = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done_tx, done_rx) = oneshot::channel();
-        let prepared_id = token.id;
         let signal = BatchSignal::new();
-        let s = Arc::clone(&signal);
-        // If this future is dropped after the post started, the thread sees the batch's
-        // `done` receiver gone and ends it as abort does.
-        self.ask(|ack| Cmd::Post {
-            prepared: prepared_id,
-            batch,
-            signal: s,
-            ack,
-            done: done_tx,
-        })
-        .await?;
-        Ok(Box::new(UcxInFlight {
+        // The handle exists before the batch reaches the progress thread: if this future is
+        // dropped while it awaits the thread's answer, the handle's drop ends the batch as
+        // abort does and waits until it is quiet, so nothing keeps running that no one waits
+        // for (docs/in-flight-safety.md, rule 1). A batch the thread never starts is quiet
+        // as soon as the thread lets go of its post (see `BatchHold`).
+        let mut handle = UcxInFlight {
             agent: self.agent.clone(),
             mailbox: self.mailbox.clone(),
             batch,
-            signal,
+            signal: Arc::clone(&signal),
             done: Some(done_rx),
-        }))
+        };
+        let started = self
+            .ask(|ack| Cmd::Post {
+                prepared: token.id,
+                batch,
+                signal: BatchHold::new(signal),
+                ack,
+                done: done_tx,
+            })
+            .await;
+        match started {
+            Ok(()) => Ok(Box::new(handle)),
+            Err(e) => {
+                // The thread refused the post before issuing anything, or has stopped (after
+                // ending every batch): nothing of it runs, so there is nothing to end.
+                handle.done = None;
+                Err(e)
+            }
+        }
     }
 
     fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
@@ -349,6 +360,9 @@ impl Transport for UcxTransport {
 }
 
 /// A posted batch: its reads run on the progress thread; this waits for or aborts them.
+///
+/// `post` makes it before it sends the batch to the progress thread, so a `post` future
+/// dropped before the thread answered ends the batch through this handle's `Drop` too.
 ///
 /// The progress thread answers `done` only once the batch is quiet (no get outstanding, no
 /// copy running) or quarantined, so a returned `wait` or `abort` ends the batch. Both futures
@@ -390,10 +404,11 @@ impl InFlight for UcxInFlight {
 }
 
 impl Drop for UcxInFlight {
-    /// Dropped before the batch ended (without `wait`/`abort`, or with their futures dropped
-    /// part-way): ends it as abort does and blocks until the progress thread reports it quiet.
-    /// That takes as long as ending its gets (microseconds to milliseconds after the forced
-    /// close) and is bounded by the no-progress timer, past which the batch is
+    /// Dropped before the batch ended (without `wait`/`abort`, with their futures dropped
+    /// part-way, or with the `post` future before it answered): ends it as abort does and
+    /// blocks until the progress thread reports it quiet (at once for a batch it never
+    /// started). That takes as long as ending its gets (microseconds to milliseconds after the
+    /// forced close) and is bounded by the no-progress timer, past which the batch is
     /// quarantined and the wait ends; on a multi-thread runtime the wait runs in
     /// `block_in_place`.
     fn drop(&mut self) {

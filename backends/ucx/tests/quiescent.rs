@@ -1,7 +1,8 @@
 //! In-flight safety of the UCX backend (docs/in-flight-safety.md): once a batch is ended —
-//! `abort`, a `wait` future dropped by a timeout, a dropped `InFlight`, a dropped transport —
-//! no byte of it lands any more, the next clean post is byte-exact, and a peer's metadata
-//! cannot turn the shared-memory fast path into a read outside the peer's segment.
+//! `abort`, a `wait` future dropped by a timeout, a dropped `InFlight`, a `post` future dropped
+//! before it answered, a dropped transport — no byte of it lands any more, the next clean post
+//! is byte-exact, and a peer's metadata cannot turn the shared-memory fast path into a read
+//! outside the peer's segment.
 //!
 //! Technique: the destination is filled with a canary byte, a batch large enough to be
 //! mid-flight when it is ended is posted (over TCP that takes hundreds of MiB), and once it
@@ -9,7 +10,10 @@
 //!
 //! The tests share two cores with everything else, so they run one at a time.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -277,6 +281,191 @@ async fn quiescent_after_inflight_dropped_tcp() {
     clean_head(&p).await;
 }
 
+/// Where a test drops a `post` future it polled once (the first poll sends the batch to the
+/// progress thread), spread from before the thread has seen the batch to well into it.
+#[derive(Debug, Clone, Copy)]
+enum DropPoint {
+    /// Right after the first poll: usually before the thread has started the batch.
+    Immediately,
+    /// After yielding to the runtime this many times.
+    Yields(u32),
+    /// After sleeping this long.
+    Sleep(Duration),
+    /// Once the first bytes have landed: the thread started the batch.
+    FirstBytes,
+    /// Once the batch is well under way.
+    MidFlight,
+}
+
+const DROP_POINTS: [DropPoint; 7] = [
+    DropPoint::Immediately,
+    DropPoint::Yields(1),
+    DropPoint::Yields(16),
+    DropPoint::Sleep(Duration::from_micros(200)),
+    DropPoint::Sleep(Duration::from_millis(2)),
+    DropPoint::FirstBytes,
+    DropPoint::MidFlight,
+];
+
+/// Polls `f` exactly once.
+async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
+}
+
+/// Distance between the bytes of the quick look right after a drop.
+const QUICK_STRIDE: usize = 64 << 10;
+
+/// Tries at one drop point to have the `post` future still waiting after its first poll.
+const POST_TRIES: usize = 10;
+
+/// Posts `prepared` and drops the `post` future, never polled again after its first poll, at
+/// each of [`DROP_POINTS`]: the batch has reached the progress thread (or not yet), but the
+/// future never saw it start, so only a handle made before the batch reached the thread can
+/// end it. Once the drop has returned, not one byte of the batch may land; at least one drop
+/// must have caught the batch part-way (else nothing was proven).
+async fn drop_post_future_at_spread_points(p: &Pair, prepared: &PreparedBatch, batch: Duration) {
+    let src = p.src.bytes().to_vec();
+    let (mut pending, mut caught) = (0, 0);
+    for point in DROP_POINTS {
+        for _ in 0..POST_TRIES {
+            p.dst.write().fill(CANARY);
+            let mut post = p.receiver.post(prepared);
+            if let Poll::Ready(r) = poll_once(&mut post).await {
+                // The thread answered before the first poll ended (the polling thread was
+                // descheduled meanwhile, frequent on two cores): the handle exists, so this
+                // would be a dropped handle, not the case under test. End it; try again.
+                drop(r);
+                clean_head(p).await;
+                continue;
+            }
+            let start = Instant::now();
+            match point {
+                DropPoint::Immediately => {}
+                DropPoint::Yields(n) => {
+                    for _ in 0..n {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                DropPoint::Sleep(d) => tokio::time::sleep(d).await,
+                DropPoint::FirstBytes => {
+                    while p.dst.read().iter().step_by(4096).all(|&b| b == CANARY)
+                        && start.elapsed() < batch * 4
+                    {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                DropPoint::MidFlight => mid_flight(&p.dst, batch).await,
+            }
+            let waited = start.elapsed();
+            let dropped = Instant::now();
+            drop(post);
+            let took = dropped.elapsed();
+            // A sparse look first, taken in well under a millisecond: a copy or get still
+            // running right after the drop changes it later (the full snapshot below takes
+            // long enough for a short run-on to finish unseen).
+            let quick: Vec<u8> = p.dst.read().iter().step_by(QUICK_STRIDE).copied().collect();
+            let snapshot = p.dst.read().to_vec();
+            let landed = snapshot
+                .iter()
+                .step_by(4096)
+                .filter(|&&b| b != CANARY)
+                .count();
+            eprintln!(
+                "{point:?}: post future dropped {waited:?} after its first poll; the drop took \
+                 {took:?}; {landed} of {} sampled bytes had landed",
+                snapshot.len() / 4096
+            );
+            tokio::time::sleep((2 * batch).max(Duration::from_millis(200))).await;
+            let now = p.dst.read();
+            let late = now
+                .iter()
+                .step_by(QUICK_STRIDE)
+                .zip(&quick)
+                .position(|(a, b)| a != b);
+            if let Some(k) = late {
+                let i = k * QUICK_STRIDE;
+                panic!(
+                    "post future dropped at {point:?}: byte {i} changed from {:#x} to {:#x} \
+                     after the drop returned",
+                    quick[k], now[i]
+                );
+            }
+            if let Some(i) = (0..now.len()).find(|&i| now[i] != snapshot[i]) {
+                panic!(
+                    "post future dropped at {point:?}: byte {i} changed from {:#x} to {:#x} \
+                     after the drop returned",
+                    snapshot[i], now[i]
+                );
+            }
+            drop(now);
+            pending += 1;
+            caught += usize::from(landed > 0 && snapshot[..] != src[..]);
+            // Whatever the drop ended (and force-closed), the endpoints work again.
+            clean_head(p).await;
+            break;
+        }
+    }
+    eprintln!(
+        "{pending} of {} drop points dropped a waiting post future, {caught} with the batch \
+         part-way",
+        DROP_POINTS.len()
+    );
+    assert!(
+        caught > 0,
+        "no dropped post future caught the batch part-way: nothing was proven"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiescent_after_post_future_dropped_tcp() {
+    if !available() {
+        return;
+    }
+    let _serial = serial().await;
+    let batch = tcp_batch_duration(TCP_LEN, 16 * MIB).await;
+    let p = pair(TCP_LEN, tcp(30_000), false).await;
+    let prepared = p
+        .receiver
+        .prepare(chunked(&p, TCP_LEN as u64, 16 * MIB as u64))
+        .await
+        .unwrap();
+    drop_post_future_at_spread_points(&p, &prepared, batch).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_right_after_an_abort_waits_for_the_re_created_endpoint_tcp() {
+    if !available() {
+        return;
+    }
+    let _serial = serial().await;
+    // Abort force-closes the endpoint and the owner's endpoint is re-created in the
+    // background; a prepare in the meantime (a receiver re-prepares after the epoch moved)
+    // waits for it rather than failing as if the owner had never been loaded.
+    let p = pair(TCP_LEN, tcp(30_000), false).await;
+    let prepared = p
+        .receiver
+        .prepare(chunked(&p, TCP_LEN as u64, 16 * MIB as u64))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let epoch = p.receiver.epoch();
+        let inflight = p.receiver.post(&prepared).await.unwrap();
+        mid_flight(&p.dst, Duration::from_millis(50)).await;
+        inflight.abort().await;
+        assert_ne!(
+            p.receiver.epoch(),
+            epoch,
+            "the abort force-closed the endpoint"
+        );
+        let head = p
+            .receiver
+            .prepare(chunked(&p, 32 * MIB as u64, MIB as u64))
+            .await
+            .expect("a prepare right after an abort");
+        clean_post(&p, &head).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quiescent_after_timeout_tcp() {
     if !available() {
@@ -489,6 +678,26 @@ async fn quiescent_after_abort_shm() {
     let took = start.elapsed();
     eprintln!("batch {batch:?}; abort took {took:?}");
     assert_quiescent(&p.dst, &p.src.bytes(), batch, "abort (shm)").await;
+    clean_post(&p, &prepared).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiescent_after_post_future_dropped_shm() {
+    if !available() {
+        return;
+    }
+    let _serial = serial().await;
+    // The progress thread copies the first reads of a post before it answers it, so here the
+    // batch is copying while the post future still waits for that answer.
+    let p = pair(SHM_LEN, shm(), true).await;
+    let prepared = p
+        .receiver
+        .prepare(chunked(&p, SHM_LEN as u64, 64 * MIB as u64))
+        .await
+        .unwrap();
+    clean_post(&p, &prepared).await;
+    let batch = clean_post(&p, &prepared).await;
+    drop_post_future_at_spread_points(&p, &prepared, batch).await;
     clean_post(&p, &prepared).await;
 }
 

@@ -20,6 +20,17 @@ use crate::SCHEME;
 impl Engine {
     /// Ends `batch` as abort does (see [`Cmd::Cancel`](super::Cmd::Cancel)).
     pub(super) fn cancel(&mut self, batch: u64) {
+        if let Some(i) = self.deferred.iter().position(|d| d.batch == batch) {
+            // Still waiting for an endpoint: it never starts. Dropping it answers the post
+            // (if anyone still waits) and signals the batch quiet.
+            let d = self.deferred.remove(i);
+            let _ = d.ack.send(Err(Error::new(
+                ErrorKind::Aborted,
+                "the ucx batch was ended before it started",
+            )
+            .with_backend(SCHEME)));
+            return;
+        }
         let Some(run) = self.running.iter_mut().find(|r| r.id == batch) else {
             // Finished (and answered) already, or quarantined.
             return;

@@ -7,20 +7,35 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use reshard_core::{OwnerId, WireReport};
+use reshard_core::{Error, ErrorKind, OwnerId, ReadBatch, WireReport};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
-use super::mailbox::{BatchSignal, Cmd};
+use super::mailbox::{BatchHold, Cmd};
 use super::resolve::PreparedEntry;
 use super::{Engine, Reply, BUSY_NAP, HOT, IDLE_NAP, MIN_NAP, PROGRESS_ROUNDS, SPIN};
 use crate::meta::EndpointMeta;
 use crate::raw;
+use crate::SCHEME;
+
+/// A prepare waiting for one of its owners' endpoints to be (re-)created.
+pub(super) struct DeferredPrepare {
+    id: u64,
+    batch: Arc<ReadBatch>,
+    reply: Reply<usize>,
+}
+
+impl DeferredPrepare {
+    /// Answers the prepare without resolving it.
+    pub(super) fn answer(self, r: reshard_core::Result<usize>) {
+        let _ = self.reply.send(r);
+    }
+}
 
 /// A post waiting for one of its owners' endpoints to be (re-)created.
 pub(super) struct DeferredPost {
     prepared: u64,
-    batch: u64,
-    signal: Arc<BatchSignal>,
+    pub(super) batch: u64,
+    signal: BatchHold,
     pub(super) ack: Reply<()>,
     done: Reply<WireReport>,
 }
@@ -156,19 +171,16 @@ impl Engine {
             }
             Cmd::LoadPeer { owner, meta, reply } => self.start_connect(owner, meta, Some(reply)),
             Cmd::Prepare { id, batch, reply } => {
-                let r = self.translate(&batch).map(|res| {
-                    let pieces = res.ops.len();
-                    self.prepared.insert(
-                        id,
-                        PreparedEntry {
-                            owners: batch.owners(),
-                            batch,
-                            resolved: Some(Rc::new(res)),
-                        },
-                    );
-                    pieces
-                });
-                let _ = reply.send(r);
+                let owners = batch.owners();
+                self.reconnect_lost(&owners);
+                let d = DeferredPrepare { id, batch, reply };
+                if self.connecting_any(&owners) {
+                    // An endpoint it reads through is being (re-)created, e.g. after an abort
+                    // force-closed it: resolve once it is there (bounded by the connect bound).
+                    self.deferred_prepares.push(d);
+                } else {
+                    self.prepare(d);
+                }
             }
             Cmd::Forget { id } => {
                 self.prepared.remove(&id);
@@ -180,7 +192,9 @@ impl Engine {
                 ack,
                 done,
             } => {
-                self.reconnect_lost(prepared);
+                if let Some(owners) = self.prepared.get(&prepared).map(|e| e.owners.clone()) {
+                    self.reconnect_lost(&owners);
+                }
                 let d = DeferredPost {
                     prepared,
                     batch,
@@ -201,22 +215,22 @@ impl Engine {
     /// Whether prepared batch `prepared` names an owner whose newest endpoint is still being
     /// created (after a forced close, or a load racing this post): its post waits for it.
     fn blocked_by_connect(&self, prepared: u64) -> bool {
-        let Some(entry) = self.prepared.get(&prepared) else {
-            return false;
-        };
-        self.connecting.iter().any(|c| {
-            self.peer_seq.get(&c.owner) == Some(&c.peer.seq) && entry.owners.contains(&c.owner)
-        })
+        self.prepared
+            .get(&prepared)
+            .is_some_and(|entry| self.connecting_any(&entry.owners))
     }
 
-    /// Starts re-creating the endpoints of `prepared`'s owners whose earlier re-creation
-    /// failed; the post then waits for them.
-    fn reconnect_lost(&mut self, prepared: u64) {
-        let Some(entry) = self.prepared.get(&prepared) else {
-            return;
-        };
-        let retry: Vec<(OwnerId, EndpointMeta)> = entry
-            .owners
+    /// Whether the newest endpoint of any of `owners` is still being created.
+    fn connecting_any(&self, owners: &[OwnerId]) -> bool {
+        self.connecting
+            .iter()
+            .any(|c| self.peer_seq.get(&c.owner) == Some(&c.peer.seq) && owners.contains(&c.owner))
+    }
+
+    /// Starts re-creating the endpoints of `owners` whose earlier re-creation failed; posts
+    /// and prepares naming them then wait for them.
+    fn reconnect_lost(&mut self, owners: &[OwnerId]) {
+        let retry: Vec<(OwnerId, EndpointMeta)> = owners
             .iter()
             .filter(|o| !self.peers.contains_key(o))
             .filter(|o| !self.connecting.iter().any(|c| c.owner == **o))
@@ -228,6 +242,24 @@ impl Engine {
         }
     }
 
+    /// Validates and resolves a batch and keeps it under its id; answers its piece count.
+    fn prepare(&mut self, d: DeferredPrepare) {
+        let DeferredPrepare { id, batch, reply } = d;
+        let r = self.translate(&batch).map(|res| {
+            let pieces = res.ops.len();
+            self.prepared.insert(
+                id,
+                PreparedEntry {
+                    owners: batch.owners(),
+                    batch,
+                    resolved: Some(Rc::new(res)),
+                },
+            );
+            pieces
+        });
+        let _ = reply.send(r);
+    }
+
     fn start_post(&mut self, d: DeferredPost) {
         let DeferredPost {
             prepared,
@@ -236,19 +268,31 @@ impl Engine {
             ack,
             done,
         } = d;
-        if ack.is_closed() {
-            // The post was given up before it started: start nothing.
+        if ack.is_closed() || signal.stopping() {
+            // The post was given up, or its handle dropped, before it started: start nothing
+            // (dropping `signal` tells the handle's drop the batch is quiet).
+            let _ = ack.send(Err(Error::new(
+                ErrorKind::Aborted,
+                "the ucx batch was ended before it started",
+            )
+            .with_backend(SCHEME)));
             return;
         }
         let _ = ack.send(self.post(prepared, batch, signal, done));
     }
 
-    /// Starts the deferred posts whose endpoints are ready; true on work.
+    /// Resolves the deferred prepares, then starts the deferred posts, whose endpoints are
+    /// ready; true on work.
     fn retry_deferred(&mut self) -> bool {
-        if self.deferred.is_empty() {
-            return false;
-        }
         let mut worked = false;
+        for d in std::mem::take(&mut self.deferred_prepares) {
+            if self.connecting_any(&d.batch.owners()) {
+                self.deferred_prepares.push(d);
+            } else {
+                self.prepare(d);
+                worked = true;
+            }
+        }
         for d in std::mem::take(&mut self.deferred) {
             if self.blocked_by_connect(d.prepared) {
                 self.deferred.push(d);

@@ -9,7 +9,7 @@ use std::time::Instant;
 use reshard_core::contract::span;
 use reshard_core::{Error, ErrorKind, ExecutionLog, OwnerId, ReadBatch, Result, WireReport};
 
-use super::mailbox::BatchSignal;
+use super::mailbox::BatchHold;
 use super::resolve::Resolved;
 use super::{Engine, Reply, DIRECT_BYTES};
 use crate::raw::{self, Request, Started, UcxStatusError};
@@ -33,7 +33,10 @@ pub(super) struct Running {
     /// completion counts as progress, and no progress for the timeout quarantines it.
     pub(super) closed: bool,
     pub(super) done: Option<Reply<WireReport>>,
-    pub(super) signal: Arc<BatchSignal>,
+    /// Signals the batch quiet when the running batch is dropped, which happens only once
+    /// none of its gets is outstanding (quarantined batches are kept): waiters blocked on it
+    /// wake however it ends.
+    pub(super) signal: BatchHold,
     /// Reads and bytes of completions seen with `UCS_OK` (or copies finished), summed as
     /// they arrive: what `wait` reports.
     counted: WireReport,
@@ -80,14 +83,6 @@ impl Running {
     }
 }
 
-impl Drop for Running {
-    fn drop(&mut self) {
-        // A batch is only dropped once none of its gets is outstanding (quarantined ones are
-        // kept); waiters blocked on it must wake however it ends.
-        self.signal.set_quiet();
-    }
-}
-
 /// An outstanding read piece: its batch, its piece index and the request to free once complete.
 pub(super) struct PendingRead {
     pub(super) batch: u64,
@@ -116,7 +111,7 @@ impl Engine {
         &mut self,
         prepared: u64,
         batch: u64,
-        signal: Arc<BatchSignal>,
+        signal: BatchHold,
         done: Reply<WireReport>,
     ) -> Result<()> {
         let (batch_arc, cached) = {

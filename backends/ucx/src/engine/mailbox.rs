@@ -1,6 +1,7 @@
 //! The mailbox: the commands the transport sends the progress thread, the queue and eventfd
 //! that carry them, and the stop/quiet signal a posted batch shares with its handle.
 
+use std::ops::Deref;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -44,7 +45,7 @@ pub(crate) enum Cmd {
     Post {
         prepared: u64,
         batch: u64,
-        signal: Arc<BatchSignal>,
+        signal: BatchHold,
         ack: Reply<()>,
         done: Reply<WireReport>,
     },
@@ -98,6 +99,34 @@ impl BatchSignal {
             self.cv.wait_for(&mut quiet, Duration::from_millis(50));
         }
         true
+    }
+}
+
+/// The progress thread's hold on a posted batch's [`BatchSignal`], made with the post command
+/// and carried by it, by the deferred post and then by the running batch. Dropping it signals
+/// the batch quiet, so however the thread lets go of a batch (finished, never started because
+/// its handle was dropped first, refused, or dropped unread with the queue when the thread
+/// stops) the handle waiting for it wakes. The thread drops it only when none of the batch's
+/// gets is outstanding: a quarantined batch keeps it (and is signalled quiet by hand).
+pub(crate) struct BatchHold(Arc<BatchSignal>);
+
+impl BatchHold {
+    pub(crate) fn new(signal: Arc<BatchSignal>) -> Self {
+        BatchHold(signal)
+    }
+}
+
+impl Deref for BatchHold {
+    type Target = BatchSignal;
+
+    fn deref(&self) -> &BatchSignal {
+        &self.0
+    }
+}
+
+impl Drop for BatchHold {
+    fn drop(&mut self) {
+        self.0.set_quiet();
     }
 }
 

@@ -47,9 +47,9 @@ mod regions;
 mod resolve;
 mod shutdown;
 
-pub(crate) use mailbox::{BatchSignal, Cmd, Mailbox};
+pub(crate) use mailbox::{BatchHold, BatchSignal, Cmd, Mailbox};
 
-use event_loop::DeferredPost;
+use event_loop::{DeferredPost, DeferredPrepare};
 use execute::{PendingRead, Running};
 use peers::{Connecting, Peer};
 use regions::{LocalRegion, Releasing};
@@ -206,6 +206,8 @@ struct Engine {
     quarantine: Vec<Running>,
     /// Posts waiting for an owner's endpoint to be (re-)created.
     deferred: Vec<DeferredPost>,
+    /// Prepares waiting for an owner's endpoint to be (re-)created.
+    deferred_prepares: Vec<DeferredPrepare>,
     /// Latest load sequence number per owner (the load that must win).
     peer_seq: HashMap<OwnerId, u64>,
     next_seq: u64,
@@ -255,6 +257,7 @@ impl Engine {
             regions: BTreeMap::new(),
             quarantine: Vec::new(),
             deferred: Vec::new(),
+            deferred_prepares: Vec::new(),
             peer_seq: HashMap::new(),
             next_seq: 1,
             lost: HashMap::new(),

@@ -24,6 +24,9 @@ impl Engine {
         for d in std::mem::take(&mut self.deferred) {
             let _ = d.ack.send(Err(stopped(&self.agent)));
         }
+        for d in std::mem::take(&mut self.deferred_prepares) {
+            d.answer(Err(stopped(&self.agent)));
+        }
         self.shutting_down = true;
         for c in std::mem::take(&mut self.connecting) {
             if let Some(r) = c.reply {
