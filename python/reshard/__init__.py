@@ -498,27 +498,20 @@ class Receiver:
         while True:
             try:
                 report = await asyncio.shield(future)
+                break
             except asyncio.CancelledError:
-                if not future.done():
-                    # Wait for the worker to stop (within ~10 ms) or to finish installing.
-                    token.cancel()
-                    swallowed += 1
-                    continue
                 if future.cancelled():
                     raise
-                # The refit is over while this task was being cancelled: its outcome decides.
+                # The refit's outcome decides (awaited again: at once if it is over, else once
+                # the worker has stopped, within ~10 ms, or finished installing).
+                token.cancel()
                 swallowed += 1
-                try:
-                    report = future.result()
-                except ReshardError:
-                    raise asyncio.CancelledError() from None
             except ReshardError:
                 if swallowed:
                     # Stopped by the cancel (Aborted), or failed on its own while stopping:
                     # either way nothing was installed, and the cancel is what the caller sees.
                     raise asyncio.CancelledError() from None
                 raise
-            break
         task = asyncio.current_task()
         for _ in range(swallowed):
             # The cancellations were answered with the install's report, not honoured: say so

@@ -71,6 +71,7 @@ def test_an_engine_array_resized_after_the_receiver_is_made_is_refused_at_refit(
     with pytest.raises(reshard.InvalidInput) as e:
         rx.refit(timeout=10)
     assert e.value.tensor == tname and "Nothing was written" in str(e.value)
+    assert "not copied" not in str(e.value), "refused before the refit, not after it"
     assert rx.live_step == 1
     want = expected(model, LAYOUT, 0, 1)
     for n, a in engine.items():
