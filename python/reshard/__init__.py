@@ -16,7 +16,8 @@ An engine rank hands its own parameter arrays and refits them between generation
 
 Every failure is a ``reshard.ReshardError`` subclass named after its kind (``reshard.Transport``,
 ``reshard.Timeout``, ``reshard.InvalidInput``, ...) with ``kind``, ``tensor``, ``owner``,
-``byte_range``, ``backend`` and ``retryable`` attributes. A failed refit leaves the engine's
+``byte_range``, ``backend`` and ``retryable`` attributes; a bug that panics inside reshard raises
+``reshard.Panic`` (a ``reshard.Internal``), never PyO3's ``PanicException``. A failed refit leaves the engine's
 weights untouched: the new weights land in reshard's own buffers and are verified against the
 publishers' digests; only then are they copied into the engine's arrays (``install="copy"``,
 ``report.copy_s``), or, with ``install="swap"``, handed to the engine as read-only arrays over
@@ -27,6 +28,7 @@ The GIL is released while a refit plans, moves bytes and verifies; Ctrl-C cancel
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -48,6 +50,7 @@ from ._reshard import (
     MissingCoverage,
     OutOfBounds,
     OverlappingOffers,
+    Panic,
     PeerUnknown,
     ReplicaDivergence,
     ReshardError,
@@ -80,6 +83,7 @@ __all__ = [
     "MissingCoverage",
     "OutOfBounds",
     "OverlappingOffers",
+    "Panic",
     "PeerUnknown",
     "ReplicaDivergence",
     "Timeout",
@@ -155,27 +159,51 @@ _TORCH_BITS = {
 _TORCH_DTYPE = {"bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn", "f8_e5m2": "float8_e5m2"}
 
 
-def _exported(array: Any, tensor: Optional[str] = None) -> Any:
-    """The object whose buffer is registered: the array itself when it exports the buffer
-    protocol (numpy), else a zero-copy numpy view of its ``__dlpack__`` export (torch CPU
-    tensors; bf16 and 8-bit float tensors through an unsigned integer view of their bits)."""
+def _torch_span(tensor: Any) -> tuple:
+    """``(address, bytes)`` torch tensor ``tensor`` holds now: its data pointer, and its byte size
+    or, when its storage no longer covers that (resized or freed in place, as FSDP does with
+    ``untyped_storage().resize_(0)``), the bytes the storage still has from the pointer on."""
+    # From the storage, not `tensor.data_ptr()`, which raises once the storage is freed.
+    storage = tensor.untyped_storage()
+    offset = tensor.storage_offset() * tensor.element_size()
+    size = tensor.numel() * tensor.element_size()
+    return storage.data_ptr() + offset, max(0, min(size, storage.nbytes() - offset))
+
+
+def _dlpack_span(array: Any) -> tuple:
+    """``(address, bytes)`` a ``__dlpack__`` exporter holds now, from a fresh export of it."""
+    view = np.from_dlpack(array)
+    return view.__array_interface__["data"][0], view.nbytes
+
+
+def _exported(array: Any, tensor: Optional[str] = None) -> tuple:
+    """``(buffer, probe)``: the object whose buffer is registered, and a callable returning
+    ``(address, bytes)`` of the caller's ``array`` as it is now, or None when the buffer is
+    ``array`` itself (reshard then asks it again). The buffer is ``array`` when it exports the
+    buffer protocol (numpy), else a zero-copy numpy view of its ``__dlpack__`` export (torch CPU
+    tensors; bf16 and 8-bit float tensors through an unsigned integer view of their bits). The
+    probe holds ``array``: a torch tensor then lives as long as reshard holds its memory, and
+    reshard asks the probe before every publish and refit whether the memory is still there."""
     try:
         memoryview(array).release()
-        return array
+        return array, None
     except TypeError:
         if not hasattr(array, "__dlpack__"):
             raise _invalid(f"tensor {tensor!r} is a {type(array).__name__}, which exports "
                            "neither the buffer protocol nor __dlpack__", tensor) from None
     torch_dtype = str(getattr(array, "dtype", "")).removeprefix("torch.")
+    is_torch = type(array).__module__.startswith("torch") and hasattr(array, "untyped_storage")
+    probe = functools.partial(_torch_span if is_torch else _dlpack_span, array)
     bits = None
-    if type(array).__module__.startswith("torch") and torch_dtype in _TORCH_BITS:
+    source = array
+    if is_torch and torch_dtype in _TORCH_BITS:
         import torch
 
         carrier, bits = _TORCH_BITS[torch_dtype]
-        array = array.view(getattr(torch, carrier))
+        source = array.view(getattr(torch, carrier))
     try:
-        out = np.from_dlpack(array)
-        return out if bits is None else out.view(bits)
+        out = np.from_dlpack(source)
+        return (out if bits is None else out.view(bits)), probe
     except (BufferError, RuntimeError, TypeError, ValueError) as e:
         device = getattr(array, "device", None)
         where = f" on device {device}" if device is not None else ""
@@ -269,7 +297,8 @@ class Publisher:
         """Registers ``array`` (buffer protocol or ``__dlpack__``, C-contiguous, the tensor's
         shape and dtype) as tensor ``name``, zero-copy. Register every tensor before the first
         :meth:`publish`; the array stays referenced until :meth:`close`."""
-        self._native.register(name, _exported(array, name))
+        buffer, probe = _exported(array, name)
+        self._native.register(name, buffer, probe)
 
     def empty(self, name: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray:
         """A new zeroed array for tensor ``name``, registered as it, backed by memory the
@@ -374,10 +403,12 @@ class Receiver:
         name = model if isinstance(model, str) else str(model["name"])
         if install is None:
             install = "swap" if params is None else "copy"
-        self.params = None if params is None else {k: _exported(v, k) for k, v in params.items()}
+        exported = {} if params is None else {k: _exported(v, k) for k, v in params.items()}
+        self.params = None if params is None else {k: b for k, (b, _) in exported.items()}
+        probes = {k: p for k, (_, p) in exported.items() if p is not None}
         self._native = _reshard.NativeReceiver(
             name, _pairs(layout), rank, rendezvous, self.params, transport, _config(config),
-            timeout, install,
+            timeout, install, probes,
         )
         self.rank = rank
         self.install = install
@@ -437,30 +468,56 @@ class Receiver:
 
     def refit(self, timeout: float = 300.0) -> RefitReport:
         """Installs the next step (into the engine's arrays, or as the buffer :meth:`weights`
-        lends), waiting up to ``timeout`` seconds for the publishers to be ready at it. Raises a
-        :class:`ReshardError` subclass on failure, with the live weights untouched."""
+        lends), waiting up to ``timeout`` seconds (``inf``: no limit) for the publishers to be
+        ready at it. Raises a :class:`ReshardError` subclass on failure, with the live weights
+        untouched."""
+        return self._refit(timeout, None)
+
+    def _refit(self, timeout: float, cancel: Optional[Any]) -> RefitReport:
         import time
 
         t0 = time.perf_counter()
-        d = self._native.refit(timeout)
+        d = self._native.refit(timeout, cancel)
         report = RefitReport(**d)
         report.python_s = time.perf_counter() - t0
         return report
 
     async def refit_async(self, timeout: float = 300.0) -> RefitReport:
-        """:meth:`refit` on a worker thread; cancelling the task cancels the refit (the arrays
-        stay untouched)."""
+        """:meth:`refit` on a worker thread. Cancelling the task cancels the refit: one that has
+        not started yet never starts, one that is running stops with the weights untouched, and
+        the task raises :class:`asyncio.CancelledError`. A refit that had already installed when
+        the cancel reached it returns its report instead: the weights changed, so the caller
+        learns which step they hold."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, self.refit, timeout)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            self._native.cancel()
+        # One token per call, made before the refit is queued: a cancel that comes before the
+        # worker thread starts the refit is seen by it (the refit then does nothing), and a
+        # cancel of this call never reaches another.
+        token = _reshard.CancelToken()
+        future = loop.run_in_executor(None, self._refit, timeout, token)
+        swallowed = 0
+        while True:
             try:
-                await future
+                report = await asyncio.shield(future)
+                break
+            except asyncio.CancelledError:
+                if future.cancelled():
+                    raise
+                # The refit's outcome decides (awaited again: at once if it is over, else once
+                # the worker has stopped, within ~10 ms, or finished installing).
+                token.cancel()
+                swallowed += 1
             except ReshardError:
-                pass
-            raise
+                if swallowed:
+                    # Stopped by the cancel (Aborted), or failed on its own while stopping:
+                    # either way nothing was installed, and the cancel is what the caller sees.
+                    raise asyncio.CancelledError() from None
+                raise
+        task = asyncio.current_task()
+        for _ in range(swallowed):
+            # The cancellations were answered with the install's report, not honoured: say so
+            # to asyncio (timeouts and task groups count them).
+            task.uncancel()
+        return report
 
     def wait_for_step(self, step: int, timeout: float = 300.0) -> Optional[RefitReport]:
         """Refits until the live step is at least ``step``; returns the last report (None when

@@ -19,6 +19,7 @@ from ._reshard import (
     MissingCoverage as MissingCoverage,
     OutOfBounds as OutOfBounds,
     OverlappingOffers as OverlappingOffers,
+    Panic as Panic,
     PeerUnknown as PeerUnknown,
     ReplicaDivergence as ReplicaDivergence,
     ReshardError as ReshardError,

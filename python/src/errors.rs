@@ -1,6 +1,12 @@
 //! One Python exception class per [`ErrorKind`], all under `reshard.ReshardError`, each raised
 //! with the error's context as attributes (`kind`, `tensor`, `owner`, `byte_range`, `backend`,
-//! `retryable`), so callers match classes and read attributes, never message text.
+//! `retryable`), so callers match classes and read attributes, never message text; and the
+//! boundary every entry point runs behind ([`boundary`]), which raises a Rust panic as
+//! `reshard.Panic` (a `reshard.Internal`) instead of PyO3's `PanicException`, a BaseException
+//! that `except Exception` lets through.
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -33,6 +39,7 @@ macro_rules! kinds {
             let py = m.py();
             m.add("ReshardError", py.get_type::<ReshardError>())?;
             $(m.add(stringify!($class), py.get_type::<$class>())?;)*
+            m.add("Panic", py.get_type::<Panic>())?;
             Ok(())
         }
     };
@@ -60,10 +67,24 @@ kinds! {
     Internal => Internal: "A bug or broken invariant inside reshard.",
 }
 
+pyo3::create_exception!(
+    reshard,
+    Panic,
+    Internal,
+    "reshard panicked: a bug, raised as an Internal error rather than PyO3's PanicException."
+);
+
 /// The Python exception for `e`: its kind's class, the message, and the context as attributes.
 pub fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| {
         let class = class_of(py, e.kind());
+        raise_as(py, class, e)
+    })
+}
+
+/// `e` as an exception of `class`, the context as attributes.
+fn raise_as(py: Python<'_>, class: Bound<'_, pyo3::types::PyType>, e: Error) -> PyErr {
+    {
         let ctx = e.context();
         let err = PyErr::from_type(class, e.to_string());
         let value = err.value(py);
@@ -84,7 +105,7 @@ pub fn to_py(e: Error) -> PyErr {
             Ok(())
         })();
         err
-    })
+    }
 }
 
 /// Shorthand: a reshard error of `kind` naming `tensor`, as a Python exception.
@@ -105,5 +126,71 @@ pub trait IntoPy<T> {
 impl<T> IntoPy<T> for reshard_core::Result<T> {
     fn py_err(self) -> PyResult<T> {
         self.map_err(to_py)
+    }
+}
+
+/// Runs the body of entry point `what` (e.g. `Receiver.refit`) and raises a panic inside it as
+/// `reshard.Panic` naming the entry point and the panic's message. Every function and method
+/// the native module exports runs behind it; the panic unwinds through the body first, so what
+/// the body held is dropped as on any early return (a refit future dropped mid-transfer is
+/// cancel-safe, docs/in-flight-safety.md).
+pub fn boundary<T>(what: &str, body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_panic(body, |message| {
+        let e = Error::new(
+            ErrorKind::Internal,
+            format!(
+                "reshard panicked in {what} (a bug in reshard, please report it; the object it \
+                 was called on may be unusable, close it): {message}"
+            ),
+        );
+        Python::with_gil(|py| raise_as(py, py.get_type::<Panic>(), e))
+    })
+}
+
+/// `body`'s result, or `on_panic` of the panic's message when it panicked: the part of
+/// [`boundary`] that needs no interpreter (unit-tested below).
+fn catch_panic<T, E>(
+    body: impl FnOnce() -> Result<T, E>,
+    on_panic: impl FnOnce(String) -> E,
+) -> Result<T, E> {
+    // AssertUnwindSafe: nothing the body borrowed is used after a panic except through the
+    // objects' own locks (parking_lot, which do not poison) and the error raised here.
+    catch_unwind(AssertUnwindSafe(body))
+        .unwrap_or_else(|payload| Err(on_panic(message_of(&*payload))))
+}
+
+/// The message a panic carried (`panic!` gives a `&str` or a `String`).
+fn message_of(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Only what runs without an interpreter: the extension module links no libpython, so a
+    //! test that touched a Python object could not even link (python/Cargo.toml).
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_the_error_with_its_message() {
+        let r: Result<u32, String> = catch_panic(|| panic!("index {} out of range", 7), |m| m);
+        assert_eq!(r, Err("index 7 out of range".to_string()));
+        let r: Result<u32, String> = catch_panic(|| panic!("static message"), |m| m);
+        assert_eq!(r, Err("static message".to_string()));
+        let r: Result<u32, String> = catch_panic(|| std::panic::panic_any(42u8), |m| m);
+        assert_eq!(r, Err("a panic without a message".to_string()));
+    }
+
+    #[test]
+    fn results_pass_through_untouched() {
+        let ok: Result<u32, String> = catch_panic(|| Ok(3), |_| unreachable!());
+        assert_eq!(ok, Ok(3));
+        let err: Result<u32, String> = catch_panic(|| Err("no".to_string()), |_| unreachable!());
+        assert_eq!(err, Err("no".to_string()));
     }
 }

@@ -2,8 +2,10 @@
 //! publisher and receiver of the deployment path (docs/deployment.md) driven in-process, over
 //! arrays the caller owns. The pure-Python half adds the context manager, `refit_async` and the
 //! report class; this file holds what both classes share: one tokio runtime, one transport
-//! registry (so in-process loopback endpoints share a fabric), rendezvous and model arguments,
-//! and waiting with the GIL released while Ctrl-C stays live.
+//! registry (so in-process loopback endpoints share a fabric), rendezvous, model and timeout
+//! arguments, and waiting with the GIL released while Ctrl-C stays live. Every exported function
+//! and method runs behind [`errors::boundary`], so no Rust panic reaches Python as PyO3's
+//! `PanicException`.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,7 +30,7 @@ mod memory;
 mod publisher;
 mod receiver;
 
-use errors::IntoPy;
+use errors::{boundary, IntoPy};
 
 /// The runtime every call blocks on (two workers: transfers are driven by the backends' own
 /// threads, the runtime only sequences them).
@@ -96,22 +98,73 @@ pub struct InProcessHub {
 #[pymethods]
 impl InProcessHub {
     #[new]
-    fn new() -> Self {
-        InProcessHub {
-            hub: Arc::new(InProcess::new()),
-        }
+    fn new() -> PyResult<Self> {
+        boundary("InProcessHub()", || {
+            Ok(InProcessHub {
+                hub: Arc::new(InProcess::new()),
+            })
+        })
     }
 
-    fn __repr__(&self) -> String {
-        "InProcessHub()".to_string()
+    fn __repr__(&self) -> PyResult<String> {
+        boundary("InProcessHub.__repr__", || Ok("InProcessHub()".to_string()))
     }
 }
 
-/// The rendezvous `arg` names: an [`InProcessHub`], or `etcd://HOST:PORT[,...]`.
+/// The longest wait handed on to the runtime: a century, which every deadline computed from it
+/// (an `Instant` plus this) still represents, and which no wait outlives in practice. A
+/// timeout of `inf`, or of a century or more, is this: no timeout.
+const NO_TIMEOUT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The timeout argument `arg` in seconds: NaN or negative is InvalidInput naming `arg`; `inf`
+/// (and any value of a century or more) means no timeout ([`NO_TIMEOUT`]). Never panics, unlike
+/// `Duration::from_secs_f64`, which does for NaN, negative, infinite and huge values.
+fn timeout_arg(arg: &str, seconds: f64) -> PyResult<Duration> {
+    if seconds.is_nan() || seconds < 0.0 {
+        return Err(errors::invalid(
+            ErrorKind::InvalidInput,
+            format!(
+                "{arg} must be a number of seconds >= 0, or inf for no timeout; {seconds} is not"
+            ),
+            None,
+        ));
+    }
+    if seconds >= NO_TIMEOUT.as_secs_f64() {
+        return Ok(NO_TIMEOUT);
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// The lease a receiver's rendezvous client is given (it announces nothing, so holds none).
+const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// The longest lease, in seconds: etcd's own maximum.
+const MAX_LEASE_TTL_S: f64 = 9e9;
+
+/// The lease TTL argument in seconds: finite, 0 to [`MAX_LEASE_TTL_S`], raised to etcd's
+/// one-second granularity. An infinite lease is refused rather than capped: it would keep a dead
+/// publisher's announcement, and receivers waiting on it, forever.
+fn lease_ttl_arg(seconds: f64) -> PyResult<Duration> {
+    if !(0.0..=MAX_LEASE_TTL_S).contains(&seconds) {
+        return Err(errors::invalid(
+            ErrorKind::InvalidInput,
+            format!(
+                "lease_ttl must be a finite number of seconds from 0 to {MAX_LEASE_TTL_S:e} \
+                 (etcd's longest lease; how long a dead publisher's announcement outlives it); \
+                 {seconds} is not"
+            ),
+            None,
+        ));
+    }
+    Ok(Duration::from_secs_f64(seconds.max(1.0)))
+}
+
+/// The rendezvous `arg` names: an [`InProcessHub`], or `etcd://HOST:PORT[,...]`; the etcd
+/// lease is `lease_ttl` long.
 fn rendezvous(
     py: Python<'_>,
     arg: &Bound<'_, PyAny>,
-    lease_ttl_s: f64,
+    lease_ttl: Duration,
 ) -> PyResult<Arc<dyn Rendezvous>> {
     if let Ok(hub) = arg.downcast::<InProcessHub>() {
         return Ok(hub.get().hub.clone() as Arc<dyn Rendezvous>);
@@ -134,7 +187,7 @@ fn rendezvous(
         ));
     }
     let options = EtcdOptions {
-        lease_ttl: Duration::from_secs_f64(lease_ttl_s.max(1.0)),
+        lease_ttl,
         ..EtcdOptions::default()
     };
     let etcd = wait(py, None, async move { Etcd::connect(&url, options).await })?;
@@ -142,9 +195,11 @@ fn rendezvous(
 }
 
 /// Runs `fut` to completion on the runtime with the GIL released. Every 10 ms it looks for
-/// Ctrl-C (`check_signals`, which raises KeyboardInterrupt) and for `cancel`; either drops the
-/// future, which is cancel-safe in reshard (docs/in-flight-safety.md: a receiver whose wire leg
-/// is cut short discards the buffers it targeted, the live weights stay).
+/// Ctrl-C (`check_signals`, which raises KeyboardInterrupt) and for `cancel` (set once, never
+/// cleared: one flag per call, see `CancelToken`); either drops the future, which is
+/// cancel-safe in reshard (docs/in-flight-safety.md: a receiver whose wire leg is cut short
+/// discards the buffers it targeted, the live weights stay). A future that completed wins over
+/// a cancel seen at the same time: its result is returned.
 fn wait<T, F>(py: Python<'_>, cancel: Option<&AtomicBool>, fut: F) -> PyResult<T>
 where
     T: Send,
@@ -160,7 +215,7 @@ where
             if let Ok(done) = polled {
                 return done.py_err();
             }
-            if cancel.is_some_and(|c| c.swap(false, Ordering::SeqCst)) {
+            if cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
                 return Err(errors::invalid(
                     ErrorKind::Aborted,
                     "cancelled; the live weights are untouched".into(),
@@ -197,10 +252,13 @@ fn model_config(
     experts: Option<u64>,
     vocab: Option<u64>,
 ) -> PyResult<String> {
-    let m = preset(name)
-        .and_then(|m| m.with_overrides(layers, experts, vocab))
-        .py_err()?;
-    serde_json::to_string(&m).map_err(|e| errors::invalid(ErrorKind::Internal, e.to_string(), None))
+    boundary("model_config", || {
+        let m = preset(name)
+            .and_then(|m| m.with_overrides(layers, experts, vocab))
+            .py_err()?;
+        serde_json::to_string(&m)
+            .map_err(|e| errors::invalid(ErrorKind::Internal, e.to_string(), None))
+    })
 }
 
 /// Receiver rank `rank`'s layout of `model` (a model JSON) under `layout` (e.g. `tp=2`).
@@ -219,13 +277,15 @@ fn receiver_params<'py>(
     layout: &str,
     rank: u32,
 ) -> PyResult<Bound<'py, PyList>> {
-    let l = layout_of(model, layout, rank)?;
-    let rows: Vec<(String, String, Vec<u64>)> = l
-        .params
-        .into_iter()
-        .map(|p| (p.name, p.dtype.to_string(), p.shape))
-        .collect();
-    PyList::new(py, rows)
+    boundary("receiver_params", || {
+        let l = layout_of(model, layout, rank)?;
+        let rows: Vec<(String, String, Vec<u64>)> = l
+            .params
+            .into_iter()
+            .map(|p| (p.name, p.dtype.to_string(), p.shape))
+            .collect();
+        PyList::new(py, rows)
+    })
 }
 
 /// `[(param, [(tensor, offset, extent, dst_offset, dst_strides)])]` of receiver rank `rank`:
@@ -233,6 +293,18 @@ fn receiver_params<'py>(
 /// tests can compute what a parameter must hold from what the trainers wrote.
 #[pyfunction]
 fn receiver_copies<'py>(
+    py: Python<'py>,
+    model: &str,
+    layout: &str,
+    rank: u32,
+) -> PyResult<Bound<'py, PyList>> {
+    boundary("receiver_copies", || {
+        receiver_copy_rows(py, model, layout, rank)
+    })
+}
+
+/// The rows of [`receiver_copies`].
+fn receiver_copy_rows<'py>(
     py: Python<'py>,
     model: &str,
     layout: &str,
@@ -273,30 +345,36 @@ fn publisher_tensors<'py>(
     topology: &str,
     rank: u32,
 ) -> PyResult<Bound<'py, PyList>> {
-    let m = model_from(model).py_err()?;
-    let topo: PublisherTopology = topology.parse().py_err()?;
-    let rt = runtime().py_err()?;
-    // The geometry needs an endpoint only to name itself; a private loopback one costs nothing.
-    let t = {
-        let _guard = rt.enter();
-        registry().create_default("loopback", "geometry").py_err()?
-    };
-    let p = reshard_runtime::TensorPublisher::new(t, &m, &topo, rank).py_err()?;
-    publisher::tensor_rows(py, &p.tensors())
+    boundary("publisher_tensors", || {
+        let m = model_from(model).py_err()?;
+        let topo: PublisherTopology = topology.parse().py_err()?;
+        let rt = runtime().py_err()?;
+        // The geometry needs an endpoint only to name itself; a private loopback one costs
+        // nothing.
+        let t = {
+            let _guard = rt.enter();
+            registry().create_default("loopback", "geometry").py_err()?
+        };
+        let p = reshard_runtime::TensorPublisher::new(t, &m, &topo, rank).py_err()?;
+        publisher::tensor_rows(py, &p.tensors())
+    })
 }
 
 /// The native module.
 #[pymodule]
 fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    errors::add(m)?;
-    m.add_class::<InProcessHub>()?;
-    m.add_class::<publisher::NativePublisher>()?;
-    m.add_class::<publisher::TransportBuffer>()?;
-    m.add_class::<receiver::NativeReceiver>()?;
-    m.add_class::<bank::BankView>()?;
-    m.add_function(wrap_pyfunction!(model_config, m)?)?;
-    m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
-    m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;
-    m.add_function(wrap_pyfunction!(receiver_copies, m)?)?;
-    Ok(())
+    boundary("import reshard._reshard", || {
+        errors::add(m)?;
+        m.add_class::<InProcessHub>()?;
+        m.add_class::<publisher::NativePublisher>()?;
+        m.add_class::<publisher::TransportBuffer>()?;
+        m.add_class::<receiver::NativeReceiver>()?;
+        m.add_class::<receiver::CancelToken>()?;
+        m.add_class::<bank::BankView>()?;
+        m.add_function(wrap_pyfunction!(model_config, m)?)?;
+        m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
+        m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;
+        m.add_function(wrap_pyfunction!(receiver_copies, m)?)?;
+        Ok(())
+    })
 }

@@ -1,9 +1,15 @@
 //! A Python array's memory as a [`MemoryBlock`]: the bytes of any object exporting the buffer
 //! protocol (numpy arrays; torch tensors through `__dlpack__`, converted in `reshard/__init__.py`),
-//! held in place. The buffer view is kept for the block's whole life, so the exporter keeps the
-//! memory alive and at a fixed address (numpy refuses to resize an array with a live export);
-//! the block drops only after every registration of it (publisher and receiver release their
-//! registrations first, and transports hold the block while a read may touch it).
+//! held in place. The buffer view is kept for the block's whole life, so the exporter (and,
+//! through the probe, the caller's own object, a torch tensor say) stays alive; the block drops
+//! only after every registration of it (publisher and receiver release their registrations
+//! first, and transports hold the block while a read may touch it).
+//!
+//! Alive is not the same as in place: numpy resizes an exported array when asked with
+//! `refcheck=False`, and a torch tensor's storage can be resized or freed under any export
+//! (`untyped_storage().resize_(0)`, as FSDP does). So [`ArrayMemory::check`] asks the exporter
+//! again, and the probe the caller's object, where its bytes are now, and the publisher and
+//! receiver call it before every publish and refit (docs/python.md, "The arrays reshard holds").
 
 use std::ffi::CStr;
 use std::ops::{Deref, DerefMut};
@@ -28,6 +34,12 @@ pub struct ArrayMemory {
     pub itemsize: usize,
     /// Shape, in elements.
     pub shape: Vec<u64>,
+    /// The buffer-protocol flags of the export, asked again by [`Self::check`].
+    flags: std::os::raw::c_int,
+    /// A callable returning `(address, bytes)` of the caller's own object as it is now, when
+    /// the buffer is a view of it (a torch tensor's numpy view through DLPack); it holds that
+    /// object, so the object lives as long as this block.
+    probe: Option<Py<PyAny>>,
 }
 
 // SAFETY: the view is only read after construction (pointer, length), and released once in
@@ -38,8 +50,14 @@ unsafe impl Sync for ArrayMemory {}
 
 impl ArrayMemory {
     /// Exports `obj`'s buffer, C-contiguous, writable when `writable`; `tensor` names the
-    /// tensor in errors.
-    pub fn export(obj: &Bound<'_, PyAny>, writable: bool, tensor: &str) -> PyResult<Self> {
+    /// tensor in errors. `probe`, when `obj` views another object's memory, returns that
+    /// object's `(address, bytes)` now (see [`Self::check`]); it must agree with the export.
+    pub fn export(
+        obj: &Bound<'_, PyAny>,
+        writable: bool,
+        tensor: &str,
+        probe: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let mut flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_FORMAT;
         if writable {
             flags |= ffi::PyBUF_WRITABLE;
@@ -85,13 +103,77 @@ impl ArrayMemory {
                 .collect()
         };
         let itemsize = view.itemsize as usize;
-        Ok(ArrayMemory {
+        let memory = ArrayMemory {
             view,
             lock: RwLock::new(()),
             format,
             itemsize,
             shape,
-        })
+            flags,
+            probe: probe.map(|p| p.clone().unbind()),
+        };
+        memory.check(obj.py(), tensor, "registered")?;
+        Ok(memory)
+    }
+
+    /// Refuses (InvalidInput naming `tensor`, saying nothing was `done`) memory that is no
+    /// longer where it was exported: the exporter, asked again, gives another address or size
+    /// (a numpy array resized with `refcheck=False`), or cannot give a buffer any more (made
+    /// read-only); or the probe reports the caller's object elsewhere or smaller (a torch
+    /// tensor whose storage was resized, freed or swapped). Reading or writing the old address
+    /// then would touch freed memory, or bytes the caller no longer sees.
+    pub fn check(&self, py: Python<'_>, tensor: &str, done: &str) -> PyResult<()> {
+        let (addr, len) = (self.addr(), self.len());
+        if len == 0 {
+            // No byte is read or written; an empty array's address means nothing.
+            return Ok(());
+        }
+        let moved = |now: String| {
+            invalid(
+                ErrorKind::InvalidInput,
+                format!(
+                    "tensor {tensor:?} is not the memory reshard holds for it ({len} bytes at \
+                     {addr:#x}) any more: {now}. An array must keep its memory (not resized, \
+                     freed, re-pointed or made read-only) while a Publisher or Receiver holds \
+                     it. Nothing was {done}"
+                ),
+                Some(tensor),
+            )
+        };
+        // SAFETY: an all-zero Py_buffer is the documented initial state before GetBuffer.
+        let mut again: ffi::Py_buffer = unsafe { std::mem::zeroed() };
+        // SAFETY: `view.obj` is the exporter (a reference the held view owns), alive with us;
+        // the GIL is held through `py`.
+        let rc = unsafe { ffi::PyObject_GetBuffer(self.view.obj, &mut again, self.flags) };
+        if rc != 0 {
+            let cause = PyErr::take(py).map_or_else(|| "no buffer".to_string(), |e| e.to_string());
+            return Err(moved(format!(
+                "the array exports no such buffer now: {cause}"
+            )));
+        }
+        let now = (again.buf as usize, again.len as usize);
+        // SAFETY: filled by the successful GetBuffer above, released exactly once.
+        unsafe { ffi::PyBuffer_Release(&mut again) };
+        if now != (addr, len) {
+            return Err(moved(format!(
+                "the array now exports {} bytes at {:#x}",
+                now.1, now.0
+            )));
+        }
+        if let Some(probe) = &self.probe {
+            let now: (usize, usize) = probe
+                .bind(py)
+                .call0()
+                .and_then(|r| r.extract())
+                .map_err(|e| moved(format!("asking where it is now failed: {e}")))?;
+            if now != (addr, len) {
+                return Err(moved(format!(
+                    "the tensor now holds {} bytes at {:#x}",
+                    now.1, now.0
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Whether the exported elements can hold `dtype` as is (no conversion ever happens):
@@ -131,7 +213,9 @@ impl Drop for ArrayMemory {
         // thread waits for another (a refit, a close) has released the GIL first.
         Python::with_gil(|_| {
             // SAFETY: the view was filled by PyObject_GetBuffer and is released exactly once.
-            unsafe { ffi::PyBuffer_Release(&mut *self.view) }
+            unsafe { ffi::PyBuffer_Release(&mut *self.view) };
+            // The caller's object goes last, after the view of its memory.
+            drop(self.probe.take());
         });
     }
 }

@@ -1,7 +1,8 @@
 //! The native publisher: one trainer rank's tensors, registered in place from the caller's
 //! arrays ([`TensorPublisher`]), announced through a rendezvous the way `reshard publish` does
 //! (cli/src/publish_cmd.rs): announce, then for every later step unready, digest, advance; and
-//! withdraw on close.
+//! withdraw on close. Every publish first checks that each caller's array is still the memory
+//! registered for it (memory.rs), and publishes nothing when one is not.
 
 use std::sync::Arc;
 
@@ -16,9 +17,9 @@ use reshard_core::{Error, ErrorKind, HostMemory, Transport};
 use reshard_planner::topology::PublisherTopology;
 use reshard_runtime::{HeldTensor, TensorPublisher};
 
-use crate::errors::{invalid, IntoPy};
+use crate::errors::{boundary, invalid, IntoPy};
 use crate::memory::{fill_view, ArrayMemory};
-use crate::{load_config, model_from, registry, rendezvous, runtime, wait};
+use crate::{lease_ttl_arg, load_config, model_from, registry, rendezvous, runtime, wait};
 
 /// `[(name, dtype, offset, shape)]` of a rank's tensors.
 pub fn tensor_rows<'py>(py: Python<'py>, tensors: &[HeldTensor]) -> PyResult<Bound<'py, PyList>> {
@@ -55,21 +56,24 @@ impl TransportBuffer {
         view: *mut pyo3::ffi::Py_buffer,
         flags: std::os::raw::c_int,
     ) -> PyResult<()> {
-        let (addr, len) = {
-            let me = slf.get();
-            (me.memory.addr(), me.memory.len())
-        };
-        // SAFETY: `view` comes from the interpreter; the memory stays valid while `slf` (which
-        // FillInfo references from the view) lives; writes through it follow the MemoryBlock
-        // contract (not while a publish digests it or a read may touch it).
-        unsafe { fill_view(slf.as_any(), view, addr, len, false, flags) }
+        boundary("TransportBuffer.__getbuffer__", || {
+            let (addr, len) = {
+                let me = slf.get();
+                (me.memory.addr(), me.memory.len())
+            };
+            // SAFETY: `view` comes from the interpreter; the memory stays valid while `slf`
+            // (which FillInfo references from the view) lives; writes through it follow the
+            // MemoryBlock contract (not while a publish digests it or a read may touch it).
+            unsafe { fill_view(slf.as_any(), view, addr, len, false, flags) }
+        })
     }
 
-    /// Nothing to free: FillInfo's format is static and the object reference is the view's.
+    /// Nothing to free: FillInfo's format is static and the object reference is the view's
+    /// (an empty body: nothing here can panic).
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 
-    fn __len__(&self) -> usize {
-        self.memory.len()
+    fn __len__(&self) -> PyResult<usize> {
+        boundary("TransportBuffer.__len__", || Ok(self.memory.len()))
     }
 }
 
@@ -83,6 +87,9 @@ struct State {
     world: u32,
     config: Bytes,
     step: Option<u64>,
+    /// The caller's arrays registered so far (not those of `empty`, which reshard owns), by
+    /// tensor name: checked before every publish.
+    arrays: Vec<(String, Arc<ArrayMemory>)>,
 }
 
 /// One publisher rank (use `reshard.Publisher`).
@@ -137,10 +144,122 @@ impl NativePublisher {
         config: Option<&str>,
         lease_ttl_s: f64,
     ) -> PyResult<Self> {
+        boundary("Publisher()", || {
+            Self::open(
+                py,
+                model,
+                topology,
+                rank,
+                rendezvous_arg,
+                transport,
+                config,
+                lease_ttl_s,
+            )
+        })
+    }
+
+    /// `[(name, dtype, offset, shape)]` of the tensors this rank holds.
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        boundary("Publisher.tensors", || {
+            let tensors = self.with(|s| Ok(s.publisher.tensors()))?;
+            tensor_rows(py, &tensors)
+        })
+    }
+
+    /// Tensors not registered yet.
+    fn missing(&self) -> PyResult<Vec<String>> {
+        boundary("Publisher.missing", || {
+            self.with(|s| Ok(s.publisher.missing()))
+        })
+    }
+
+    /// Registers `array` (buffer protocol, C-contiguous) as tensor `name`, in place. `probe`,
+    /// when `array` views another object's memory (a torch tensor's, through DLPack), returns
+    /// that object's `(address, bytes)` now; it is held, and asked before every publish.
+    #[pyo3(signature = (name, array, probe=None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        array: &Bound<'_, PyAny>,
+        probe: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        boundary("Publisher.register", || {
+            self.register_array(py, name, array, probe)
+        })
+    }
+
+    /// Allocates tensor `name`'s array from the transport (plain host memory when the
+    /// transport has no allocator of its own), registers it, and returns it as a buffer.
+    fn empty(&self, py: Python<'_>, name: &str) -> PyResult<TransportBuffer> {
+        boundary("Publisher.empty", || self.allocate(py, name))
+    }
+
+    /// Marks the announcement not ready: call before rewriting the arrays while receivers may
+    /// be reading them (optional: a receiver that reads during a rewrite fails verification
+    /// and keeps its previous weights).
+    fn unready(&self, py: Python<'_>) -> PyResult<()> {
+        boundary("Publisher.unready", || {
+            let mut guard = self.lock()?;
+            let Some(s) = guard.as_mut() else {
+                return Ok(());
+            };
+            match s.announced.as_ref() {
+                Some(a) => wait(py, None, a.unready()),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// Checks that every registered array is still where it was registered, digests every
+    /// array and announces step `step` (the first call announces the rank).
+    fn publish(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        boundary("Publisher.publish", || self.publish_step(py, step))
+    }
+
+    /// The last step published, or None.
+    #[getter]
+    fn step(&self) -> PyResult<Option<u64>> {
+        boundary("Publisher.step", || self.with(|s| Ok(s.step)))
+    }
+
+    /// Withdraws the announcement, then releases the registrations and the arrays.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        boundary("Publisher.close", || {
+            let Some(mut s) = self.lock()?.take() else {
+                return Ok(());
+            };
+            let announced = s.announced.take();
+            let withdrawn = match announced {
+                Some(a) => wait(py, None, a.withdraw()),
+                None => Ok(()),
+            };
+            // Registrations and the arrays' buffer views are released with the GIL free: a
+            // backend may hand the last reference to one of its own threads.
+            py.allow_threads(move || drop(s));
+            withdrawn
+        })
+    }
+}
+
+impl NativePublisher {
+    /// [`NativePublisher::new`]'s body.
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        py: Python<'_>,
+        model: &str,
+        topology: &str,
+        rank: u32,
+        rendezvous_arg: &Bound<'_, PyAny>,
+        transport: Option<&str>,
+        config: Option<&str>,
+        lease_ttl_s: f64,
+    ) -> PyResult<Self> {
+        let lease_ttl = lease_ttl_arg(lease_ttl_s)?;
         let model = model_from(model).py_err()?;
         let topo: PublisherTopology = topology.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
-        let rendezvous = rendezvous(py, rendezvous_arg, lease_ttl_s)?;
+        let rendezvous = rendezvous(py, rendezvous_arg, lease_ttl)?;
         let agent = crate::agent_name(&format!("{}-publisher-{rank}", model.name));
         let rt = runtime().py_err()?;
         let t: Arc<dyn Transport> = {
@@ -164,24 +283,20 @@ impl NativePublisher {
                 world: topo.world(),
                 config,
                 step: None,
+                arrays: Vec::new(),
             })),
             rank,
         })
     }
 
-    /// `[(name, dtype, offset, shape)]` of the tensors this rank holds.
-    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let tensors = self.with(|s| Ok(s.publisher.tensors()))?;
-        tensor_rows(py, &tensors)
-    }
-
-    /// Tensors not registered yet.
-    fn missing(&self) -> PyResult<Vec<String>> {
-        self.with(|s| Ok(s.publisher.missing()))
-    }
-
-    /// Registers `array` (buffer protocol, C-contiguous) as tensor `name`, in place.
-    fn register(&self, py: Python<'_>, name: &str, array: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// [`NativePublisher::register`]'s body.
+    fn register_array(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        array: &Bound<'_, PyAny>,
+        probe: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let held = self.with(|s| {
             if s.announced.is_some() {
                 return Err(invalid(
@@ -203,7 +318,7 @@ impl NativePublisher {
                 )
             })
         })?;
-        let memory = ArrayMemory::export(array, false, name)?;
+        let memory = ArrayMemory::export(array, false, name, probe)?;
         if memory.shape != held.bounds.extent || !memory.holds(held.dtype) {
             return Err(invalid(
                 ErrorKind::InvalidInput,
@@ -220,18 +335,23 @@ impl NativePublisher {
                 Some(name),
             ));
         }
-        let memory: Arc<dyn HostMemory> = Arc::new(memory);
+        let memory = Arc::new(memory);
         let mut guard = self.lock()?;
         let s = guard
             .as_mut()
             .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
         let publisher = &mut s.publisher;
-        wait(py, None, publisher.register(name, memory))
+        wait(
+            py,
+            None,
+            publisher.register(name, memory.clone() as Arc<dyn HostMemory>),
+        )?;
+        s.arrays.push((name.to_string(), memory));
+        Ok(())
     }
 
-    /// Allocates tensor `name`'s array from the transport (plain host memory when the
-    /// transport has no allocator of its own), registers it, and returns it as a buffer.
-    fn empty(&self, py: Python<'_>, name: &str) -> PyResult<TransportBuffer> {
+    /// [`NativePublisher::empty`]'s body.
+    fn allocate(&self, py: Python<'_>, name: &str) -> PyResult<TransportBuffer> {
         let (bytes, transport) = self.with(|s| {
             let t = s.publisher.tensors().into_iter().find(|t| t.name == name);
             let t = t.ok_or_else(|| {
@@ -277,22 +397,8 @@ impl NativePublisher {
         })
     }
 
-    /// Marks the announcement not ready: call before rewriting the arrays while receivers may
-    /// be reading them (optional: a receiver that reads during a rewrite fails verification
-    /// and keeps its previous weights).
-    fn unready(&self, py: Python<'_>) -> PyResult<()> {
-        let mut guard = self.lock()?;
-        let Some(s) = guard.as_mut() else {
-            return Ok(());
-        };
-        match s.announced.as_ref() {
-            Some(a) => wait(py, None, a.unready()),
-            None => Ok(()),
-        }
-    }
-
-    /// Digests every array and announces step `step` (the first call announces the rank).
-    fn publish(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+    /// [`NativePublisher::publish`]'s body.
+    fn publish_step(&self, py: Python<'_>, step: u64) -> PyResult<()> {
         let mut guard = self.lock()?;
         let s = guard.as_mut().ok_or_else(|| {
             invalid(
@@ -309,6 +415,30 @@ impl NativePublisher {
                     format!("publisher rank {rank} is at step {live}; step {step} is not newer"),
                     None,
                 ));
+            }
+        }
+        // Before anything is digested or announced: memory that moved would be read freed.
+        let done = match (s.announced.is_some(), s.step) {
+            (true, Some(live)) => format!(
+                "published, and step {live}, announced over the same memory, is marked not \
+                 ready so that no receiver starts reading it"
+            ),
+            _ => "published".to_string(),
+        };
+        for (name, memory) in &s.arrays {
+            if let Err(moved) = memory.check(py, name, &done) {
+                // The announced step's table points at that memory too: receivers must not
+                // start reading it. Best effort; the move is the error to report.
+                if let Some(a) = s.announced.as_ref() {
+                    if let Err(e) = wait(py, None, a.unready()) {
+                        return Err(invalid(
+                            ErrorKind::InvalidInput,
+                            format!("{moved}; marking the announced step not ready failed: {e}"),
+                            Some(name),
+                        ));
+                    }
+                }
+                return Err(moved);
             }
         }
         let State {
@@ -352,27 +482,5 @@ impl NativePublisher {
         wait(py, None, fut)?;
         s.step = Some(step);
         Ok(())
-    }
-
-    /// The last step published, or None.
-    #[getter]
-    fn step(&self) -> PyResult<Option<u64>> {
-        self.with(|s| Ok(s.step))
-    }
-
-    /// Withdraws the announcement, then releases the registrations and the arrays.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(mut s) = self.lock()?.take() else {
-            return Ok(());
-        };
-        let announced = s.announced.take();
-        let withdrawn = match announced {
-            Some(a) => wait(py, None, a.withdraw()),
-            None => Ok(()),
-        };
-        // Registrations and the arrays' buffer views are released with the GIL free: a
-        // backend may hand the last reference to one of its own threads.
-        py.allow_threads(move || drop(s));
-        withdrawn
     }
 }

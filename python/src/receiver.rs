@@ -6,23 +6,29 @@
 //! engine keeps the previous step's weights bit for bit. The copy's time is reported as
 //! `copy_s`; the swap copies nothing, and refuses to refit into a bank the engine still holds
 //! arrays of (bank.rs counts them).
+//!
+//! The engine's arrays must be its own, one per parameter: arrays sharing bytes are refused when
+//! the receiver is made (the copy writes every parameter in parallel), and each is checked to be
+//! where it was registered before every refit and again before the copy (memory.rs). A refit is
+//! cancelled through its own [`CancelToken`], so a cancel can neither be cleared by the refit
+//! it was meant for nor leak into the next one.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use reshard_core::{ErrorKind, HostBuffer, HostMemory, ParamSpec};
+use reshard_core::{ErrorKind, HostBuffer, HostMemory, MemoryBlock, ParamSpec};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StageTimes, StepReport, Subscriber};
 
 use crate::bank::{BankView, Lent};
-use crate::errors::{invalid, IntoPy};
+use crate::errors::{boundary, invalid, IntoPy};
 use crate::memory::ArrayMemory;
-use crate::{load_config, registry, rendezvous, runtime, wait};
+use crate::{load_config, registry, rendezvous, runtime, timeout_arg, wait};
 
 /// A connected receiver and the engine's arrays, in layout order (none in swap install).
 struct State {
@@ -41,11 +47,47 @@ enum Install {
     Swap,
 }
 
+/// The cancel flag of one refit (`Receiver.refit_async` makes one per call): set once, never
+/// cleared. A refit given a token that is already set does nothing and raises
+/// `reshard.Aborted`; one that is running when it is set stops as Ctrl-C stops it, unless it
+/// has already installed, in which case it returns its report.
+#[pyclass(module = "reshard._reshard", frozen)]
+pub struct CancelToken {
+    flag: Arc<AtomicBool>,
+}
+
+#[pymethods]
+impl CancelToken {
+    #[new]
+    fn new() -> PyResult<Self> {
+        boundary("CancelToken()", || {
+            Ok(CancelToken {
+                flag: Arc::new(AtomicBool::new(false)),
+            })
+        })
+    }
+
+    /// Asks the refit holding this token to stop (or never to start).
+    fn cancel(&self) -> PyResult<()> {
+        boundary("CancelToken.cancel", || {
+            self.flag.store(true, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+
+    /// Whether [`CancelToken::cancel`] was called.
+    #[getter]
+    fn cancelled(&self) -> PyResult<bool> {
+        boundary("CancelToken.cancelled", || {
+            Ok(self.flag.load(Ordering::SeqCst))
+        })
+    }
+}
+
 /// One receiver rank (use `reshard.Receiver`).
 #[pyclass(module = "reshard._reshard", frozen)]
 pub struct NativeReceiver {
     state: Mutex<Option<State>>,
-    cancel: AtomicBool,
     rank: u32,
     install: Install,
     /// `(name, dtype, shape, bytes)` of every parameter, in layout order.
@@ -124,6 +166,15 @@ impl NativeReceiver {
             Some(first),
         ))
     }
+
+    /// Copy install: refuses engine arrays that are no longer where they were registered
+    /// (memory.rs), naming the first; `done` says what was not done.
+    fn check_params(&self, py: Python<'_>, s: &State, done: &str) -> PyResult<()> {
+        for (m, (name, ..)) in s.params.iter().zip(&self.specs) {
+            m.check(py, name, done)?;
+        }
+        Ok(())
+    }
 }
 
 fn stages_dict<'py>(py: Python<'py>, st: &StageTimes) -> PyResult<Bound<'py, PyDict>> {
@@ -138,7 +189,7 @@ fn stages_dict<'py>(py: Python<'py>, st: &StageTimes) -> PyResult<Bound<'py, PyD
 impl NativeReceiver {
     /// See `reshard.Receiver`.
     #[new]
-    #[pyo3(signature = (model, layout, rank, rendezvous_arg, params, transport=None, config=None, timeout_s=300.0, install="copy"))]
+    #[pyo3(signature = (model, layout, rank, rendezvous_arg, params, transport=None, config=None, timeout_s=300.0, install="copy", probes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -151,7 +202,102 @@ impl NativeReceiver {
         config: Option<&str>,
         timeout_s: f64,
         install: &str,
+        probes: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        boundary("Receiver()", || {
+            Self::open(
+                py,
+                model,
+                layout,
+                rank,
+                rendezvous_arg,
+                params,
+                transport,
+                config,
+                timeout_s,
+                install,
+                probes,
+            )
+        })
+    }
+
+    /// Installs the next step (waiting up to `timeout_s` for it) into the engine's arrays and
+    /// returns the report as a dict. On any error the arrays and the live step are untouched.
+    /// `cancel`, when given, stops the refit (see [`CancelToken`]).
+    #[pyo3(signature = (timeout_s=300.0, cancel=None))]
+    fn refit<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: f64,
+        cancel: Option<&Bound<'py, CancelToken>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        boundary("Receiver.refit", || {
+            let cancel = cancel.map(|c| c.get().flag.clone());
+            self.refit_step(py, timeout_s, cancel.as_deref())
+        })
+    }
+
+    /// Swap install: `[(name, view, dtype, shape)]` of the live bank, each view a read-only
+    /// buffer of the parameter's bytes that stays valid (and unchanged) while it lives; None
+    /// before the first refit. Callable while a refit runs in another thread.
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+        boundary("Receiver.weights", || self.lend_weights(py))
+    }
+
+    /// The step of the engine's weights, or None before the first refit; while a refit runs
+    /// in another thread, the step it is replacing.
+    #[getter]
+    fn live_step(&self) -> PyResult<Option<u64>> {
+        boundary("Receiver.live_step", || Ok(*self.installed.lock()))
+    }
+
+    /// `[(name, dtype, shape)]` of this rank's parameters, in engine order.
+    fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        boundary("Receiver.params", || {
+            let guard = self.state()?;
+            let rows: Vec<(String, String, Vec<u64>)> = guard
+                .as_ref()
+                .map(|s| {
+                    s.subscriber
+                        .receiver()
+                        .layout()
+                        .params
+                        .iter()
+                        .map(|p| (p.name.clone(), p.dtype.to_string(), p.shape.clone()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            PyList::new(py, rows)
+        })
+    }
+
+    /// Releases the receiver's buffers and the engine's arrays (which it only borrowed).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        boundary("Receiver.close", || {
+            let taken = self.state.try_lock().and_then(|mut g| g.take());
+            py.allow_threads(move || drop(taken));
+            Ok(())
+        })
+    }
+}
+
+impl NativeReceiver {
+    /// [`NativeReceiver::new`]'s body.
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        py: Python<'_>,
+        model: &str,
+        layout: &str,
+        rank: u32,
+        rendezvous_arg: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyDict>>,
+        transport: Option<&str>,
+        config: Option<&str>,
+        timeout_s: f64,
+        install: &str,
+        probes: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let timeout = timeout_arg("timeout", timeout_s)?;
         let install = match (install, params.is_some()) {
             ("copy", true) => Install::Copy,
             ("swap", false) => Install::Swap,
@@ -183,14 +329,13 @@ impl NativeReceiver {
         };
         let topo: ReceiverTopology = layout.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
-        let rendezvous = rendezvous(py, rendezvous_arg, 10.0)?;
+        let rendezvous = rendezvous(py, rendezvous_arg, crate::DEFAULT_LEASE_TTL)?;
         let agent = crate::agent_name(&format!("{model}-receiver-{rank}"));
         let rt = runtime().py_err()?;
         let t = {
             let _guard = rt.enter();
             registry().create(&agent, &cfg.transport).py_err()?
         };
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
         let subscriber = wait(
             py,
             None,
@@ -213,7 +358,7 @@ impl NativeReceiver {
             })
             .collect();
         let arrays = match params {
-            Some(params) => engine_arrays(params, &specs, rank, layout)?,
+            Some(params) => engine_arrays(params, probes, &specs, rank, layout)?,
             None => Vec::new(),
         };
         Ok(NativeReceiver {
@@ -222,7 +367,6 @@ impl NativeReceiver {
                 params: arrays,
                 previous_step: None,
             })),
-            cancel: AtomicBool::new(false),
             rank,
             install,
             specs: rows,
@@ -232,25 +376,39 @@ impl NativeReceiver {
         })
     }
 
-    /// Installs the next step (waiting up to `timeout_s` for it) into the engine's arrays and
-    /// returns the report as a dict. On any error the arrays and the live step are untouched.
-    #[pyo3(signature = (timeout_s=300.0))]
-    fn refit<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyDict>> {
+    /// [`NativeReceiver::refit`]'s body.
+    fn refit_step<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: f64,
+        cancel: Option<&AtomicBool>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let t0 = Instant::now();
+        let timeout = timeout_arg("timeout", timeout_s)?;
         let mut guard = self.state()?;
         let s = guard
             .as_mut()
             .ok_or_else(|| invalid(ErrorKind::InvalidInput, "receiver is closed".into(), None))?;
-        if self.install == Install::Swap {
-            self.check_landing(s)?;
+        if cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
+            return Err(invalid(
+                ErrorKind::Aborted,
+                format!(
+                    "receiver rank {}: the refit was cancelled before it started; nothing was \
+                     done, the live weights are untouched",
+                    self.rank
+                ),
+                None,
+            ));
         }
-        self.cancel.store(false, Ordering::SeqCst);
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        match self.install {
+            Install::Swap => self.check_landing(s)?,
+            Install::Copy => self.check_params(py, s, "written")?,
+        }
         let before = s.subscriber.receiver().live_step();
         // The Rust path's own time is taken inside the future: what `reshard receive` spends
         // per step, without this binding's GIL release and polling around it.
         let subscriber = &mut s.subscriber;
-        let (report, rust_s): (StepReport, f64) = wait(py, Some(&self.cancel), async move {
+        let (report, rust_s): (StepReport, f64) = wait(py, cancel, async move {
             let t = Instant::now();
             let r = subscriber.next_step(timeout).await?;
             Ok((r, t.elapsed().as_secs_f64()))
@@ -259,6 +417,17 @@ impl NativeReceiver {
         let live = s.subscriber.receiver().live_params().unwrap_or(&[]);
         let copy_s = match self.install {
             Install::Copy => {
+                // Again, with the GIL held: the engine ran while the refit did.
+                let installed = self
+                    .installed
+                    .lock()
+                    .map_or_else(|| "no step".to_string(), |n| format!("step {n}"));
+                let done = format!(
+                    "written: step {} was received and verified but not copied, the engine's \
+                     arrays hold {installed}",
+                    report.step
+                );
+                self.check_params(py, s, &done)?;
                 let params = &s.params;
                 py.allow_threads(|| copy_into(live, params))
             }
@@ -294,10 +463,8 @@ impl NativeReceiver {
         Ok(d)
     }
 
-    /// Swap install: `[(name, view, dtype, shape)]` of the live bank, each view a read-only
-    /// buffer of the parameter's bytes that stays valid (and unchanged) while it lives; None
-    /// before the first refit. Callable while a refit runs in another thread.
-    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+    /// [`NativeReceiver::weights`]'s body.
+    fn lend_weights<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         if self.install != Install::Swap {
             return Err(invalid(
                 ErrorKind::InvalidInput,
@@ -319,49 +486,15 @@ impl NativeReceiver {
         }
         Ok(Some(rows))
     }
-
-    /// Asks a running refit (in another thread) to stop; it raises `reshard.Aborted`.
-    fn cancel(&self) {
-        self.cancel.store(true, Ordering::SeqCst);
-    }
-
-    /// The step of the engine's weights, or None before the first refit; while a refit runs
-    /// in another thread, the step it is replacing.
-    #[getter]
-    fn live_step(&self) -> Option<u64> {
-        *self.installed.lock()
-    }
-
-    /// `[(name, dtype, shape)]` of this rank's parameters, in engine order.
-    fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let guard = self.state()?;
-        let rows: Vec<(String, String, Vec<u64>)> = guard
-            .as_ref()
-            .map(|s| {
-                s.subscriber
-                    .receiver()
-                    .layout()
-                    .params
-                    .iter()
-                    .map(|p| (p.name.clone(), p.dtype.to_string(), p.shape.clone()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        PyList::new(py, rows)
-    }
-
-    /// Releases the receiver's buffers and the engine's arrays (which it only borrowed).
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self.state.try_lock().and_then(|mut g| g.take());
-        py.allow_threads(move || drop(taken));
-        Ok(())
-    }
 }
 
 /// The engine's arrays for copy install, in layout order: every parameter given, of its shape
-/// and dtype, writable and C-contiguous, and no name the layout lacks (each error names it).
+/// and dtype, writable and C-contiguous, no name the layout lacks, and no two sharing a byte
+/// (each error names them). `probes` maps a parameter to the probe of the object its array
+/// views (memory.rs).
 fn engine_arrays(
     params: &Bound<'_, PyDict>,
+    probes: Option<&Bound<'_, PyDict>>,
     specs: &[ParamSpec],
     rank: u32,
     layout: &str,
@@ -391,7 +524,11 @@ fn engine_arrays(
                 Some(&p.name),
             )
         })?;
-        let m = ArrayMemory::export(&array, true, &p.name)?;
+        let probe = match probes {
+            Some(probes) => probes.get_item(&p.name)?,
+            None => None,
+        };
+        let m = ArrayMemory::export(&array, true, &p.name, probe.as_ref())?;
         if m.shape != p.shape || !m.holds(p.dtype) {
             return Err(invalid(
                 ErrorKind::InvalidInput,
@@ -405,7 +542,42 @@ fn engine_arrays(
         }
         arrays.push(m);
     }
+    refuse_overlaps(&arrays, specs, rank)?;
     Ok(arrays)
+}
+
+/// Refuses engine arrays that share a byte, naming both: the copy writes every parameter in
+/// parallel, so two over one memory would race, and one would end up holding the other's bytes.
+fn refuse_overlaps(arrays: &[ArrayMemory], specs: &[ParamSpec], rank: u32) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize, &str)> = arrays
+        .iter()
+        .zip(specs)
+        .filter(|(m, _)| m.len() > 0)
+        .map(|(m, p)| (m.addr(), m.addr() + m.len(), p.name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    // The span reaching furthest so far: any later start below its end overlaps it.
+    let mut reach: Option<(usize, &str)> = None;
+    for &(start, end, name) in &spans {
+        if let Some((far, other)) = reach {
+            if start < far {
+                return Err(invalid(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "parameters {other:?} and {name:?} of receiver rank {rank} share memory \
+                         (bytes {start:#x}..{:#x}): every parameter needs an array of its own, \
+                         since a refit writes them all at once",
+                        far.min(end)
+                    ),
+                    Some(name),
+                ));
+            }
+        }
+        if reach.is_none_or(|(far, _)| end > far) {
+            reach = Some((end, name));
+        }
+    }
+    Ok(())
 }
 
 /// Copies the verified live bank into the engine's arrays (same order, same sizes: checked at

@@ -119,3 +119,91 @@ def test_a_tensor_without_host_memory_is_refused_naming_it(hub, name):
         p.register(tname, torch.empty(shape, dtype=torch.float32, device="meta"))
     assert e.value.tensor == tname and "meta" in str(e.value)
     p.close()
+
+
+def test_a_tensor_whose_storage_is_freed_is_refused_at_publish(hub, name):
+    """FSDP frees a parameter's storage between uses (``untyped_storage().resize_(0)``): the
+    publisher refuses the next publish, naming the tensor, before it reads a byte."""
+    model = tiny_model(name)
+    pubs = publish_torch(model, hub, 1)
+    p, params = pubs[2]
+    tname = list(params)[1]
+    params[tname].untyped_storage().resize_(0)
+    with pytest.raises(reshard.InvalidInput) as e:
+        p.publish(2)
+    assert e.value.tensor == tname and "Nothing was published" in str(e.value)
+    assert p.step == 1
+    for q, _ in pubs:
+        q.close()
+
+
+def test_an_engine_tensor_freed_or_re_pointed_is_refused_at_refit(hub, name):
+    model = tiny_model(name, dtype="bf16")
+    pubs = publish_torch(model, hub, 1)
+    engine = {n: torch.zeros(shape, dtype=TORCH[d])
+              for n, (shape, d) in reshard.receiver_params(model, LAYOUT, 0).items()}
+    rx = reshard.Receiver(model=name, layout=LAYOUT, rank=0, rendezvous=hub,
+                          transport="loopback", params=engine, timeout=10)
+    rx.refit(timeout=10)
+    rewrite(pubs, 2)
+    want = expected(model, LAYOUT, 0, 1)
+    names = list(engine)
+    # Storage freed in place.
+    engine[names[0]].untyped_storage().resize_(0)
+    with pytest.raises(reshard.InvalidInput) as e:
+        rx.refit(timeout=10)
+    assert e.value.tensor == names[0] and "Nothing was written" in str(e.value)
+    assert rx.live_step == 1
+    exact({n: t for n, t in engine.items() if n != names[0]},
+          {n: a for n, a in want.items() if n != names[0]})
+    rx.close()
+    # A parameter re-pointed to other memory (`param.data = ...`), with the same shape.
+    engine = {n: torch.zeros(shape, dtype=TORCH[d])
+              for n, (shape, d) in reshard.receiver_params(model, LAYOUT, 0).items()}
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in engine.items()}
+    rx = reshard.Receiver(model=name, layout=LAYOUT, rank=0, rendezvous=hub,
+                          transport="loopback", params=params, timeout=10)
+    params[names[1]].data = torch.zeros_like(params[names[1]])
+    with pytest.raises(reshard.InvalidInput) as e:
+        rx.refit(timeout=10)
+    assert e.value.tensor == names[1]
+    rx.close()
+    for p, _ in pubs:
+        p.close()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_registered_tensors_live_until_close(hub, name, dtype):
+    """The caller's tensor object itself is held. For a bf16 tensor nothing else would hold it:
+    its bits are exported through an int16 view, another tensor object."""
+    import gc
+    import weakref
+
+    model = tiny_model(name, dtype=dtype)
+    p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=0, rendezvous=hub,
+                          transport="loopback")
+    tname, (offset, shape, dtype) = next(iter(p.tensors.items()))
+    t = as_torch(values(tname, 1, offset, shape, dtype), dtype)
+    ref = weakref.ref(t)
+    p.register(tname, t)
+    del t
+    gc.collect()
+    assert ref() is not None, "the tensor was freed while reshard holds its address"
+    p.close()
+    gc.collect()
+    assert ref() is None
+
+
+def test_engine_tensors_over_one_storage_are_refused_naming_both(hub, name):
+    model = tiny_model(name)
+    pubs = publish_torch(model, hub, 1)
+    specs = reshard.receiver_params(model, LAYOUT, 0)
+    engine = {n: torch.zeros(shape, dtype=TORCH[d]) for n, (shape, d) in specs.items()}
+    norms = [n for n in engine if n.endswith(("q_norm.weight", "k_norm.weight"))][:2]
+    engine[norms[1]] = engine[norms[0]].view(engine[norms[0]].shape)  # same storage
+    with pytest.raises(reshard.InvalidInput) as e:
+        reshard.Receiver(model=name, layout=LAYOUT, rank=0, rendezvous=hub,
+                         transport="loopback", params=engine, timeout=10)
+    assert norms[0] in str(e.value) and norms[1] in str(e.value)
+    for p, _ in pubs:
+        p.close()

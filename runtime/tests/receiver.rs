@@ -605,6 +605,39 @@ async fn a_wire_leg_cut_short_by_the_timeout_retires_the_buffers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_dropped_in_its_wire_leg_retires_the_buffers() {
+    use std::sync::atomic::Ordering;
+    // A slow wire leg, dropped once its batch is posted (as Ctrl-C or a cancelled task drops a
+    // refit): a read the backend could not end would be quarantined with no error to say so,
+    // so the next update must land in freshly allocated buffers.
+    let (mut s, flaky) = flaky_setup(0, true, 2_000, ReceiverOptions::default()).await;
+    let tables = s.cluster.tables();
+    {
+        let mut update = Box::pin(s.rx.update(&tables));
+        while flaky.posts.load(Ordering::SeqCst) == 0 {
+            tokio::select! {
+                r = &mut update => panic!("the update ended before it was dropped: {r:?}"),
+                _ = tokio::time::sleep(std::time::Duration::from_millis(1)) => {}
+            }
+        }
+    }
+    assert_eq!(s.rx.live_step(), Some(0));
+    assert!(
+        s.rx.landing_params().is_none(),
+        "no landing bank until fresh ones exist"
+    );
+    let r = s.rx.update(&tables).await.expect("next update");
+    assert!(r.plan_rebuilt && r.descriptors_rebuilt, "fresh buffers");
+    assert_eq!(s.rx.live_step(), Some(1));
+    assert_exact(&s);
+    // A wire leg that returned leaves its buffers in use.
+    s.cluster.publish_step(2);
+    let r = s.rx.update(&s.cluster.tables()).await.expect("step 2");
+    assert!(!r.plan_rebuilt, "the buffers prepared for step 1's update");
+    assert_exact(&s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transport_reporting_fewer_bytes_than_planned_installs_nothing() {
     // Even with digest verification off, a short byte count is refused before the swap.
     let opts = ReceiverOptions {

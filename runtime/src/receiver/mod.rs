@@ -51,6 +51,12 @@ pub struct Receiver {
     step: Option<u64>,
     plan_builds: u64,
     descriptor_builds: u64,
+    /// Set while a wire leg runs, cleared when it returns: still set afterwards, it says an
+    /// update's future was dropped part-way through its wire leg. A read the backend could not
+    /// end by then is quarantined (docs/in-flight-safety.md, rule 3) with no error to say so,
+    /// so bytes may still land in the bank and staging that leg targeted: the next update
+    /// discards them and lands in freshly allocated buffers.
+    wire_leg_open: bool,
 }
 
 impl Receiver {
@@ -72,6 +78,7 @@ impl Receiver {
             step: None,
             plan_builds: 0,
             descriptor_builds: 0,
+            wire_leg_open: false,
         })
     }
 
@@ -113,10 +120,14 @@ impl Receiver {
     }
 
     /// The bank the next update lands in, once prepared (None before the first update and
-    /// after buffers were discarded: the next update then lands in freshly allocated ones).
+    /// after buffers were discarded, or are to be after a wire leg dropped part-way: the next
+    /// update then lands in freshly allocated ones).
     /// A caller that lends the live bank out (the Python binding's swap install) checks that
     /// none of these buffers is still lent before it starts an update.
     pub fn landing_params(&self) -> Option<&[Arc<HostBuffer>]> {
+        if self.wire_leg_open {
+            return None;
+        }
         self.prepared
             .as_ref()
             .map(|p| p.banks[p.next].params.as_slice())
@@ -174,6 +185,10 @@ impl Receiver {
 
     /// Every stage up to and including `descriptor_build`.
     async fn front(&mut self, tables: &[ShardTable], t0: Instant) -> Result<Front> {
+        if std::mem::take(&mut self.wire_leg_open) {
+            // The last wire leg was dropped part-way: never post into its buffers again.
+            self.prepared = None;
+        }
         let mut st = StageTimes::default();
         // Time spent before this call (decoding) belongs to discover too.
         let mut watch = Stopwatch(t0);
@@ -312,7 +327,10 @@ impl Receiver {
             .as_ref()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         let wire_t0 = Instant::now();
-        let wire = match wire_leg(transport.as_ref(), &cached.batch).await {
+        self.wire_leg_open = true;
+        let outcome = wire_leg(transport.as_ref(), &cached.batch).await;
+        self.wire_leg_open = false;
+        let wire = match outcome {
             Ok(w) => w,
             Err(e) => {
                 let e = name_tensor(e, &prep.plan);
