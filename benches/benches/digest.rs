@@ -1,5 +1,6 @@
-//! Digests: XXH3-128 (chosen) against BLAKE3 on a 64 MiB buffer, and what a publisher pays per
-//! step to digest its offers: today's whole digest with row-chunk and column-block digests
+//! Digests: XXH3-128 (chosen) against BLAKE3 on a 64 MiB buffer, and the segment folds a
+//! receiver computes to check bytes (256-byte and 2 KiB segments; one expert at the standard
+//! grid's 1 KiB); and what a publisher pays per step to digest its offers: today's whole digest with row-chunk and column-block digests
 //! (`PartDigests::compute`, docs/design.md §6) against the schema-2 scheme it replaced (a
 //! streaming whole XXH3-128 plus eight row-chunk XXH3-128 digests, one pass), on the same bytes
 //! in the same run.
@@ -23,6 +24,38 @@ fn digests(c: &mut Criterion) {
     g.sample_size(10);
     g.bench_function("xxh3_128", |b| b.iter(|| xxhash_rust::xxh3::xxh3_128(&buf)));
     g.bench_function("blake3", |b| b.iter(|| blake3::hash(&buf)));
+    // What a receiver computes to check the same bytes as rows of 4 KiB in 16 column blocks
+    // (a [*, 2048] BF16 tensor): one XXH3-64 per 256-byte segment, folded.
+    g.bench_function("segment_fold_256B", |b| {
+        b.iter(|| {
+            let mut f = reshard_core::SegmentFold::new();
+            for row in buf.chunks(4096) {
+                f.row(row, 256);
+            }
+            f.whole()
+        })
+    });
+    g.bench_function("segment_fold_2KiB", |b| {
+        b.iter(|| {
+            let mut f = reshard_core::SegmentFold::new();
+            for row in buf.chunks(16384) {
+                f.row(row, 2048);
+            }
+            f.whole()
+        })
+    });
+    g.finish();
+    // One expert's gate_proj ([768, 2048] BF16, 3 MiB, in cache) checked whole: the plain
+    // one-shot XXH3-128 of schema 2 against the fold of its segments on the standard grid.
+    let gate = bytes(768 * 2048 * 2, 7);
+    let mut g = c.benchmark_group("check_expert_3MiB");
+    g.throughput(Throughput::Bytes(gate.len() as u64));
+    g.bench_function("plain_xxh3_128", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_128(&gate))
+    });
+    g.bench_function("segment_fold", |b| {
+        b.iter(|| PartDigests::compute(&gate, &[768, 2048], 2).0)
+    });
     g.finish();
 }
 
@@ -78,6 +111,25 @@ fn publisher_step(c: &mut Criterion) {
             offers
                 .par_iter()
                 .map(|(bytes, s)| schema2(bytes, s[0]))
+                .collect::<Vec<_>>()
+        })
+    });
+    g.bench_function("plain_whole_plus_parts", |b| {
+        b.iter(|| {
+            offers
+                .par_iter()
+                .map(|(bytes, s)| {
+                    let mut whole = xxhash_rust::xxh3::Xxh3::new();
+                    let v = reshard_core::MatrixView::of(s);
+                    let row = (v.cols * v.inner * 2) as usize;
+                    let (_, bc) = v.grid(2);
+                    let mut f = reshard_core::SegmentFold::new();
+                    for r in bytes.chunks(row) {
+                        whole.update(r);
+                        f.row(r, bc * v.inner * 2);
+                    }
+                    (whole.digest128(), f.part())
+                })
                 .collect::<Vec<_>>()
         })
     });

@@ -337,11 +337,19 @@ pub struct OfferLocation {
     pub memory: MemoryKind,
 }
 
-/// Cuts of an offer along each axis of its matrix view that carry their own digest: 16 row
-/// chunks and 16 column blocks, so every TP slice of up to 16 times the publisher's own (on an
-/// offer whose rows or columns divide by 16) is whole chunks or whole blocks, which a receiver
-/// reading only its slice can check (docs/design.md §6).
+/// Cuts of an offer along each axis of its matrix view that carry their own digest: up to 16
+/// row chunks and up to 16 column blocks, so every TP slice of up to 16 times the publisher's
+/// own (on an offer whose rows or columns divide by 16) is whole chunks or whole blocks, which
+/// a receiver reading only its slice can check (docs/design.md §6). Column blocks are fewer on
+/// narrow rows ([`MIN_SEGMENT_BYTES`]).
 pub const PARTS_PER_AXIS: u64 = 16;
+
+/// The fewest bytes a segment (one row of one column block) of the standard grid holds, unless
+/// the whole row is shorter: a row of `n` bytes gets the largest power-of-two number of blocks,
+/// at most [`PARTS_PER_AXIS`], that keeps its segments at least this long. Every byte a
+/// receiver checks is hashed one segment at a time, and XXH3 on a few hundred bytes runs at
+/// about 0.6 of its speed on long inputs, 0.8 at 1 KiB (BENCHMARKS.md, "Digest coverage").
+pub const MIN_SEGMENT_BYTES: u64 = 1024;
 
 /// An offer's box as a matrix: `rows` (dim 0) by `cols` (dim 1) cells of `inner` elements (the
 /// product of dims 2..). A 1-D box is one row of columns, a scalar one cell. Row chunks and
@@ -378,12 +386,17 @@ impl MatrixView {
         }
     }
 
-    /// Rows per row chunk and columns per column block of the standard grid
-    /// ([`PARTS_PER_AXIS`] parts each way, fewer when there are fewer rows or columns).
-    pub fn grid(&self) -> (u64, u64) {
+    /// Rows per row chunk and columns per column block of the standard grid for elements of
+    /// `elem` bytes: [`PARTS_PER_AXIS`] row chunks (fewer when there are fewer rows), and a
+    /// power of two of column blocks up to [`PARTS_PER_AXIS`] whose segments hold at least
+    /// [`MIN_SEGMENT_BYTES`] (one block when the row is shorter).
+    pub fn grid(&self, elem: u64) -> (u64, u64) {
+        let row_bytes = self.cols.saturating_mul(self.inner).saturating_mul(elem);
+        let fit = (row_bytes / MIN_SEGMENT_BYTES).clamp(1, PARTS_PER_AXIS);
+        let blocks = 1u64 << (63 - fit.leading_zeros());
         (
             self.rows.div_ceil(PARTS_PER_AXIS).max(1),
-            self.cols.div_ceil(PARTS_PER_AXIS).max(1),
+            self.cols.div_ceil(blocks).max(1),
         )
     }
 }
@@ -413,7 +426,7 @@ impl PartDigests {
     /// offer's row-major `bytes` (box extent `extent`, `elem` bytes per element), hashing each
     /// byte once.
     pub fn compute(bytes: &[u8], extent: &[u64], elem: u64) -> (Digest, PartDigests) {
-        let (chunk_rows, block_cols) = MatrixView::of(extent).grid();
+        let (chunk_rows, block_cols) = MatrixView::of(extent).grid(elem);
         Self::compute_on(bytes, extent, elem, chunk_rows, block_cols)
     }
 
@@ -694,12 +707,17 @@ mod tests {
                 "block {j}"
             );
         }
-        // The standard grid: 16 parts each way at most.
+        // The standard grid: 16 row chunks at most, and one column block on rows this short.
         let (_, std) = PartDigests::compute(&bytes, &extent, 2);
-        assert_eq!((std.chunk_rows, std.block_cols), (1, 1));
-        assert_eq!(MatrixView::of(&[4096, 2048]).grid(), (256, 128));
-        assert_eq!(MatrixView::of(&[2048]).grid(), (1, 128));
-        assert_eq!(MatrixView::of(&[]).grid(), (1, 1));
+        assert_eq!((std.chunk_rows, std.block_cols), (1, 7));
+        // Rows of 4 KiB: four blocks of 1 KiB; 64 KiB rows: sixteen; 1.5 KiB: one.
+        assert_eq!(MatrixView::of(&[4096, 2048]).grid(2), (256, 512));
+        assert_eq!(MatrixView::of(&[4096, 14336]).grid(4), (256, 896));
+        assert_eq!(MatrixView::of(&[2048, 768]).grid(2), (128, 768));
+        assert_eq!(MatrixView::of(&[3, 4096, 8]).grid(1), (1, 256));
+        assert_eq!(MatrixView::of(&[2048]).grid(2), (1, 512));
+        assert_eq!(MatrixView::of(&[7]).grid(2), (1, 7));
+        assert_eq!(MatrixView::of(&[]).grid(8), (1, 1));
     }
 
     #[test]

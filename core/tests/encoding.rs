@@ -380,7 +380,14 @@ fn full_model_table_is_compact() {
     let mut parts = t.clone();
     for o in &mut parts.offers {
         let v = reshard_core::MatrixView::of(&o.tensor_box.extent);
-        let (chunk_rows, block_cols) = v.grid();
+        let elem = t
+            .tensors
+            .iter()
+            .find(|s| s.name == o.tensor)
+            .unwrap()
+            .dtype
+            .size();
+        let (chunk_rows, block_cols) = v.grid(elem);
         o.parts = Some(PartDigests {
             chunk_rows,
             chunks: vec![u64::MAX; v.rows.div_ceil(chunk_rows) as usize],

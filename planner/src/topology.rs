@@ -534,16 +534,27 @@ fn rank_shards(
 /// with placeholder values: what a plan holds depends on which digests exist and on their grid,
 /// never on their values, so a geometry table planned this way plans what a deployment does.
 pub fn with_digest_placeholders(tables: &mut [ShardTable]) {
-    for o in tables.iter_mut().flat_map(|t| t.offers.iter_mut()) {
-        let v = reshard_core::MatrixView::of(&o.tensor_box.extent);
-        let (chunk_rows, block_cols) = v.grid();
-        o.digest = Some(reshard_core::Digest([0; 16]));
-        o.parts = Some(reshard_core::PartDigests {
-            chunk_rows,
-            chunks: vec![0; v.rows.div_ceil(chunk_rows) as usize],
-            block_cols,
-            blocks: vec![0; v.cols.div_ceil(block_cols) as usize],
-        });
+    for t in tables {
+        let elem: rustc_hash::FxHashMap<&str, u64> = t
+            .tensors
+            .iter()
+            .map(|s| (s.name.as_str(), s.dtype.size()))
+            .collect();
+        for o in &mut t.offers {
+            // An offer of an undeclared tensor gets none: validation refuses it anyway.
+            let Some(&elem) = elem.get(o.tensor.as_str()) else {
+                continue;
+            };
+            let v = reshard_core::MatrixView::of(&o.tensor_box.extent);
+            let (chunk_rows, block_cols) = v.grid(elem);
+            o.digest = Some(reshard_core::Digest([0; 16]));
+            o.parts = Some(reshard_core::PartDigests {
+                chunk_rows,
+                chunks: vec![0; v.rows.div_ceil(chunk_rows) as usize],
+                block_cols,
+                blocks: vec![0; v.cols.div_ceil(block_cols) as usize],
+            });
+        }
     }
 }
 

@@ -27,20 +27,13 @@ fn off<'a>(tensor: &'a str, offset: &[u64], extent: &[u64]) -> Off<'a> {
 }
 
 /// One publisher's table: its offers laid out back to back (plus gaps) in region 7, each with a
-/// whole digest and part digests on the standard grid (placeholders: the planner only looks at
-/// which digests exist and on what grid).
+/// whole digest and part digests of every row and every column (placeholders: the planner only
+/// looks at which digests exist and on what grid), so every read is checked where it lands and
+/// the reads are what the geometry alone asks for. [`with_grid`] sets coarser grids.
 fn table(rank: u32, specs: &[&TensorSpec], offers: &[Off]) -> ShardTable {
-    let mut t = bare_table(rank, specs, offers);
+    let mut t = with_grid(bare_table(rank, specs, offers), 1, 1);
     for o in &mut t.offers {
-        let v = MatrixView::of(&o.tensor_box.extent);
-        let (chunk_rows, block_cols) = v.grid();
         o.digest = Some(reshard_core::Digest([0; 16]));
-        o.parts = Some(PartDigests {
-            chunk_rows,
-            chunks: vec![0; v.rows.div_ceil(chunk_rows) as usize],
-            block_cols,
-            blocks: vec![0; v.cols.div_ceil(block_cols) as usize],
-        });
     }
     t
 }
@@ -1004,7 +997,7 @@ fn whole_offers_inside_a_copy_are_staged_instead_of_read_row_by_row() {
 #[test]
 fn huge_boxes_do_not_overflow_plan_statistics() {
     let w = TensorSpec::new("w", DType::U8, vec![1 << 62]);
-    let t = deduped(&[table(0, &[&w], &[off("w", &[0], &[1 << 62])])]);
+    let t = deduped(&[bare_table(0, &[&w], &[off("w", &[0], &[1 << 62])])]);
     let whole = || copy("w", &[0], &[1 << 62], 0);
     let five = || vec![whole(), whole(), whole(), whole(), whole()];
     let l = layout(vec![

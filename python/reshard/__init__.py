@@ -346,7 +346,9 @@ class RefitReport:
     descriptor_build, wire, reslice, install, verify) to seconds; ``e2e_s`` is the Rust
     refit's end to end, ``rust_s`` the same call including discovery, ``copy_s`` the copy into
     the engine's arrays (0 with ``install == "swap"``), ``native_s`` the whole native call and
-    ``python_s`` the whole :meth:`Receiver.refit` as Python saw it."""
+    ``python_s`` the whole :meth:`Receiver.refit` as Python saw it. ``verified`` is true when
+    every byte the refit installed matched a publisher digest (``checked_bytes == wire_bytes``);
+    false when a publisher sent no digests or verification is off in the configuration."""
 
     step: int
     verified: bool

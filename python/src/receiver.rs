@@ -440,7 +440,8 @@ impl NativeReceiver {
         let u = &report.update;
         let d = PyDict::new(py);
         d.set_item("step", report.step)?;
-        d.set_item("verified", true)?;
+        // Installed, and every installed byte matched a publisher digest.
+        d.set_item("verified", u.fully_checked())?;
         d.set_item("reads", u.wire_reads)?;
         d.set_item("wire_bytes", u.wire_bytes)?;
         d.set_item("stages", stages_dict(py, &u.stages)?)?;

@@ -53,6 +53,7 @@ def test_trainer_arrays_reach_engine_arrays_in_place_byte_exact(hub, name):
         held = dict(rx.params)
         report = rx.refit(timeout=10)
         assert report.step == 1 and report.verified and report.reads > 0
+        assert report.checked_bytes == report.wire_bytes > 0
         assert report.wire_bytes > 0 and set(report.stages) >= {"wire", "verify", "install"}
         assert all(rx.params[k] is held[k] for k in held), "the engine's own arrays are refit"
         assert_exact(rx.params, expected(model, LAYOUT, rank, 1))

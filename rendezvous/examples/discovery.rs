@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use reshard_core::encoding::encode_table;
 use reshard_core::rendezvous::{discover, Announcement, Rendezvous, Want};
-use reshard_core::{Digest, MatrixView, PartDigests};
 use reshard_planner::presets::preset;
-use reshard_planner::topology::{geometry_tables, PublisherTopology};
+use reshard_planner::topology::{geometry_tables, with_digest_placeholders, PublisherTopology};
 use reshard_rendezvous::{Etcd, EtcdOptions};
 
 #[tokio::main]
@@ -35,20 +34,10 @@ async fn main() -> reshard_core::Result<()> {
     let runs: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(7);
     let model = preset("qwen3-30b-a3b")?;
     let mut tables = geometry_tables(&model, &topo, 1)?;
+    // Realistic size: each offer with its whole digest and row-chunk and column-block digests.
+    with_digest_placeholders(&mut tables);
     for t in &mut tables {
         t.publisher.incarnation = 1;
-        for o in &mut t.offers {
-            // Realistic size: a digest per offer and its row-chunk and column-block digests.
-            o.digest = Some(Digest::of(o.tensor.as_bytes()));
-            let v = MatrixView::of(&o.tensor_box.extent);
-            let (chunk_rows, block_cols) = v.grid();
-            o.parts = Some(PartDigests {
-                chunk_rows,
-                chunks: vec![7; v.rows.div_ceil(chunk_rows) as usize],
-                block_cols,
-                blocks: vec![7; v.cols.div_ceil(block_cols) as usize],
-            });
-        }
     }
     let world = tables.len() as u32;
     let name = format!("bench-{}-{}", topo_label(&args), std::process::id());

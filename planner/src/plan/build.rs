@@ -629,10 +629,10 @@ pub(super) fn rect_checks(
     let (dst, dst_offset, row_stride) = dst;
     let v = MatrixView::of(&o.tensor_box.extent);
     let cell = v.inner * elem;
-    let grid = o
-        .parts
-        .as_deref()
-        .map_or_else(|| v.grid(), |p| (p.chunk_rows.max(1), p.block_cols.max(1)));
+    let grid = o.parts.as_deref().map_or_else(
+        || v.grid(elem),
+        |p| (p.chunk_rows.max(1), p.block_cols.max(1)),
+    );
     let (cr, bc) = grid;
     let check = |part, first_row: u64, rows: u64, first_col: u64, cols: u64| DigestCheck {
         tensor,
