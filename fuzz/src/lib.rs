@@ -151,6 +151,7 @@ pub fn etcd_member_record_seed() -> Vec<u8> {
         table: blob("table-00000000000000000009", b""),
         metadata: blob("metadata", b"meta"),
         config: blob("config", b"{}"),
+        note: None,
     };
     let mut out = serde_json::to_vec(&r).expect("a record encodes");
     // Chunk pieces after a NUL: a selector byte (blob = byte % 3, chunk = byte / 3), then data.
