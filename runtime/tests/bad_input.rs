@@ -245,14 +245,17 @@ async fn box_that_leaves_a_hole_outside_the_wanted_part() {
     );
     let o = offers_mut(&mut tables[h[0]], &name).next().unwrap();
     assert_eq!(o.tensor_box.extent, vec![128, 96]);
-    o.tensor_box.extent[1] = 58;
-    // The offer's column-block digests no longer fit its box: refused as an invalid table.
+    // Garbled rows: the offer's row-chunk digests (16 chunks of 8 rows) no longer fit its box,
+    // refused as an invalid table naming tensor and owner.
+    o.tensor_box.extent[0] = 100;
     let e = refused(&mut s, &tables).await;
     assert_eq!(e.kind(), ErrorKind::InvalidTable, "{e}");
     assert_eq!(e.context().tensor.as_deref(), Some(name.as_str()));
     assert_eq!(e.context().owner, Some(tables[h[0]].publisher.rank));
-    // Without part digests the box is consistent in itself, and the hole refuses it.
-    offers_mut(&mut tables[h[0]], &name).next().unwrap().parts = None;
+    // Garbled columns on one column block: the digests still fit, and the hole refuses it.
+    let o = offers_mut(&mut tables[h[0]], &name).next().unwrap();
+    o.tensor_box.extent = vec![128, 58];
+    o.parts.as_mut().unwrap().block_cols = 58;
     let e = refused(&mut s, &tables).await;
     assert_eq!(e.kind(), ErrorKind::MissingCoverage, "{e}");
     assert_eq!(e.context().tensor.as_deref(), Some(name.as_str()));
