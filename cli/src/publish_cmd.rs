@@ -8,6 +8,12 @@
 //! changed while it was read) never ends the process: it keeps serving the step it has, says
 //! why (a log line, a `refused` JSON line, and the note `reshard status` shows), and tries that
 //! folder again only once the folder changes (docs/deployment.md §5).
+//!
+//! Nor does etcd out of reach end it: a rendezvous write that fails for that (marking itself not
+//! ready, advancing, setting its note) is tried again at the next look, and the memory is never
+//! rewritten before "not ready" is written. Its lease outlives the outage (`reshard-rendezvous`
+//! reconnects, and announces the same incarnation again if the lease expired meanwhile). Only
+//! losing its rank to another live process ends it (exit 2, naming that process).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -111,8 +117,11 @@ struct Refused {
 enum Failure {
     /// The step folder is bad: refuse it, keep serving.
     Refused(Error),
-    /// The rendezvous failed (the lease is lost, etcd refuses writes): the publisher ends, for
-    /// its supervisor to restart, as before.
+    /// The rendezvous could not be written just now (etcd out of reach): nothing is refused,
+    /// the publisher tries again at its next look.
+    Later,
+    /// The rendezvous refused for good (the rank is held by another process, a record no
+    /// receiver would accept): the publisher ends.
     Fatal(Error),
 }
 
@@ -137,6 +146,11 @@ struct Running {
     note: Option<String>,
     /// Step folders tried so far (each refused one once per state it is in).
     tried: u64,
+    /// A step in memory whose announcement could not be written yet (etcd out of reach): the
+    /// record says not ready until it is.
+    pending: Option<u64>,
+    /// Since when rendezvous writes fail (etcd out of reach), while they do.
+    deferred: Option<std::time::Instant>,
 }
 
 impl Running {
@@ -145,6 +159,14 @@ impl Running {
     /// current state, falling back to older ones while they are refused. Only rendezvous
     /// failures are returned.
     async fn look(&mut self) -> Result<()> {
+        // A step loaded but not announced comes first: until it is, the memory is not touched.
+        if let Some(step) = self.pending {
+            match self.advance(step).await {
+                Ok(true) => {}
+                Ok(false) | Err(Failure::Later) => return Ok(()),
+                Err(Failure::Fatal(e) | Failure::Refused(e)) => return Err(e),
+            }
+        }
         let list = match candidates(&self.dir) {
             Ok(l) => l,
             Err(e) => {
@@ -173,6 +195,8 @@ impl Running {
                     break;
                 }
                 Err(Failure::Fatal(e)) => return Err(e),
+                // Tried again at the next look, as if not seen yet.
+                Err(Failure::Later) => break,
                 Err(Failure::Refused(e)) => {
                     self.refuse(step, &path, &e);
                     self.refused.insert(
@@ -232,28 +256,25 @@ impl Running {
         path: &Path,
         fresh: Checkpoint,
     ) -> std::result::Result<(), Failure> {
-        // Receivers must not start reading while the memory is rewritten in place; one that
-        // already is fails its digest check and keeps its previous weights.
-        self.held.unready().await.map_err(Failure::Fatal)?;
+        // Receivers must not start reading while the memory is rewritten in place (one that
+        // already is fails its digest check and keeps its previous weights): no write of "not
+        // ready", no rewrite.
+        if let Err(e) = self.held.unready().await {
+            return Err(self.rendezvous_failure(e));
+        }
+        self.resumed();
         if let Err(e) = load(&mut self.publisher, step, &fresh) {
             self.restore(&e).await?;
             return Err(Failure::Refused(e));
         }
-        self.advance(step).await?;
         self.serving = Some(Serving {
             step,
             path: path.to_path_buf(),
             ckpt: fresh,
         });
         self.lost = None;
-        line(
-            self.json,
-            "advanced",
-            self.rank,
-            step,
-            path,
-            self.publisher.memory_bytes(),
-        );
+        // Announced now, or at a later look once etcd answers (`pending`).
+        self.advance(step).await?;
         Ok(())
     }
 
@@ -265,7 +286,7 @@ impl Running {
         };
         let step = s.step;
         match load(&mut self.publisher, step, &s.ckpt) {
-            Ok(()) => self.advance(step).await,
+            Ok(()) => self.advance(step).await.map(|_| ()),
             Err(e) => {
                 let msg = format!(
                     "serving no step: step {step} ({}) could not be loaded again after a newer \
@@ -289,14 +310,84 @@ impl Running {
         }
     }
 
-    /// Announces the memory's current contents as step `step`, ready.
-    async fn advance(&mut self, step: u64) -> std::result::Result<(), Failure> {
-        self.held
-            .advance(step, Bytes::from(encode_table(self.publisher.table())))
-            .await
-            .map_err(Failure::Fatal)?;
+    /// Announces the memory's current contents as step `step`, ready: true when announced;
+    /// false when etcd is out of reach, the step left `pending` for the next look.
+    async fn advance(&mut self, step: u64) -> std::result::Result<bool, Failure> {
+        let table = Bytes::from(encode_table(self.publisher.table()));
+        if let Err(e) = self.held.advance(step, table).await {
+            return match self.rendezvous_failure(e) {
+                Failure::Later => {
+                    self.pending = Some(step);
+                    Ok(false)
+                }
+                f => Err(f),
+            };
+        }
+        self.resumed();
+        self.pending = None;
+        let newer = step > self.announced;
         self.announced = step;
-        Ok(())
+        if newer {
+            if let Some(s) = &self.serving {
+                line(
+                    self.json,
+                    "advanced",
+                    self.rank,
+                    step,
+                    &s.path,
+                    self.publisher.memory_bytes(),
+                );
+            }
+        }
+        Ok(true)
+    }
+
+    /// What a failed rendezvous write means: [`Failure::Later`] while etcd is out of reach and
+    /// the rank still this process's (said once per outage), else [`Failure::Fatal`].
+    fn rendezvous_failure(&mut self, e: Error) -> Failure {
+        let transient = matches!(e.kind(), ErrorKind::Transport | ErrorKind::Timeout);
+        if let Err(lost) = self.held.check_alive() {
+            return Failure::Fatal(lost);
+        }
+        if !transient {
+            return Failure::Fatal(e);
+        }
+        if self.deferred.is_none() {
+            if self.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"event": "rendezvous_unreachable", "rank": self.rank,
+                        "step": self.announced, "pending_step": self.pending,
+                        "error": error_json(&e)})
+                );
+            } else {
+                eprintln!(
+                    "publisher rank {}: the rendezvous cannot be written ({e}); serving step {}                      on, trying again every poll",
+                    self.rank, self.announced
+                );
+            }
+        }
+        self.deferred.get_or_insert_with(std::time::Instant::now);
+        Failure::Later
+    }
+
+    /// A rendezvous write succeeded: an outage in progress is over (said once).
+    fn resumed(&mut self) {
+        if let Some(since) = self.deferred.take() {
+            let waited = since.elapsed().as_secs_f64();
+            if self.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"event": "rendezvous_back", "rank": self.rank,
+                        "waited_s": waited})
+                );
+            } else {
+                eprintln!(
+                    "publisher rank {}: the rendezvous is written again after {waited:.1} s",
+                    self.rank
+                );
+            }
+        }
     }
 
     /// Says that step folder `path` was refused, and why.
@@ -345,8 +436,17 @@ impl Running {
             (None, r) => r,
         };
         if note != self.note {
-            self.held.set_note(note.clone()).await?;
-            self.note = note;
+            match self.held.set_note(note.clone()).await {
+                Ok(()) => {
+                    self.resumed();
+                    self.note = note;
+                }
+                // Written at a later look (`self.note` still differs).
+                Err(e) => match self.rendezvous_failure(e) {
+                    Failure::Fatal(e) | Failure::Refused(e) => return Err(e),
+                    Failure::Later => {}
+                },
+            }
         }
         Ok(())
     }
@@ -421,6 +521,8 @@ impl Running {
             lost: None,
             note: None,
             tried: 0,
+            pending: None,
+            deferred: None,
         })
     }
 }
@@ -565,6 +667,7 @@ mod tests {
         let e = match r.install(2, &step2, fresh).await {
             Err(Failure::Refused(e)) => e,
             Err(Failure::Fatal(e)) => panic!("fatal: {e}"),
+            Err(Failure::Later) => panic!("deferred"),
             Ok(()) => panic!("installed a truncated step"),
         };
         assert_eq!(e.kind(), ErrorKind::Config, "{e}");

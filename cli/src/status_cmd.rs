@@ -1,6 +1,7 @@
 //! `reshard status`: what the rendezvous holds: per model, every publisher rank with its step,
-//! readiness, transport, incarnation, table size and lease age, and the publisher's note when it
-//! set one (why it does not advance to a newer checkpoint).
+//! readiness, transport, its holder (incarnation, host, pid), table size and lease age, and the
+//! publisher's note when it set one (its last error: why it does not advance to a newer
+//! checkpoint).
 
 use clap::Args;
 use reshard_core::Result;
@@ -44,14 +45,17 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
             );
             for m in &members {
                 println!(
-                    "  rank {:>4}  step {:>6}  {:<8}  {:<9}  incarnation {:016x}  table {:>9} B  lease age {:.1} s",
+                    "  rank {:>4}  step {:>6}  {:<8}  {:<9}  incarnation {:016x}  table {:>9} B  lease age {:.1} s  holder {}",
                     m.rank,
                     m.step,
                     if m.ready { "ready" } else { "updating" },
                     m.transport,
                     m.incarnation,
                     m.table_bytes,
-                    m.age.as_secs_f64()
+                    m.age.as_secs_f64(),
+                    m.holder
+                        .as_ref()
+                        .map_or("not recorded".to_string(), |h| format!("{} pid {}", h.host, h.pid))
                 );
                 if let Some(note) = &m.note {
                     println!("             note: {note}");
@@ -66,6 +70,9 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
                 "rank": m.rank, "step": m.step, "ready": m.ready, "transport": m.transport,
                 "incarnation": m.incarnation, "table_bytes": m.table_bytes,
                 "lease_age_s": m.age.as_secs_f64(), "note": m.note,
+                "holder": m.holder.as_ref().map(|h| serde_json::json!({
+                    "host": h.host, "pid": h.pid, "incarnation": m.incarnation,
+                })),
             })).collect::<Vec<_>>(),
         }));
     }

@@ -94,6 +94,18 @@ pub struct Member {
     /// The publisher's own status line, when it set one ([`Announced::set_note`]): why it does
     /// not advance to a newer checkpoint, for `reshard status`.
     pub note: Option<String>,
+    /// The process that holds the rank, when the rendezvous names it (`reshard status`).
+    pub holder: Option<Holder>,
+}
+
+/// The process holding a publisher rank: one per rank (docs/deployment.md, "One holder per
+/// rank").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    /// Host name of the holding process.
+    pub host: String,
+    /// Its process id on that host.
+    pub pid: u32,
 }
 
 /// Longest note a member carries, in bytes; [`clip_note`] cuts a longer one.
@@ -136,7 +148,9 @@ pub trait Announced: Send + Sync {
     /// readiness are unchanged. A publisher serving an older step says here why it does not
     /// advance (a newer checkpoint it refused), so `reshard status` shows it.
     async fn set_note(&self, note: Option<String>) -> Result<()>;
-    /// Fails when the lease was lost (the service expired it): the publisher is no longer seen.
+    /// Fails once the rank is lost for good (another live process holds it now): the publisher
+    /// is no longer seen and must end. A lease the service expired while it was unreachable is
+    /// not such a loss where the implementation announces again under a new lease (etcd does).
     fn check_alive(&self) -> Result<()>;
     /// Removes the announcement now.
     async fn withdraw(self: Box<Self>) -> Result<()>;
@@ -147,8 +161,9 @@ pub trait Announced: Send + Sync {
 pub trait Rendezvous: Send + Sync {
     /// Where this rendezvous lives, for messages (`etcd://127.0.0.1:2379`, `in-process`).
     fn endpoint(&self) -> String;
-    /// Announces under a lease kept alive while the returned handle lives. A second
-    /// announcement of the same model and rank replaces the first.
+    /// Announces under a lease kept alive while the returned handle lives. A rank has one
+    /// holder: announcing a rank another live announcement holds fails with a `Config` error
+    /// naming the holder (its incarnation, host and pid).
     async fn announce(&self, announcement: Announcement) -> Result<Box<dyn Announced>>;
     /// The current members of `model`, ordered by rank, and the revision they were read at.
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)>;
@@ -393,6 +408,7 @@ mod tests {
             age: Duration::ZERO,
             table_bytes: 10,
             note: None,
+            holder: None,
         }
     }
 

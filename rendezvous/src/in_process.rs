@@ -1,7 +1,8 @@
 //! The in-process rendezvous: a hub shared by publishers and receivers of one process. It keeps
 //! the etcd implementation's semantics where they matter to a receiver (a revision that grows
 //! with every change, announcements that vanish with their lease, a step that is never mixed),
-//! so code that works against it works against etcd.
+//! so code that works against it works against etcd. A rank has one holder here too: announcing
+//! a rank a live handle holds is refused, naming it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,8 +13,12 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use reshard_core::rendezvous::{clip_note, Announced, Announcement, Fetched, Member, Rendezvous};
+use reshard_core::rendezvous::{
+    clip_note, Announced, Announcement, Fetched, Holder, Member, Rendezvous,
+};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
+
+use crate::holder;
 
 /// A rendezvous hub in this process; clones share it.
 #[derive(Clone)]
@@ -23,6 +28,8 @@ pub struct InProcess {
 
 struct Hub {
     state: Mutex<State>,
+    /// This process, the holder of every announcement here.
+    holder: Holder,
     /// The hub's revision after each change; `changed` waits on it.
     revision: watch::Sender<u64>,
 }
@@ -61,6 +68,7 @@ impl InProcess {
         Self {
             hub: Arc::new(Hub {
                 state: Mutex::new(State::default()),
+                holder: holder::this_process(),
                 revision: watch::channel(0).0,
             }),
         }
@@ -89,8 +97,8 @@ impl Hub {
         Error::new(
             ErrorKind::Transport,
             format!(
-                "the in-process rendezvous lease of publisher rank {rank} of model {model:?} was \
-                 lost: another announcement of the same rank replaced it"
+                "the in-process rendezvous lease of publisher rank {rank} of model {model:?} is \
+                 gone"
             ),
         )
         .with_owner(rank)
@@ -185,7 +193,14 @@ impl Rendezvous for InProcess {
             state.next_lease
         };
         let (model, rank) = (announcement.model.clone(), announcement.rank);
+        let hub = &self.hub;
         self.hub.change(&model, |m| {
+            // A live handle holds the rank (a dropped one removed its entry): refused.
+            if let Some(e) = m.members.get(&rank) {
+                let who = holder::describe(Some(e.announcement.incarnation), Some(&hub.holder));
+                let e = holder::rank_held(&model, rank, &who, "its handle is alive");
+                return (false, Err(e));
+            }
             m.members.insert(
                 rank,
                 Entry {
@@ -196,8 +211,8 @@ impl Rendezvous for InProcess {
                     granted: Instant::now(),
                 },
             );
-            (true, ())
-        });
+            (true, Ok(()))
+        })?;
         Ok(Box::new(Held {
             hub: self.hub.clone(),
             model,
@@ -224,6 +239,7 @@ impl Rendezvous for InProcess {
                         age: e.granted.elapsed(),
                         table_bytes: e.announcement.table.len() as u64,
                         note: e.note.clone(),
+                        holder: Some(self.hub.holder.clone()),
                     })
                     .collect()
             })

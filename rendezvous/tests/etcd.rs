@@ -88,7 +88,7 @@ suite_tests!(
     an_unready_publisher_holds_discovery_until_it_advances,
     discovery_never_mixes_steps_while_publishers_advance(60),
     a_dropped_handle_is_a_publisher_gone_and_wakes_watchers,
-    a_restarted_rank_replaces_the_old_one,
+    one_holder_per_rank_and_a_restarted_rank_claims_it,
     large_tables_arrive_intact,
     a_live_publisher_outlasts_its_lease,
     a_disagreeing_architecture_is_refused,

@@ -1,25 +1,69 @@
-//! A publisher's lease: the keep-alive task that holds it and the [`Announced`] handle that
-//! advances, unreadies and withdraws the publisher's record under it (and writes that record).
+//! A publisher's hold on its rank: the lease, the keep-alive task that renews it through etcd
+//! outages, the claim transaction that makes one process the rank's only holder, and the
+//! [`Announced`] handle whose writes land only while this process holds the rank
+//! (docs/deployment.md, "Leases through etcd outages" and "One holder per rank").
+//!
+//! - **Claim**: the member record is created in one transaction, only if its key is absent
+//!   (`create_revision == 0`), attached to the lease. A key another lease holds is watched
+//!   until that lease either expires (its holder is dead: the claim is tried again) or shows a
+//!   renewal (its holder is live: the claim fails, naming it).
+//! - **Writes** (advance, unready, note) are transactions that put the record only while the
+//!   key is still attached to this process's lease, so a process that lost its rank never
+//!   overwrites the new holder's record; withdrawing revokes this process's own lease, which
+//!   deletes only keys attached to it.
+//! - **Keep-alive** renews every third of the TTL; a stream that errs or does not answer within
+//!   a third of the TTL is opened again (with backoff up to that third, through any endpoint of
+//!   the client), and the same lease goes on while etcd has it. When etcd says the lease is gone
+//!   (it expired while etcd was out of reach longer than the TTL), the same incarnation is
+//!   announced again under a new lease: its metadata, config and table blobs written anew, the
+//!   record claimed with the same step, readiness and note. If another live process holds the
+//!   rank by then, the hold is lost for good: every call fails naming that holder.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use etcd_client::{Client, DeleteOptions, PutOptions};
+use etcd_client::{Compare, CompareOp, DeleteOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use parking_lot::Mutex;
 
-use reshard_core::rendezvous::{clip_note, Announced};
-use reshard_core::{Error, ErrorKind, Result};
+use reshard_core::rendezvous::{clip_note, Announced, Announcement, Holder};
+use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 use super::keys::{blob_prefix, member_key};
-use super::record::Record;
-use super::Etcd;
+use super::record::{parse_record, BlobRef, Record};
+use super::{unix_ms, Etcd};
+use crate::holder;
+
+/// How often a claim looks again at the lease of a rank's other holder.
+const HOLDER_POLL: Duration = Duration::from_millis(200);
+
+/// How long past its granted TTL another holder's lease may still exist before the claim
+/// counts it renewed (etcd revokes expired leases on a half-second tick, then through Raft).
+const EXPIRY_SLACK: Duration = Duration::from_secs(2);
+
+/// The first pause before a broken keep-alive stream is opened again (doubling up to a third
+/// of the TTL).
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Whether `e` (a failed request) says the lease it named does not exist (any more).
+fn lease_not_found(e: &Error) -> bool {
+    e.message().contains("lease not found")
+}
+
+/// What a claim found.
+enum Claimed {
+    /// The record is written, attached to the lease.
+    Written,
+    /// Another live process holds the rank: the error says who.
+    Held(Error),
+}
 
 impl Etcd {
-    /// Writes `record` as its rank's member record, attached to `lease`, after the checks every
-    /// receiver runs on it (a limit fails here, naming the field, not at every receiver).
-    pub(super) async fn put_record(&self, model: &str, record: &Record, lease: i64) -> Result<()> {
+    /// `record` as the JSON value of its member key, after the checks every receiver runs on it
+    /// (a limit fails here, naming the field, not at every receiver).
+    fn encode_record(&self, model: &str, record: &Record) -> Result<Vec<u8>> {
         record.check(model, record.rank).map_err(|(field, why)| {
             Error::new(
                 ErrorKind::InvalidInput,
@@ -31,30 +75,211 @@ impl Etcd {
             )
             .with_owner(record.rank)
         })?;
-        let value = serde_json::to_vec(record)
-            .map_err(|e| Error::new(ErrorKind::Internal, format!("member record to JSON: {e}")))?;
-        self.client
-            .clone()
-            .put(
-                member_key(model, record.rank),
+        serde_json::to_vec(record)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("member record to JSON: {e}")))
+    }
+
+    /// Puts `record` only while its key is attached to `lease`; false when it is not (the key
+    /// is gone, or another process's lease holds it).
+    async fn put_held(&self, model: &str, record: &Record, lease: i64) -> Result<bool> {
+        let key = member_key(model, record.rank);
+        let value = self.encode_record(model, record)?;
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
+            .and_then([TxnOp::put(
+                key,
                 value,
                 Some(PutOptions::new().with_lease(lease)),
-            )
+            )]);
+        let r = self
+            .client
+            .clone()
+            .txn(txn)
             .await
             .map_err(|e| self.err("write a member record to", e))?;
-        Ok(())
+        Ok(r.succeeded())
+    }
+
+    /// The remaining TTL of `lease` in whole seconds (rounded down: 0 for a live lease with
+    /// under a second left) and its granted TTL, or `None` when etcd has no such lease (it
+    /// answers -1) or it expired a second ago and awaits revocation.
+    async fn lease_ttl(&self, lease: i64) -> Result<Option<(i64, i64)>> {
+        let r = self
+            .client
+            .clone()
+            .lease_time_to_live(lease, None)
+            .await
+            .map_err(|e| self.err("read a lease's time to live at", e))?;
+        Ok((r.ttl() >= 0).then(|| (r.ttl(), r.granted_ttl())))
+    }
+
+    /// Revokes `lease`; one etcd no longer has counts as revoked.
+    async fn revoke(&self, lease: i64) -> Result<()> {
+        match self.client.clone().lease_revoke(lease).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = self.err("revoke a lease at", e);
+                if lease_not_found(&e) {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    /// Creates `record`'s member key attached to `lease` if it is absent (one transaction).
+    /// A key another lease holds is watched: once that lease is gone the claim is tried again;
+    /// once it shows a renewal (its remaining TTL went up, or it outlived its granted TTL), its
+    /// holder is live and the rank is [`Claimed::Held`]. `lease` is renewed meanwhile (the wait
+    /// can outlast it). Errors are etcd's (unreachable, ...).
+    async fn claim(&self, model: &str, record: &Record, lease: i64) -> Result<Claimed> {
+        tokio::select! {
+            claimed = self.claim_waiting(model, record, lease) => claimed,
+            never = self.renew_while_waiting(lease) => match never {},
+        }
+    }
+
+    /// Renews `lease` every third of the TTL, forever; failures are left to the claim's own
+    /// requests to report.
+    async fn renew_while_waiting(&self, lease: i64) -> std::convert::Infallible {
+        let period = (self.options.lease_ttl / 3).max(Duration::from_millis(100));
+        loop {
+            tokio::time::sleep(period).await;
+            // Opening a keep-alive stream renews once and reads the answer.
+            let _ = tokio::time::timeout(period, self.client.clone().lease_keep_alive(lease)).await;
+        }
+    }
+
+    /// [`Etcd::claim`] without the renewal.
+    async fn claim_waiting(&self, model: &str, record: &Record, lease: i64) -> Result<Claimed> {
+        let key = member_key(model, record.rank);
+        let value = self.encode_record(model, record)?;
+        // The other holder's lease as first seen, when, and its lowest remaining TTL since.
+        let mut watching: Option<(i64, Instant, i64)> = None;
+        loop {
+            let txn = Txn::new()
+                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(
+                    key.clone(),
+                    value.clone(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )])
+                .or_else([TxnOp::get(key.clone(), None)]);
+            let r = self
+                .client
+                .clone()
+                .txn(txn)
+                .await
+                .map_err(|e| self.err("claim a member record at", e))?;
+            if r.succeeded() {
+                return Ok(Claimed::Written);
+            }
+            let kv = r.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+                _ => None,
+            });
+            let Some(kv) = kv else {
+                continue; // deleted between the compare and the read: try again
+            };
+            let other = kv.lease();
+            if other == lease {
+                // Already ours (a claim whose answer was lost): a guarded write finishes it.
+                if self.put_held(model, record, lease).await? {
+                    return Ok(Claimed::Written);
+                }
+                continue;
+            }
+            let found = parse_record(model, kv.key(), kv.value()).ok();
+            let who = holder::describe(
+                found.as_ref().map(|r| r.incarnation),
+                found
+                    .as_ref()
+                    .filter(|r| !r.host.is_empty() || r.pid != 0)
+                    .map(|r| Holder {
+                        host: r.host.clone(),
+                        pid: r.pid,
+                    })
+                    .as_ref(),
+            );
+            if other == 0 {
+                let why = "its record is on no lease and never expires";
+                return Ok(Claimed::Held(holder::rank_held(
+                    model,
+                    record.rank,
+                    &who,
+                    why,
+                )));
+            }
+            let Some((ttl, granted)) = self.lease_ttl(other).await? else {
+                // Expired: etcd deletes its keys with it; the next claim finds the key absent.
+                tokio::time::sleep(HOLDER_POLL / 4).await;
+                continue;
+            };
+            let now = Instant::now();
+            match &mut watching {
+                Some((l, since, low)) if *l == other => {
+                    let outlived = Duration::from_secs(granted.max(0) as u64) + EXPIRY_SLACK;
+                    let why = if ttl > *low {
+                        Some(format!(
+                            "its lease {other:x} was renewed while this process waited"
+                        ))
+                    } else if now.duration_since(*since) > outlived {
+                        Some(format!(
+                            "its lease {other:x} outlived its {granted} s TTL while this process \
+                             waited"
+                        ))
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        return Ok(Claimed::Held(holder::rank_held(
+                            model,
+                            record.rank,
+                            &who,
+                            &why,
+                        )));
+                    }
+                    *low = (*low).min(ttl);
+                }
+                _ => watching = Some((other, now, ttl)),
+            }
+            tokio::time::sleep(HOLDER_POLL).await;
+        }
     }
 }
 
-/// A publisher's lease and the keep-alive task that holds it.
+/// What the rank's record says now, and the lease it is attached to.
+struct State {
+    /// The lease the record is attached to (gone from etcd while a re-announcement is due).
+    lease: i64,
+    /// The record as last written under `lease`.
+    record: Record,
+    /// The table `record.table` refers to, to write again under a new lease.
+    table: Bytes,
+}
+
+/// What the handle and its keep-alive task share.
+struct Shared {
+    etcd: Etcd,
+    model: String,
+    rank: OwnerId,
+    /// The announcement's metadata and config, written again under every new lease.
+    metadata: Bytes,
+    config: Bytes,
+    /// The current lease, for the keep-alive (`state.lease`, readable without waiting on a
+    /// write in progress).
+    lease: AtomicI64,
+    state: tokio::sync::Mutex<State>,
+    /// Why the rank is lost for good (another live process holds it), once it is: the error's
+    /// kind and message, given again by every later call.
+    fatal: Mutex<Option<(ErrorKind, String)>>,
+}
+
+/// A publisher's hold on its rank: the shared state and the keep-alive task.
 pub(super) struct Held {
-    pub(super) etcd: Etcd,
-    pub(super) model: String,
-    pub(super) lease: i64,
-    pub(super) record: Mutex<Record>,
-    /// Why the lease was lost, once it was.
-    pub(super) lost: Arc<Mutex<Option<String>>>,
-    pub(super) keeper: tokio::task::JoinHandle<()>,
+    shared: Arc<Shared>,
+    keeper: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Held {
@@ -66,119 +291,375 @@ impl Drop for Held {
 }
 
 impl Held {
-    fn current(&self) -> Record {
-        self.record.lock().clone()
+    /// Announces `a`: a new lease, its blobs, then the claim of its rank. Fails naming the
+    /// holder when another live process holds the rank.
+    pub(super) async fn announce(etcd: &Etcd, a: Announcement) -> Result<Held> {
+        a.check()?;
+        let me = holder::this_process();
+        let record = Record {
+            rank: a.rank,
+            world: a.world,
+            step: a.step,
+            ready: true,
+            transport: a.transport.clone(),
+            incarnation: a.incarnation,
+            host: me.host,
+            pid: me.pid,
+            granted_unix_ms: 0,
+            table: BlobRef::default(),
+            metadata: BlobRef::default(),
+            config: BlobRef::default(),
+            note: None,
+        };
+        let shared = Shared {
+            etcd: etcd.clone(),
+            model: a.model,
+            rank: a.rank,
+            metadata: a.metadata,
+            config: a.config,
+            lease: AtomicI64::new(0),
+            state: tokio::sync::Mutex::new(State {
+                lease: 0,
+                record: record.clone(),
+                table: a.table.clone(),
+            }),
+            fatal: Mutex::new(None),
+        };
+        let state = shared.establish(record, a.table).await??;
+        shared.lease.store(state.lease, Ordering::SeqCst);
+        *shared.state.lock().await = state;
+        let shared = Arc::new(shared);
+        let keeper = tokio::spawn(keep_alive(shared.clone(), etcd.options.lease_ttl));
+        Ok(Held { shared, keeper })
+    }
+}
+
+impl Shared {
+    /// The error every call returns once the rank is lost for good.
+    fn check_fatal(&self) -> Result<()> {
+        match &*self.fatal.lock() {
+            None => Ok(()),
+            Some((kind, msg)) => Err(Error::new(*kind, msg.clone()).with_owner(self.rank)),
+        }
+    }
+
+    /// Announces `record` (step, readiness, note as given) under a new lease: grants it, writes
+    /// the metadata, config and `table` blobs under it, then claims the rank. The outer error is
+    /// etcd's; the inner one says another live process holds the rank. On any failure the new
+    /// lease is revoked (best effort: it would expire anyway).
+    async fn establish(
+        &self,
+        mut record: Record,
+        table: Bytes,
+    ) -> Result<std::result::Result<State, Error>> {
+        let ttl = self.etcd.options.lease_ttl.as_secs().max(1) as i64;
+        let lease = self
+            .etcd
+            .client
+            .clone()
+            .lease_grant(ttl, None)
+            .await
+            .map_err(|e| self.etcd.err("grant a lease at", e))?
+            .id();
+        let written = async {
+            let (model, rank) = (&self.model, self.rank);
+            let meta = blob_prefix(model, rank, lease, "metadata");
+            record.metadata = self.etcd.put_blob(meta, &self.metadata, lease).await?;
+            let config = blob_prefix(model, rank, lease, "config");
+            record.config = self.etcd.put_blob(config, &self.config, lease).await?;
+            let name = format!("table-{:020}", record.step);
+            let prefix = blob_prefix(model, rank, lease, &name);
+            record.table = self.etcd.put_blob(prefix, &table, lease).await?;
+            record.granted_unix_ms = unix_ms();
+            self.etcd.claim(model, &record, lease).await
+        }
+        .await;
+        match written {
+            Ok(Claimed::Written) => Ok(Ok(State {
+                lease,
+                record,
+                table,
+            })),
+            Ok(Claimed::Held(e)) => {
+                let _ = self.etcd.revoke(lease).await;
+                Ok(Err(e))
+            }
+            Err(e) => {
+                let _ = self.etcd.revoke(lease).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes etcd say `next` (with `table`) for this rank after a guarded write found the key
+    /// not attached to `state.lease`: claimed again under the same lease while etcd still has
+    /// it (the key was deleted), else announced again under a new lease. Another live holder
+    /// makes the loss final (`fatal`). `state` changes only on success.
+    async fn recover(&self, state: &mut State, next: Record, table: Bytes) -> Result<()> {
+        let lease = state.lease;
+        let outcome = if self.etcd.lease_ttl(lease).await?.is_some() {
+            // The lease lives (the key alone was deleted): its metadata and config are there;
+            // the table is written again, as `next` may name a step whose table was not.
+            let mut next = next;
+            let name = format!("table-{:020}", next.step);
+            let prefix = blob_prefix(&self.model, self.rank, lease, &name);
+            next.table = self.etcd.put_blob(prefix, &table, lease).await?;
+            match self.etcd.claim(&self.model, &next, lease).await? {
+                Claimed::Written => Ok(State {
+                    lease,
+                    record: next,
+                    table,
+                }),
+                Claimed::Held(e) => Err(e),
+            }
+        } else {
+            self.establish(next, table).await?
+        };
+        match outcome {
+            Ok(s) => {
+                if s.lease != lease {
+                    tracing::warn!(
+                        endpoint = %self.etcd.endpoint,
+                        "publisher rank {} of model {:?}: lease {lease:x} expired while etcd was \
+                         out of reach; announced again under lease {:x}, incarnation {:016x}, \
+                         step {}",
+                        self.rank, self.model, s.lease, s.record.incarnation, s.record.step
+                    );
+                }
+                self.lease.store(s.lease, Ordering::SeqCst);
+                *state = s;
+                Ok(())
+            }
+            Err(held) => {
+                let e = Error::new(
+                    held.kind(),
+                    format!(
+                        "publisher rank {} of model {:?} lost its rank while its lease {lease:x} \
+                         was gone: {}",
+                        self.rank,
+                        self.model,
+                        held.message()
+                    ),
+                )
+                .with_owner(self.rank);
+                tracing::error!(endpoint = %self.etcd.endpoint, "{e}");
+                *self.fatal.lock() = Some((e.kind(), e.message().to_string()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes `next` as the rank's record (with `new_table` as its table, written first, when
+    /// given) under the current lease, recovering the hold when the key is no longer attached
+    /// to it. `state` changes only on success; etcd's errors are returned as they are, for the
+    /// caller to try again.
+    async fn write(&self, mut next: Record, new_table: Option<Bytes>) -> Result<()> {
+        let mut state = self.state.lock().await;
+        self.check_fatal()?;
+        let lease = state.lease;
+        let table = new_table.clone().unwrap_or_else(|| state.table.clone());
+        let old = state.record.table.prefix.clone();
+        let attempt = async {
+            if let Some(t) = &new_table {
+                let name = format!("table-{:020}", next.step);
+                let prefix = blob_prefix(&self.model, self.rank, lease, &name);
+                next.table = self.etcd.put_blob(prefix, t, lease).await?;
+            }
+            self.etcd.put_held(&self.model, &next, lease).await
+        }
+        .await;
+        match attempt {
+            Ok(true) => {
+                let new = next.table.prefix.clone();
+                state.record = next;
+                state.table = table;
+                // An empty prefix is the first table's absent predecessor (and would delete
+                // every key). Readers of the previous record read at its revision, where these
+                // keys still are.
+                if !old.is_empty() && old != new {
+                    if let Err(e) = self
+                        .etcd
+                        .client
+                        .clone()
+                        .delete(old.clone(), Some(DeleteOptions::new().with_prefix()))
+                        .await
+                    {
+                        // Attached to this lease: they go with it at the latest.
+                        tracing::warn!("could not delete the old table {old}: {e}");
+                    }
+                }
+                Ok(())
+            }
+            Ok(false) => self.recover(&mut state, next, table).await,
+            Err(e) if lease_not_found(&e) => self.recover(&mut state, next, table).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A copy of the record as last written.
+    async fn current(&self) -> Record {
+        self.state.lock().await.record.clone()
     }
 }
 
 #[async_trait]
 impl Announced for Held {
     async fn unready(&self) -> Result<()> {
-        self.check_alive()?;
-        let mut record = self.current();
-        record.ready = false;
-        self.etcd
-            .put_record(&self.model, &record, self.lease)
-            .await?;
-        *self.record.lock() = record;
-        Ok(())
+        let mut next = self.shared.current().await;
+        next.ready = false;
+        self.shared.write(next, None).await
     }
 
     async fn advance(&self, step: u64, table: Bytes) -> Result<()> {
-        self.check_alive()?;
-        let mut record = self.current();
-        let old = record.table.prefix.clone();
-        let name = format!("table-{step:020}");
-        let prefix = blob_prefix(&self.model, record.rank, self.lease, &name);
-        record.table = self
-            .etcd
-            .put_blob(prefix.clone(), &table, self.lease)
-            .await?;
-        record.step = step;
-        record.ready = true;
-        self.etcd
-            .put_record(&self.model, &record, self.lease)
-            .await?;
-        *self.record.lock() = record;
-        // An empty prefix is the first table's absent predecessor (and would delete every key).
-        if !old.is_empty() && old != prefix {
-            // Readers of the previous record read at its revision, where these keys still are.
-            self.etcd
-                .client
-                .clone()
-                .delete(old, Some(DeleteOptions::new().with_prefix()))
-                .await
-                .map_err(|e| self.etcd.err("delete an old table from", e))?;
-        }
-        Ok(())
+        let mut next = self.shared.current().await;
+        next.step = step;
+        next.ready = true;
+        self.shared.write(next, Some(table)).await
     }
 
     async fn set_note(&self, note: Option<String>) -> Result<()> {
-        self.check_alive()?;
-        let mut record = self.current();
-        record.note = note.as_deref().map(clip_note);
-        self.etcd
-            .put_record(&self.model, &record, self.lease)
-            .await?;
-        *self.record.lock() = record;
-        Ok(())
+        let mut next = self.shared.current().await;
+        next.note = note.as_deref().map(clip_note);
+        self.shared.write(next, None).await
     }
 
     fn check_alive(&self) -> Result<()> {
-        match &*self.lost.lock() {
-            None => Ok(()),
-            Some(why) => {
-                let rank = self.record.lock().rank;
-                Err(Error::new(
-                    ErrorKind::Transport,
-                    format!(
-                        "publisher rank {rank} of model {:?} lost its lease at {}: {why}",
-                        self.model, self.etcd.endpoint
-                    ),
-                )
-                .with_owner(rank))
-            }
-        }
+        self.shared.check_fatal()
     }
 
     async fn withdraw(self: Box<Self>) -> Result<()> {
         // Revoking the lease is the removal: etcd deletes every key attached to it (the record
-        // and its blobs) at once, so no reader sees half an announcement.
+        // and its blobs) at once, so no reader sees half an announcement. Only this process's
+        // lease: a rank another process holds now keeps its record.
         self.keeper.abort();
-        self.etcd
-            .client
-            .clone()
-            .lease_revoke(self.lease)
-            .await
-            .map_err(|e| self.etcd.err("revoke a lease at", e))?;
-        Ok(())
+        let state = self.shared.state.lock().await;
+        self.shared.etcd.revoke(state.lease).await
     }
 }
 
-/// Keeps `lease` alive every third of its TTL; records why in `lost` when it cannot.
-pub(super) async fn keep_alive(
-    mut client: Client,
-    lease: i64,
-    ttl: Duration,
-    lost: Arc<Mutex<Option<String>>>,
-) {
-    let why = match client.lease_keep_alive(lease).await {
-        Err(e) => format!("keep-alive could not start: {e}"),
-        Ok((mut keeper, mut stream)) => {
-            let mut tick = tokio::time::interval(ttl / 3);
-            loop {
-                tick.tick().await;
-                if let Err(e) = keeper.keep_alive().await {
-                    break format!("keep-alive failed: {e}");
-                }
-                match stream.message().await {
-                    Ok(Some(r)) if r.ttl() > 0 => {}
-                    Ok(Some(_)) => break "etcd says the lease expired".to_string(),
-                    Ok(None) => break "the keep-alive stream ended".to_string(),
-                    Err(e) => break format!("keep-alive failed: {e}"),
+/// Why one keep-alive stream ended.
+enum Ended {
+    /// etcd says the lease does not exist (any more).
+    Gone,
+    /// The current lease is another one now (a write announced again).
+    Replaced,
+    /// The stream failed or went silent: open it again.
+    Broken(String),
+}
+
+/// An outage of the keep-alive, said once when it starts and once when it ends.
+struct Outage {
+    since: Option<Instant>,
+    backoff: Duration,
+}
+
+impl Outage {
+    /// etcd answered: an outage in progress is over.
+    fn answered(&mut self, shared: &Shared, lease: i64) {
+        if let Some(since) = self.since.take() {
+            tracing::warn!(
+                endpoint = %shared.etcd.endpoint,
+                "publisher rank {} of model {:?}: lease {lease:x} renewed again after {:.1} s",
+                shared.rank, shared.model, since.elapsed().as_secs_f64()
+            );
+        }
+        self.backoff = FIRST_BACKOFF;
+    }
+
+    /// Something failed (`why`): says so when an outage starts; returns the pause before the
+    /// next try, and doubles it up to `cap`.
+    fn failed(&mut self, shared: &Shared, why: &str, cap: Duration) -> Duration {
+        if self.since.is_none() {
+            tracing::warn!(
+                endpoint = %shared.etcd.endpoint,
+                "publisher rank {} of model {:?}: {why}; trying again every {:?} at most",
+                shared.rank, shared.model, cap
+            );
+            self.since = Some(Instant::now());
+        }
+        let pause = self.backoff;
+        self.backoff = (self.backoff * 2).min(cap);
+        pause
+    }
+}
+
+/// Renews `lease` on one keep-alive stream every `period` until something ends it.
+async fn renew(shared: &Shared, lease: i64, period: Duration, outage: &mut Outage) -> Ended {
+    let mut client = shared.etcd.client.clone();
+    // Opening sends the first renewal and reads its answer.
+    let (mut keeper, mut stream) =
+        match tokio::time::timeout(period, client.lease_keep_alive(lease)).await {
+            Err(_) => return Ended::Broken(format!("no answer within {period:?}")),
+            Ok(Err(e)) => {
+                let e = shared.etcd.err("keep a lease alive at", e);
+                return if lease_not_found(&e) {
+                    Ended::Gone
+                } else {
+                    Ended::Broken(e.to_string())
+                };
+            }
+            Ok(Ok(opened)) => opened,
+        };
+    outage.answered(shared, lease);
+    loop {
+        tokio::time::sleep(period).await;
+        if shared.lease.load(Ordering::SeqCst) != lease {
+            return Ended::Replaced;
+        }
+        if let Err(e) = keeper.keep_alive().await {
+            return Ended::Broken(e.to_string());
+        }
+        match tokio::time::timeout(period, stream.message()).await {
+            Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+            Ok(Ok(Some(_))) => return Ended::Gone,
+            Ok(Ok(None)) => return Ended::Broken("the keep-alive stream ended".into()),
+            Ok(Err(e)) => return Ended::Broken(e.to_string()),
+            Err(_) => return Ended::Broken(format!("no answer within {period:?}")),
+        }
+    }
+}
+
+/// Holds the rank for as long as the handle lives: renews the lease every third of `ttl`,
+/// opens the stream again with backoff (up to that third, so a renewal lands within the TTL
+/// once etcd answers) when it breaks, and announces again under a new lease when etcd says
+/// the lease is gone. Ends only when the rank is lost for good.
+async fn keep_alive(shared: Arc<Shared>, ttl: Duration) {
+    let period = (ttl / 3).max(Duration::from_millis(100));
+    let mut outage = Outage {
+        since: None,
+        backoff: FIRST_BACKOFF,
+    };
+    loop {
+        if shared.fatal.lock().is_some() {
+            return;
+        }
+        let lease = shared.lease.load(Ordering::SeqCst);
+        let pause = match renew(&shared, lease, period, &mut outage).await {
+            Ended::Replaced => Duration::ZERO,
+            Ended::Broken(why) => {
+                let why = format!("keeping lease {lease:x} alive failed ({why})");
+                outage.failed(&shared, &why, period)
+            }
+            Ended::Gone => {
+                let mut state = shared.state.lock().await;
+                if state.lease != lease {
+                    Duration::ZERO // a write already announced again
+                } else {
+                    let (next, table) = (state.record.clone(), state.table.clone());
+                    match shared.recover(&mut state, next, table).await {
+                        Ok(()) => {
+                            outage.answered(&shared, lease);
+                            Duration::ZERO
+                        }
+                        Err(_) if shared.fatal.lock().is_some() => return,
+                        Err(e) => {
+                            let why = format!("announcing again after lease {lease:x} ({e})");
+                            outage.failed(&shared, &why, period)
+                        }
+                    }
                 }
             }
-        }
-    };
-    *lost.lock() = Some(why);
+        };
+        tokio::time::sleep(pause).await;
+    }
 }

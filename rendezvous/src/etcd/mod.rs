@@ -3,8 +3,10 @@
 //!
 //! Keys, under `/reshard/v1/<model>/` (the model name escaped so it is one key segment):
 //! - `members/<rank>`: the member record (JSON: step, readiness, world, transport,
-//!   incarnation, and the size and XXH3-64 of its table and metadata), written last, so a
-//!   record that says ready implies its blobs are there;
+//!   incarnation, the holder's host and pid, and the size and XXH3-64 of its table and
+//!   metadata), written last, so a record that says ready implies its blobs are there. It is
+//!   created by a claim transaction (only if absent, attached to the lease) and rewritten only
+//!   while it is still attached to the writer's lease: one holder per rank;
 //! - `blobs/<rank>/<lease>/metadata/<chunk>`, `blobs/<rank>/<lease>/config/<chunk>` and
 //!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata, the model's
 //!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's
@@ -12,14 +14,15 @@
 //!
 //! Every key of a publisher is attached to its lease: a publisher that dies stops the keep-alive
 //! and etcd deletes all of them when the lease's TTL runs out; a clean exit revokes the lease at
-//! once. A receiver reads a member's blobs at the revision it read the record at, so it never
+//! once. A live publisher's keep-alive outlasts etcd outages (it reconnects, and announces the
+//! same incarnation again under a new lease if the old one expired meanwhile). A receiver reads a member's blobs at the revision it read the record at, so it never
 //! pairs one step's record with another step's table, even while the publisher advances.
 //!
 //! One concern per file: `keys` (the key layout and model-name escaping), `blobs` (writing and
 //! reading chunked blobs), `record` (the member record and its blob references, decoded and
 //! bounded: no etcd client, so the fuzz target compiles it), `lease` (a publisher's lease, its
-//! keep-alive and the [`Announced`] handle) and `rendezvous` (the [`Rendezvous`] impl); this
-//! file has the connection itself.
+//! keep-alive, the claim of its rank and the [`Announced`] handle) and `rendezvous` (the
+//! [`Rendezvous`] impl); this file has the connection itself.
 //!
 //! [`Announced`]: reshard_core::rendezvous::Announced
 //! [`Rendezvous`]: reshard_core::rendezvous::Rendezvous
@@ -36,7 +39,7 @@ use etcd_client::{Client, ConnectOptions, GetOptions};
 use reshard_core::{Error, ErrorKind, Result};
 
 use keys::ROOT;
-pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_TRANSPORT_LEN};
+pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_HOST_LEN, MAX_TRANSPORT_LEN};
 
 /// Requests in flight at once when a receiver fetches many publishers' blobs.
 const FETCH_CONCURRENCY: usize = 32;

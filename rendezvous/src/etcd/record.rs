@@ -29,6 +29,9 @@ pub const MAX_BLOB_BYTES: u64 = 1 << 30;
 /// Longest transport scheme name a record may carry (the registry's are a few letters).
 pub const MAX_TRANSPORT_LEN: usize = 64;
 
+/// Longest holder host name a record may carry (a DNS name is at most 253 bytes).
+pub const MAX_HOST_LEN: usize = 255;
+
 /// Where a blob's chunks are and what they must add up to.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct BlobRef {
@@ -47,6 +50,13 @@ pub(super) struct Record {
     pub(super) ready: bool,
     pub(super) transport: String,
     pub(super) incarnation: u64,
+    /// Host name of the process holding the rank (`reshard status`, and the error a second
+    /// claimant of the rank exits with). Empty in records written before holders were named.
+    #[serde(default)]
+    pub(super) host: String,
+    /// Process id of the holder on `host` (0 in records written before holders were named).
+    #[serde(default)]
+    pub(super) pid: u32,
     pub(super) granted_unix_ms: u64,
     pub(super) table: BlobRef,
     pub(super) metadata: BlobRef,
@@ -126,6 +136,15 @@ impl Record {
                 format!(
                     "is {} bytes long, outside 1..={MAX_TRANSPORT_LEN}",
                     self.transport.len()
+                ),
+            );
+        }
+        if self.host.len() > MAX_HOST_LEN {
+            return field(
+                "host",
+                format!(
+                    "is {} bytes long, above the limit of {MAX_HOST_LEN}",
+                    self.host.len()
                 ),
             );
         }
@@ -248,6 +267,8 @@ mod tests {
             ready: true,
             transport: "ucx".into(),
             incarnation: 77,
+            host: "trainer-3".into(),
+            pid: 4242,
             granted_unix_ms: 1,
             table: blob("table-9", &[1; CHUNK_BYTES + 1]),
             metadata: blob("metadata", b"meta"),
@@ -292,6 +313,7 @@ mod tests {
             ("rank", serde_json::json!(5)),
             ("rank", serde_json::json!(2)),
             ("transport", serde_json::json!("")),
+            ("host", serde_json::json!("h".repeat(MAX_HOST_LEN + 1))),
             (
                 "transport",
                 serde_json::json!("x".repeat(MAX_TRANSPORT_LEN + 1)),
@@ -412,6 +434,17 @@ mod tests {
             .assemble(vec![(0, b"meta".to_vec())], 3)
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Decode);
+    }
+
+    #[test]
+    fn a_record_without_a_holder_parses_with_none_named() {
+        // As written before holders were named.
+        let mut old = serde_json::to_value(good()).unwrap();
+        let o = old.as_object_mut().unwrap();
+        o.remove("host");
+        o.remove("pid");
+        let r = parse(&old).unwrap();
+        assert_eq!((r.host.as_str(), r.pid), ("", 0));
     }
 
     #[test]

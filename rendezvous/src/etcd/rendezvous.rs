@@ -1,20 +1,19 @@
-//! The [`Rendezvous`] impl of [`Etcd`]: announcing takes a lease and writes the blobs, then
-//! the record; receivers list records, fetch blobs at a record's revision and watch for changes.
+//! The [`Rendezvous`] impl of [`Etcd`]: announcing takes a lease, writes the blobs, then claims
+//! the rank's record (`lease` owns all of that); receivers list records, fetch blobs at a
+//! record's revision and watch for changes.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{GetOptions, WatchOptions};
 use futures::{StreamExt, TryStreamExt};
-use parking_lot::Mutex;
 
-use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
+use reshard_core::rendezvous::{Announced, Announcement, Fetched, Holder, Member, Rendezvous};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::keys::{blob_prefix, member_key, members_prefix, unescape, ROOT};
-use super::lease::{keep_alive, Held};
-use super::record::{parse_record, BlobRef, Record};
+use super::keys::{member_key, members_prefix, unescape, ROOT};
+use super::lease::Held;
+use super::record::parse_record;
 use super::{unix_ms, Etcd, FETCH_CONCURRENCY};
 
 #[async_trait]
@@ -24,49 +23,7 @@ impl Rendezvous for Etcd {
     }
 
     async fn announce(&self, a: Announcement) -> Result<Box<dyn Announced>> {
-        a.check()?;
-        let ttl = self.options.lease_ttl;
-        let lease = self
-            .client
-            .clone()
-            .lease_grant(ttl.as_secs().max(1) as i64, None)
-            .await
-            .map_err(|e| self.err("grant a lease at", e))?
-            .id();
-        let lost = Arc::new(Mutex::new(None));
-        let keeper = tokio::spawn(keep_alive(self.client.clone(), lease, ttl, lost.clone()));
-        let held = Held {
-            etcd: self.clone(),
-            model: a.model.clone(),
-            lease,
-            record: Mutex::new(Record {
-                rank: a.rank,
-                world: a.world,
-                step: a.step,
-                ready: true,
-                transport: a.transport.clone(),
-                incarnation: a.incarnation,
-                granted_unix_ms: unix_ms(),
-                table: BlobRef::default(),
-                metadata: BlobRef::default(),
-                config: BlobRef::default(),
-                note: None,
-            }),
-            lost,
-            keeper,
-        };
-        let meta = blob_prefix(&a.model, a.rank, lease, "metadata");
-        let metadata = self.put_blob(meta, &a.metadata, lease).await?;
-        let config = blob_prefix(&a.model, a.rank, lease, "config");
-        let config = self.put_blob(config, &a.config, lease).await?;
-        {
-            let mut record = held.record.lock();
-            record.metadata = metadata;
-            record.config = config;
-        }
-        // `advance` writes the table, then the record that makes it visible.
-        held.advance(a.step, a.table).await?;
-        Ok(Box::new(held))
+        Ok(Box::new(Held::announce(self, a).await?))
     }
 
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
@@ -100,6 +57,10 @@ impl Rendezvous for Etcd {
                 age: Duration::from_millis(now.saturating_sub(rec.granted_unix_ms)),
                 table_bytes: rec.table.bytes,
                 note: rec.note,
+                holder: (!rec.host.is_empty() || rec.pid != 0).then_some(Holder {
+                    host: rec.host,
+                    pid: rec.pid,
+                }),
             });
         }
         members.sort_by_key(|m| m.rank);

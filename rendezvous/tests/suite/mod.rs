@@ -244,8 +244,11 @@ pub async fn a_dropped_handle_is_a_publisher_gone_and_wakes_watchers(s: &Sides) 
     assert!(!r.models().await.unwrap().contains(&s.model));
 }
 
-/// A restarted rank's announcement replaces the old one.
-pub async fn a_restarted_rank_replaces_the_old_one(s: &Sides) {
+/// One holder per rank: announcing a rank a live handle holds is refused with a `Config` error
+/// naming the rank and the holder (incarnation, host, pid), and the holder serves on untouched;
+/// once the holder is gone (dropped: at once in-process, at its lease's expiry in etcd), a
+/// restarted rank claims it. The member names its holder.
+pub async fn one_holder_per_rank_and_a_restarted_rank_claims_it(s: &Sides) {
     let old = s
         .publishers
         .announce(s.announcement(0, 1, 1))
@@ -253,9 +256,42 @@ pub async fn a_restarted_rank_replaces_the_old_one(s: &Sides) {
         .unwrap();
     let mut restarted = s.announcement(0, 1, 1);
     restarted.incarnation = 999;
-    let new = s.publishers.announce(restarted).await.unwrap();
+    let e = s
+        .publishers
+        .announce(restarted.clone())
+        .await
+        .err()
+        .expect("a live rank is refused");
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::Config, Some(0)),
+        "{e}"
+    );
+    let msg = e.to_string();
+    for part in [
+        "publisher rank 0 ".to_string(),
+        format!("incarnation {:016x}", 100),
+        format!("pid {}", std::process::id()),
+    ] {
+        assert!(msg.contains(&part), "{part:?} not in {msg}");
+    }
+    old.check_alive().unwrap();
+    let found = discover(s.receivers.as_ref(), &s.want(None, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(found.announcements[0].incarnation, 100);
+    let (members, _) = s.receivers.members(&s.model).await.unwrap();
+    let holder = members[0]
+        .holder
+        .clone()
+        .expect("the member names its holder");
+    assert_eq!(holder.pid, std::process::id());
+    assert!(
+        msg.contains(&format!("on host {} pid", holder.host)),
+        "{msg}"
+    );
     drop(old);
-    tokio::time::sleep(s.gone_within.min(Duration::from_millis(100))).await;
+    let new = s.publishers.announce(restarted).await.unwrap();
     new.check_alive().unwrap();
     let found = discover(s.receivers.as_ref(), &s.want(None, 1_000))
         .await
