@@ -147,6 +147,8 @@ pub fn etcd_member_record_seed() -> Vec<u8> {
         ready: true,
         transport: "ucx".into(),
         incarnation: 0x5eed_0003,
+        host: "trainer-3".into(),
+        pid: 4242,
         granted_unix_ms: 1_700_000_000_000,
         table: blob("table-00000000000000000009", b""),
         metadata: blob("metadata", b"meta"),
