@@ -92,6 +92,10 @@ fn transport_env(transport: &str) -> Vec<(&'static str, &'static str)> {
             ("UCX_TLS", "tcp"),
             ("UCX_NET_DEVICES", "eth0"),
             ("RESHARD_BACKENDS__NIXL__TIMEOUT_MS", NO_PROGRESS_MS),
+            // NIXL sees progress per request: 1 MiB requests complete every ~0.1 s on a
+            // healthy link here (16 MiB ones take over a second), so the bound fires only
+            // once reads stall, and then on the owner that stalls.
+            ("RESHARD_BACKENDS__NIXL__REQUEST_BYTES", "1048576"),
         ],
     };
     env.push(("UCX_LOG_FILE", "stderr"));
@@ -417,12 +421,17 @@ fn link_down_mid_refit(transport: &'static str) {
     // reported first, each keeping step 1), then step 3.
     d.hosts.up("pub1").unwrap();
     log("pub1's link up");
+    let deadline = Instant::now() + Duration::from_secs(120);
     for t in 0..2 {
         let v = loop {
             let v = d.line(t);
             if v["verified"] == true {
                 break v;
             }
+            assert!(
+                Instant::now() < deadline,
+                "receiver {t}: no recovery 120 s after the link came back: {v}"
+            );
             assert_eq!(v["live_step"], 1, "receiver {t}: {v}");
             assert_eq!(v["error"]["owner"], 1, "receiver {t}: {v}");
         };
