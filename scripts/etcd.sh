@@ -8,6 +8,8 @@
 #   scripts/etcd.sh stop DIR    stops it (SIGTERM, then SIGKILL after 5 s) and removes DIR/data
 #
 # ETCD_PORT sets the client port (default: a free one); the peer port is a free one.
+# ETCD_HOST sets the address etcd listens and advertises on (default 127.0.0.1), e.g. an
+# emulated host's address from scripts/hosts.sh when this runs on that host.
 # ETCD_OWNER_PID ties etcd to a process: once that process is gone, a watcher stops etcd and
 # removes DIR/data, or all of DIR when this script created it (a test binary whose etcd lives
 # in a static never runs a destructor, so nobody else would).
@@ -18,8 +20,10 @@ usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 cmd=$1
 dir=$2
 
+host=${ETCD_HOST:-127.0.0.1}
+
 free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+    python3 -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$host"
 }
 
 case "$cmd" in
@@ -34,11 +38,11 @@ start)
     dir=$(cd "$dir" && pwd)
     client=${ETCD_PORT:-$(free_port)}
     peer=$(free_port)
-    url="http://127.0.0.1:$client"
+    url="http://$host:$client"
     etcd --name reshard-test --data-dir "$dir/data" \
         --listen-client-urls "$url" --advertise-client-urls "$url" \
-        --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
-        --initial-cluster "reshard-test=http://127.0.0.1:$peer" \
+        --listen-peer-urls "http://$host:$peer" --initial-advertise-peer-urls "http://$host:$peer" \
+        --initial-cluster "reshard-test=http://$host:$peer" \
         --log-level warn --logger zap >"$dir/etcd.log" 2>&1 &
     pid=$!
     echo "$pid" >"$dir/pid"
@@ -77,7 +81,7 @@ EOF
             if [ -n "$created" ]; then rm -rf "$dir"; fi
         ) </dev/null >/dev/null 2>&1 &
     fi
-    echo "etcd://127.0.0.1:$client" >"$dir/endpoint"
+    echo "etcd://$host:$client" >"$dir/endpoint"
     cat "$dir/endpoint"
     ;;
 stop)
