@@ -42,7 +42,8 @@ pub struct ReceiveArgs {
     #[arg(long)]
     json: bool,
     /// Write each installed step's weights (this rank's parameters, engine naming) as
-    /// `DIR/step-N/model.safetensors`.
+    /// `DIR/step-N/model.safetensors`, and after the n-th failed refit the weights still live
+    /// as `DIR/failure-n/model.safetensors` (its `reshard_step` metadata names the step).
     #[arg(long)]
     dump: Option<PathBuf>,
 }
@@ -87,8 +88,8 @@ fn failed_json(e: &Error, live: Option<u64>) -> serde_json::Value {
     })
 }
 
-/// Writes the live parameters as one safetensors file under `dir/step-N/`.
-fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
+/// Writes the live parameters (of step `step`) as one safetensors file under `dir/sub`.
+fn dump(sub: &Subscriber, dir: &Path, folder: &str, step: u64) -> Result<PathBuf> {
     let io = |what: &str, e: &dyn std::fmt::Display| {
         Error::new(
             ErrorKind::InvalidInput,
@@ -100,7 +101,7 @@ fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
         .live_params()
         .ok_or_else(|| Error::new(ErrorKind::Internal, "--dump: no weights are live"))?;
     let layout = sub.receiver().layout();
-    let folder = dir.join(format!("step-{step}"));
+    let folder = dir.join(folder);
     std::fs::create_dir_all(&folder).map_err(|e| io("create the folder", &e))?;
     let guards: Vec<_> = params.iter().map(|p| p.read()).collect();
     let mut views = Vec::with_capacity(layout.params.len());
@@ -194,6 +195,7 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
     })
     .await?;
     let mut verified = 0u64;
+    let mut failures = 0u64;
     while args.steps.is_none_or(|n| verified < n) {
         // No new step in time ends the receiver; a failed refit of a step it found does not,
         // nor does a rendezvous failure while there is time left.
@@ -216,7 +218,7 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
             Ok(report) => {
                 verified += 1;
                 if let Some(dir) = &args.dump {
-                    dump(&sub, dir, report.step)?;
+                    dump(&sub, dir, &format!("step-{}", report.step), report.step)?;
                 }
                 if args.json {
                     println!("{}", installed_json(&report));
@@ -233,8 +235,21 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
             }
             Err(e) => {
                 let live = sub.receiver().live_step();
+                failures += 1;
+                // What is live after the failure, read from memory, so a fault test sees that
+                // no weight was lost rather than trusting the dump of the step's install.
+                let after = match (&args.dump, live) {
+                    (Some(dir), Some(step)) => {
+                        Some(dump(&sub, dir, &format!("failure-{failures}"), step)?)
+                    }
+                    _ => None,
+                };
                 if args.json {
-                    println!("{}", failed_json(&e, live));
+                    let mut v = failed_json(&e, live);
+                    if let Some(path) = after {
+                        v["dump"] = path.display().to_string().into();
+                    }
+                    println!("{v}");
                 } else {
                     eprintln!(
                         "receiver rank {}: refit failed, step {live:?} stays live: {e}",
