@@ -68,12 +68,18 @@ with urllib.request.urlopen(sys.argv[1] + "/health", timeout=1) as r:
 EOF
 }
 
+# Whether pid $1 runs: a killed member is reaped by init, not by this script (its parent was
+# an earlier run), so until then it is a zombie that still answers kill -0.
+alive() {
+    kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]
+}
+
 # Stops pid $1: SIGTERM, then SIGKILL after 5 s.
 stop_pid() {
     local pid=$1
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 100); do
-        kill -0 "$pid" 2>/dev/null || return 0
+        alive "$pid" || return 0
         sleep 0.05
     done
     kill -9 "$pid" 2>/dev/null || true
@@ -120,7 +126,7 @@ wait_member() {
     pid=$(cat "$m/pid")
     url="http://127.0.0.1:$(cat "$m/client-port")"
     for _ in $(seq 1 300); do
-        if ! kill -0 "$pid" 2>/dev/null; then
+        if ! alive "$pid"; then
             echo "etcd.sh: etcd member $1 exited at start; its log:" >&2
             cat "$m/etcd.log" >&2
             return 1
@@ -176,7 +182,7 @@ start)
     echo "$pid" >"$dir/pid"
     ok=
     for _ in $(seq 1 200); do
-        if ! kill -0 "$pid" 2>/dev/null; then
+        if ! alive "$pid"; then
             echo "etcd.sh: etcd exited at start; its log:" >&2
             cat "$dir/etcd.log" >&2
             exit 1
@@ -249,14 +255,15 @@ stop)
     fi
     n=$(members)
     if [ -n "$n" ]; then
-        # The marker first: the owner watcher, if any, sees the cluster is stopped and leaves.
-        rm -f "$dir/members"
         for i in $(seq 0 $((n - 1))); do
             m=$dir/member-$i
             if [ -f "$m/pid" ]; then stop_pid "$(cat "$m/pid")"; fi
             rm -rf "$m"
         done
         rm -f "$dir/initial-cluster" "$dir/token"
+        # The marker last: the owner watcher, if any, then sees the cluster stopped and leaves
+        # (removing DIR if it was created for it), never while pid files are still read here.
+        rm -f "$dir/members"
     fi
     rm -rf "$dir/data"
     ;;
@@ -296,11 +303,9 @@ kill-member)
     m=$(member_dir "$3")
     pid=$(cat "$m/pid")
     kill -9 "$pid" 2>/dev/null || true
-    # Reaped by nobody here (its parent was an earlier run of this script): wait until it no
-    # longer answers signals, or is a zombie, so the caller sees it dead.
+    # Wait until it is gone (or a zombie), so the caller sees it dead.
     for _ in $(seq 1 100); do
-        kill -0 "$pid" 2>/dev/null || break
-        [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" = Z ] && break
+        alive "$pid" || break
         sleep 0.05
     done
     ;;
@@ -314,7 +319,7 @@ restart-member)
     need_etcd
     m=$(member_dir "$3")
     pid=$(cat "$m/pid")
-    if kill -0 "$pid" 2>/dev/null && [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" != Z ]; then
+    if alive "$pid"; then
         echo "etcd.sh: member $3 is running (pid $pid); kill-member or stop-member it first" >&2
         exit 1
     fi
