@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
 
-/// How often each member is asked whether it is up. A request a second per member and
+/// How often each member is asked whether it is up: four requests a second per member and
 /// connection: cheap for etcd (status is answered by the member itself, no Raft round).
 const PROBE_EVERY: Duration = Duration::from_millis(250);
 
