@@ -123,7 +123,7 @@ impl Etcd {
             client,
             endpoint,
             options,
-            failover: failover,
+            failover,
         };
         // Connecting is lazy: one request proves the cluster answers.
         me.client
