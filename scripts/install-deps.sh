@@ -22,6 +22,8 @@
 # - etcd-server: the etcd that publishers and receivers meet through (rendezvous/);
 #   tests and CI start their own on 127.0.0.1 with a temporary data dir (scripts/etcd.sh),
 #   never the packaged service.
+# - iproute2 (ip, tc) and util-linux (unshare, nsenter, setpriv): scripts/hosts.sh, the emulated
+#   hosts and links of cli/tests/hosts.rs (network, PID and IPC namespaces, veth, tbf).
 # The Rust toolchain is pinned in rust-toolchain.toml; see the end of this script.
 #
 # Runs as root, or through sudo when it is there; without either it names the packages to
@@ -30,7 +32,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 apt_packages=(build-essential pkg-config libclang-dev libucx0 ucx-utils python3 python3-venv procps
-              protobuf-compiler libprotobuf-dev etcd-server)
+              protobuf-compiler libprotobuf-dev etcd-server iproute2 util-linux)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 

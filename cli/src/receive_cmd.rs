@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use reshard_core::{Error, ErrorKind, Result, Transport};
@@ -42,7 +42,8 @@ pub struct ReceiveArgs {
     #[arg(long)]
     json: bool,
     /// Write each installed step's weights (this rank's parameters, engine naming) as
-    /// `DIR/step-N/model.safetensors`.
+    /// `DIR/step-N/model.safetensors`, and after the n-th failed refit the weights still live
+    /// as `DIR/failure-n/model.safetensors` (its `reshard_step` metadata names the step).
     #[arg(long)]
     dump: Option<PathBuf>,
 }
@@ -67,6 +68,9 @@ fn installed_json(r: &StepReport) -> serde_json::Value {
         "peers_loaded": r.peers_loaded,
         "plan_rebuilt": u.plan_rebuilt,
         "checked_bytes": u.checked_bytes,
+        // Rendezvous failures discovery waited through for this step (etcd down, a member
+        // withdrawn mid-discovery), one line per distinct failure with its count.
+        "waited_through": r.waited_through,
     })
 }
 
@@ -84,8 +88,8 @@ fn failed_json(e: &Error, live: Option<u64>) -> serde_json::Value {
     })
 }
 
-/// Writes the live parameters as one safetensors file under `dir/step-N/`.
-fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
+/// Writes the live parameters (of step `step`) as one safetensors file under `dir/sub`.
+fn dump(sub: &Subscriber, dir: &Path, folder: &str, step: u64) -> Result<PathBuf> {
     let io = |what: &str, e: &dyn std::fmt::Display| {
         Error::new(
             ErrorKind::InvalidInput,
@@ -97,7 +101,7 @@ fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
         .live_params()
         .ok_or_else(|| Error::new(ErrorKind::Internal, "--dump: no weights are live"))?;
     let layout = sub.receiver().layout();
-    let folder = dir.join(format!("step-{step}"));
+    let folder = dir.join(folder);
     std::fs::create_dir_all(&folder).map_err(|e| io("create the folder", &e))?;
     let guards: Vec<_> = params.iter().map(|p| p.read()).collect();
     let mut views = Vec::with_capacity(layout.params.len());
@@ -120,33 +124,101 @@ fn dump(sub: &Subscriber, dir: &Path, step: u64) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Says that discovery failed with `e` (not in time: the caller's deadline is still ahead) and
+/// that the receiver waits and looks again; live weights stay as they are.
+fn waiting(args: &ReceiveArgs, e: &Error, live: Option<u64>) {
+    if args.json {
+        let mut v = failed_json(e, live);
+        v["event"] = "waiting".into();
+        println!("{v}");
+    } else {
+        eprintln!(
+            "receiver rank {}: waiting for the publishers, step {live:?} stays live: {e}",
+            args.rank
+        );
+    }
+}
+
+/// Pause after a discovery failure that is not a timeout, before looking again.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// Retries `attempt` while it fails with anything but a timeout, reporting each failure, until
+/// `deadline`; the last failure (or the timeout) is returned then.
+async fn until<T, F, Fut>(
+    args: &ReceiveArgs,
+    deadline: Instant,
+    live: Option<u64>,
+    mut attempt: F,
+) -> Result<T>
+where
+    F: FnMut(Duration) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match attempt(left).await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.kind() == ErrorKind::Timeout || Instant::now() + RETRY >= deadline => {
+                return Err(e)
+            }
+            Err(e) => {
+                waiting(args, &e, live);
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+    }
+}
+
 async fn receive(args: ReceiveArgs) -> Result<Outcome> {
     let cfg = args.transport.load()?;
     let topology: ReceiverTopology = args.receivers.parse()?;
     let timeout = Duration::from_secs(args.timeout_s);
-    let rendezvous = connect(&args.rendezvous).await?;
+    // Nothing the rendezvous does ends this process before its own timeout (docs/deployment.md
+    // §2, "Faults discovery waits through"): an etcd that is down at start, or publishers that
+    // disagree until one of them is replaced, is reported and waited through.
+    let deadline = Instant::now() + timeout;
+    let rendezvous = until(&args, deadline, None, |_| connect(&args.rendezvous)).await?;
     let registry = reshard_transports::registry();
     let agent = format!("{}-receiver-{}", args.model, args.rank);
     let transport: Arc<dyn Transport> = registry.create(&agent, &cfg.transport)?;
-    let mut sub = Subscriber::connect(
-        rendezvous,
-        &args.model,
-        transport,
-        &topology,
-        args.rank,
-        ReceiverOptions::from_config(&cfg),
-        timeout,
-    )
+    let options = ReceiverOptions::from_config(&cfg);
+    let mut sub = until(&args, deadline, None, |left| {
+        Subscriber::connect(
+            rendezvous.clone(),
+            &args.model,
+            transport.clone(),
+            &topology,
+            args.rank,
+            options.clone(),
+            left,
+        )
+    })
     .await?;
     let mut verified = 0u64;
+    let mut failures = 0u64;
     while args.steps.is_none_or(|n| verified < n) {
-        // No new step in time ends the receiver; a failed refit of a step it found does not.
-        let found = sub.discover_next(timeout).await?;
+        // No new step in time ends the receiver; a failed refit of a step it found does not,
+        // nor does a rendezvous failure while there is time left.
+        let live = sub.receiver().live_step();
+        let deadline = Instant::now() + timeout;
+        let found = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match sub.discover_next(left).await {
+                Ok(f) => break f,
+                Err(e) if e.kind() == ErrorKind::Timeout || Instant::now() + RETRY >= deadline => {
+                    return Err(e)
+                }
+                Err(e) => {
+                    waiting(&args, &e, live);
+                    tokio::time::sleep(RETRY).await;
+                }
+            }
+        };
         match sub.install(found).await {
             Ok(report) => {
                 verified += 1;
                 if let Some(dir) = &args.dump {
-                    dump(&sub, dir, report.step)?;
+                    dump(&sub, dir, &format!("step-{}", report.step), report.step)?;
                 }
                 if args.json {
                     println!("{}", installed_json(&report));
@@ -163,8 +235,21 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
             }
             Err(e) => {
                 let live = sub.receiver().live_step();
+                failures += 1;
+                // What is live after the failure, read from memory, so a fault test sees that
+                // no weight was lost rather than trusting the dump of the step's install.
+                let after = match (&args.dump, live) {
+                    (Some(dir), Some(step)) => {
+                        Some(dump(&sub, dir, &format!("failure-{failures}"), step)?)
+                    }
+                    _ => None,
+                };
                 if args.json {
-                    println!("{}", failed_json(&e, live));
+                    let mut v = failed_json(&e, live);
+                    if let Some(path) = after {
+                        v["dump"] = path.display().to_string().into();
+                    }
+                    println!("{v}");
                 } else {
                     eprintln!(
                         "receiver rank {}: refit failed, step {live:?} stays live: {e}",

@@ -430,6 +430,10 @@ fn killed_publisher(transport: &'static str) {
         );
         assert_eq!(v["error"]["owner"], 3, "the error names rank 3: {v}");
         assert_eq!(v["live_step"], 1, "live step untouched: {v}");
+        // The weights live after the failure, read from the receiver's memory: step 1's.
+        let after = PathBuf::from(v["dump"].as_str().expect("a dump after the failure"));
+        let ckpt = Checkpoint::open(c.ckpts().join("step-1")).unwrap();
+        check_dump(&after, &ckpt, t, 2);
     }
     // The lease runs out: rank 3 disappears.
     let deadline = Instant::now() + Duration::from_secs(30);

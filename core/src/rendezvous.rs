@@ -199,6 +199,63 @@ pub struct Discovered {
     pub revision: u64,
     /// Time spent waiting and fetching.
     pub elapsed: Duration,
+    /// The rendezvous failures discovery waited through before it found the set, one line per
+    /// distinct failure with how often it was seen (`3 x transport: could not list ...`);
+    /// empty when nothing went wrong.
+    pub waited_through: Vec<String>,
+}
+
+/// First pause after a rendezvous failure before discovery looks again; doubled per failure in
+/// a row up to [`RETRY_MAX`], so an etcd that is down costs a few requests a second.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+/// Longest pause between two looks after rendezvous failures.
+const RETRY_MAX: Duration = Duration::from_secs(1);
+/// Shortest time one rendezvous request is given, even when the caller's deadline is nearer:
+/// a request cut off before it can answer would make a short timeout a certain failure.
+const MIN_REQUEST: Duration = Duration::from_secs(1);
+/// Distinct failures a [`Discovered`] or a timeout message lists.
+const MAX_WAITED: usize = 8;
+
+/// Whether discovery waits through `e` and looks again, rather than returning it: the
+/// rendezvous unreachable or slow (`Transport`, `Timeout`), a member that withdrew between the
+/// member list and the fetch (`PeerUnknown`), or a record or blob rewritten between two reads
+/// (`Decode`). Members that disagree on the world, the transport or the architecture are
+/// returned at once: no wait mends them without a person.
+pub fn is_transient(e: &Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Transport | ErrorKind::Timeout | ErrorKind::PeerUnknown | ErrorKind::Decode
+    )
+}
+
+/// The failures one discovery waited through, counted per distinct message.
+#[derive(Default)]
+struct Waited(Vec<(String, u32)>);
+
+impl Waited {
+    fn note(&mut self, e: &Error) {
+        let line = e.to_string();
+        tracing::warn!("discovery waits through a rendezvous failure and looks again: {line}");
+        if let Some(seen) = self.0.iter_mut().find(|(l, _)| *l == line) {
+            seen.1 += 1;
+        } else if self.0.len() < MAX_WAITED {
+            self.0.push((line, 1));
+        }
+    }
+
+    fn lines(&self) -> Vec<String> {
+        self.0.iter().map(|(l, n)| format!("{n} x {l}")).collect()
+    }
+}
+
+/// What one look at the rendezvous found.
+enum Look {
+    /// A complete, ready set at one step.
+    Found(Discovered),
+    /// No complete set: these members, read at this revision.
+    Incomplete(Vec<Member>, u64),
+    /// A complete set whose fetched announcements moved on meanwhile: look again now.
+    Moved(Vec<Member>),
 }
 
 /// Waits until every publisher rank of `want.model` is ready at one step (above
@@ -207,63 +264,124 @@ pub struct Discovered {
 /// on meanwhile (another step, or not ready any more at the chosen step: a publisher began to
 /// rewrite its weights) is discarded and looked at again, so the result never mixes steps and
 /// never holds a table its publisher had already withdrawn from readiness.
+///
+/// Rendezvous failures that time mends ([`is_transient`]: etcd unreachable or electing a
+/// leader, a member withdrawn between the member list and the fetch, a compacted revision)
+/// are waited through with backoff until `want.timeout`; they are listed in
+/// [`Discovered::waited_through`], and in the `Timeout` error when no set came in time.
 pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discovered> {
     let start = Instant::now();
     let deadline = start + want.timeout;
+    let mut waited = Waited::default();
+    let mut pause = RETRY_FIRST;
+    let mut seen: Vec<Member> = Vec::new();
     loop {
-        let (members, revision) = rendezvous.members(&want.model).await?;
-        if let Some(step) = complete_step(&members, want)? {
-            let world = members[0].world;
-            let ranks: Vec<OwnerId> = (0..world).collect();
-            let fetched = rendezvous.fetch(&want.model, &ranks).await?;
-            if fetched.len() == world as usize
-                && fetched
-                    .iter()
-                    .all(|f| f.ready && f.announcement.step == step)
-            {
-                let announcements: Vec<Announcement> =
-                    fetched.into_iter().map(|f| f.announcement).collect();
-                if let Some(a) = announcements
-                    .iter()
-                    .find(|a| a.config != announcements[0].config)
-                {
-                    return Err(Error::new(
-                        ErrorKind::Config,
-                        format!(
-                            "publishers of model {:?} disagree on its architecture: rank {} \
-                             announces another config than rank {}",
-                            want.model, a.rank, announcements[0].rank
-                        ),
-                    )
-                    .with_owner(a.rank));
-                }
-                return Ok(Discovered {
-                    step,
-                    announcements,
-                    revision,
-                    elapsed: start.elapsed(),
-                });
+        match bounded(deadline, look(rendezvous, want, start)).await {
+            Some(Ok(Look::Found(mut found))) => {
+                found.waited_through = waited.lines();
+                return Ok(found);
             }
-            // A publisher advanced, left or became not ready between the two reads: look again.
-            continue;
+            Some(Ok(Look::Moved(members))) => {
+                seen = members;
+                pause = RETRY_FIRST;
+                continue;
+            }
+            Some(Ok(Look::Incomplete(members, revision))) => {
+                seen = members;
+                pause = RETRY_FIRST;
+                let now = Instant::now();
+                if now < deadline {
+                    let change = bounded(
+                        deadline,
+                        rendezvous.changed(&want.model, revision, deadline - now),
+                    )
+                    .await;
+                    if let Some(Err(e)) = change {
+                        if !is_transient(&e) {
+                            return Err(e);
+                        }
+                        waited.note(&e);
+                        backoff(&mut pause, deadline).await;
+                    }
+                }
+            }
+            Some(Err(e)) if is_transient(&e) => {
+                waited.note(&e);
+                backoff(&mut pause, deadline).await;
+            }
+            Some(Err(e)) => return Err(e),
+            // A request that outran the deadline: the timeout below says so.
+            None => {}
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(Error::new(
-                ErrorKind::Timeout,
-                format!(
-                    "discovery of model {:?} at {} timed out after {:.1} s: {}",
-                    want.model,
-                    rendezvous.endpoint(),
-                    want.timeout.as_secs_f64(),
-                    describe(&members, want)
-                ),
-            ));
+        if Instant::now() >= deadline {
+            let mut msg = format!(
+                "discovery of model {:?} at {} timed out after {:.1} s: {}",
+                want.model,
+                rendezvous.endpoint(),
+                want.timeout.as_secs_f64(),
+                describe(&seen, want)
+            );
+            let lines = waited.lines();
+            if !lines.is_empty() {
+                let _ = write!(msg, "; waited through: {}", lines.join("; "));
+            }
+            return Err(Error::new(ErrorKind::Timeout, msg));
         }
-        rendezvous
-            .changed(&want.model, revision, deadline - now)
-            .await?;
     }
+}
+
+/// `fut`, cut off at `deadline` (but given at least [`MIN_REQUEST`]); `None` when cut off.
+async fn bounded<T>(deadline: Instant, fut: impl std::future::Future<Output = T>) -> Option<T> {
+    let until = deadline.max(Instant::now() + MIN_REQUEST);
+    tokio::time::timeout_at(until.into(), fut).await.ok()
+}
+
+/// Sleeps `pause` (never past `deadline`) and doubles it up to [`RETRY_MAX`].
+async fn backoff(pause: &mut Duration, deadline: Instant) {
+    let left = deadline.saturating_duration_since(Instant::now());
+    tokio::time::sleep((*pause).min(left)).await;
+    *pause = (*pause * 2).min(RETRY_MAX);
+}
+
+/// One look: the member list, and when it is a complete set, their announcements.
+async fn look(rendezvous: &dyn Rendezvous, want: &Want, start: Instant) -> Result<Look> {
+    let (members, revision) = rendezvous.members(&want.model).await?;
+    let Some(step) = complete_step(&members, want)? else {
+        return Ok(Look::Incomplete(members, revision));
+    };
+    let world = members[0].world;
+    let ranks: Vec<OwnerId> = (0..world).collect();
+    let fetched = rendezvous.fetch(&want.model, &ranks).await?;
+    if fetched.len() != world as usize
+        || !fetched
+            .iter()
+            .all(|f| f.ready && f.announcement.step == step)
+    {
+        // A publisher advanced, left or became not ready between the two reads.
+        return Ok(Look::Moved(members));
+    }
+    let announcements: Vec<Announcement> = fetched.into_iter().map(|f| f.announcement).collect();
+    if let Some(a) = announcements
+        .iter()
+        .find(|a| a.config != announcements[0].config)
+    {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "publishers of model {:?} disagree on its architecture: rank {} announces \
+                 another config than rank {}",
+                want.model, a.rank, announcements[0].rank
+            ),
+        )
+        .with_owner(a.rank));
+    }
+    Ok(Look::Found(Discovered {
+        step,
+        announcements,
+        revision,
+        elapsed: start.elapsed(),
+        waited_through: Vec::new(),
+    }))
 }
 
 /// The step at which `members` are a complete, ready set, if they are. Members that disagree

@@ -96,6 +96,10 @@ suite_tests!(
     a_record_not_ready_at_fetch_sends_discovery_round_again,
     a_world_above_the_limit_is_refused_at_announce,
     a_note_is_shown_with_the_member_and_clears,
+    a_member_withdrawn_between_list_and_fetch_is_waited_for,
+    an_unreachable_rendezvous_is_waited_through,
+    a_broken_watch_is_waited_through,
+    a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure,
 );
 
 #[tokio::test]

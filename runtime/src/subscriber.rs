@@ -27,6 +27,9 @@ pub struct StepReport {
     pub peers_loaded: u32,
     /// The receiver's report of the update.
     pub update: UpdateReport,
+    /// Rendezvous failures discovery waited through before it found this step
+    /// ([`Discovered::waited_through`]).
+    pub waited_through: Vec<String>,
 }
 
 /// A receiver rank that refits from whatever the rendezvous announces.
@@ -99,7 +102,10 @@ impl Subscriber {
     /// longer vouches for.
     pub async fn discover_next(&mut self, timeout: Duration) -> Result<Discovered> {
         if let Some(found) = self.pending.take() {
-            if Some(found.step) > self.receiver.live_step() && self.still_ready(&found).await? {
+            // A rendezvous that cannot say (unreachable) sends discovery round, which waits it out.
+            if Some(found.step) > self.receiver.live_step()
+                && matches!(self.still_ready(&found).await, Ok(true))
+            {
                 return Ok(found);
             }
         }
@@ -128,6 +134,7 @@ impl Subscriber {
     /// `found` describes. On an error the live weights and step are untouched.
     pub async fn install(&mut self, found: Discovered) -> Result<StepReport> {
         let discovery_s = found.elapsed.as_secs_f64();
+        let waited_through = found.waited_through.clone();
         let transport = self.receiver.transport().clone();
         let mut tables: Vec<ShardTable> = Vec::with_capacity(found.announcements.len());
         let mut peers_loaded = 0;
@@ -171,6 +178,7 @@ impl Subscriber {
             discovery_s,
             peers_loaded,
             update,
+            waited_through,
         })
     }
 

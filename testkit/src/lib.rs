@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod content;
+pub mod hosts;
 pub mod meeting;
 pub mod models;
 pub mod publishers;

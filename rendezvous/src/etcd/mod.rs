@@ -21,18 +21,21 @@
 //! One concern per file: `keys` (the key layout and model-name escaping), `blobs` (writing and
 //! reading chunked blobs), `record` (the member record and its blob references, decoded and
 //! bounded: no etcd client, so the fuzz target compiles it), `lease` (a publisher's lease, its
-//! keep-alive, the claim of its rank and the [`Announced`] handle) and `rendezvous` (the
-//! [`Rendezvous`] impl); this file has the connection itself.
+//! keep-alive, the claim of its rank and the [`Announced`] handle), `rendezvous` (the
+//! [`Rendezvous`] impl) and `endpoints` (failover between the members of a cluster); this file
+//! has the connection itself.
 //!
 //! [`Announced`]: reshard_core::rendezvous::Announced
 //! [`Rendezvous`]: reshard_core::rendezvous::Rendezvous
 
 mod blobs;
+mod endpoints;
 mod keys;
 mod lease;
 mod record;
 mod rendezvous;
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use etcd_client::{Client, ConnectOptions, GetOptions};
@@ -71,6 +74,8 @@ pub struct Etcd {
     client: Client,
     endpoint: String,
     options: EtcdOptions,
+    /// Takes a member that stops answering out of `client`'s endpoints while it is down.
+    failover: Option<Arc<endpoints::Failover>>,
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
@@ -117,10 +122,12 @@ impl Etcd {
         let client = Client::connect(&endpoints, Some(connect))
             .await
             .map_err(|e| service_error(&endpoint, "connect", e))?;
+        let failover = endpoints::start(client.clone(), endpoints, endpoint.clone()).map(Arc::new);
         let mut me = Self {
             client,
             endpoint,
             options,
+            failover,
         };
         // Connecting is lazy: one request proves the cluster answers.
         me.client
@@ -130,8 +137,12 @@ impl Etcd {
         Ok(me)
     }
 
-    /// The error of a failed request: `what` it could not do, at this cluster.
+    /// The error of a failed request: `what` it could not do, at this cluster. A failed
+    /// request is also why failover looks at the members again (`endpoints`).
     pub(super) fn err(&self, what: &str, e: etcd_client::Error) -> Error {
+        if let Some(f) = &self.failover {
+            f.suspect();
+        }
         service_error(&self.endpoint, what, e)
     }
 }

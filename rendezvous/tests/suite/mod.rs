@@ -4,6 +4,9 @@
 //! receivers use separate clients where the implementation has clients, as separate processes
 //! would.
 
+pub mod faults;
+pub use faults::*;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,370 @@
+//! The rendezvous against a real 3-member etcd cluster on this machine (scripts/etcd.sh
+//! start-cluster; docs/deployment.md, "An etcd cluster"): the whole rendezvous suite through the
+//! list of all three endpoints, and the leader SIGKILLed mid-run costing no step: publishers stay
+//! discoverable, advance, and are discovered at the next step while a new leader is elected and
+//! one member is dead; then the member comes back.
+
+mod suite;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use reshard_core::rendezvous::{discover, Announced, Rendezvous, Want};
+use reshard_rendezvous::{Etcd, EtcdOptions};
+use suite::Sides;
+
+/// Members of every cluster here: the smallest that survives losing one.
+const MEMBERS: usize = 3;
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/etcd.sh")
+}
+
+/// Runs scripts/etcd.sh with `args`; its stdout, trimmed, or a panic with its stderr.
+fn etcd_sh(args: &[&std::ffi::OsStr]) -> String {
+    let out = Command::new("bash")
+        .arg(script())
+        .args(args)
+        // Every member is stopped by the script's watcher once this binary exits, even where a
+        // cluster lives in a static (never dropped) or a test panics before its drop.
+        .env("ETCD_OWNER_PID", std::process::id().to_string())
+        .output()
+        .expect("run scripts/etcd.sh");
+    assert!(
+        out.status.success(),
+        "scripts/etcd.sh {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// Whether etcd is installed; where it is not and the environment does not require it
+/// (`RESHARD_REQUIRE_BACKENDS` set, as in CI), says so loudly.
+fn etcd_installed() -> bool {
+    let installed = Command::new("etcd").arg("--version").output().is_ok();
+    if !installed {
+        assert!(
+            std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
+            "etcd is required here: run scripts/install-deps.sh"
+        );
+        eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
+    }
+    installed
+}
+
+/// A private etcd cluster of [`MEMBERS`] members in `dir`, stopped when dropped.
+struct Cluster {
+    dir: PathBuf,
+    /// `etcd://HOST:PORT,...`, member i the i-th.
+    url: String,
+}
+
+impl Cluster {
+    /// Starts a cluster in a fresh temporary folder named after `name`, or `None` where etcd is
+    /// not installed.
+    fn start(name: &str) -> Option<Cluster> {
+        if !etcd_installed() {
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("reshard-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = etcd_sh(&[
+            "start-cluster".as_ref(),
+            dir.as_os_str(),
+            MEMBERS.to_string().as_ref(),
+        ]);
+        assert_eq!(
+            url.matches(',').count() + 1,
+            MEMBERS,
+            "one endpoint per member: {url}"
+        );
+        Some(Cluster { dir, url })
+    }
+
+    fn run(dir: &Path, cmd: &str, member: Option<usize>) -> String {
+        let i = member.map(|i| i.to_string());
+        let mut args: Vec<&std::ffi::OsStr> = vec![cmd.as_ref(), dir.as_os_str()];
+        args.extend(i.as_deref().map(std::ffi::OsStr::new));
+        etcd_sh(&args)
+    }
+
+    /// The script, off the runtime's threads (it waits for elections and members): keep-alive
+    /// tasks must run meanwhile.
+    async fn script(&self, cmd: &'static str, member: Option<usize>) -> String {
+        let dir = self.dir.clone();
+        tokio::task::spawn_blocking(move || Self::run(&dir, cmd, member))
+            .await
+            .unwrap()
+    }
+
+    /// The index of the current leader (a live member that says it leads).
+    async fn leader(&self) -> usize {
+        self.script("leader", None).await.parse().unwrap()
+    }
+
+    /// SIGKILLs member `i`: a crash, no goodbye to its peers.
+    async fn kill(&self, i: usize) {
+        self.script("kill-member", Some(i)).await;
+    }
+
+    /// Starts member `i` again on its data and waits until it is healthy.
+    async fn restart(&self, i: usize) {
+        self.script("restart-member", Some(i)).await;
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        Self::run(&self.dir, "stop", None);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The endpoint list of this binary's shared cluster (the suite's), or `None` without etcd.
+fn shared() -> Option<String> {
+    // One cluster for the suite, stopped by scripts/etcd.sh's watcher once the binary exits.
+    static CLUSTER: OnceLock<Option<String>> = OnceLock::new();
+    CLUSTER
+        .get_or_init(|| {
+            let c = Cluster::start("etcd-cluster")?;
+            let url = c.url.clone();
+            // A static is never dropped: the watcher stops it; forget, or this drop stops it now.
+            std::mem::forget(c);
+            Some(url)
+        })
+        .clone()
+}
+
+fn options() -> EtcdOptions {
+    EtcdOptions {
+        lease_ttl: Duration::from_secs(1),
+        ..EtcdOptions::default()
+    }
+}
+
+/// Two connections to the cluster, each given every member; every test uses its own model name
+/// (prefix), so the tests of this binary run in parallel without seeing each other.
+async fn sides(model: &str) -> Option<Sides> {
+    let url = shared()?;
+    let publishers = Etcd::connect(&url, options()).await.expect("connect");
+    let receivers = Etcd::connect(&url, options()).await.expect("connect");
+    Some(Sides {
+        publishers: Arc::new(publishers),
+        receivers: Arc::new(receivers),
+        gone_within: Duration::from_secs(3),
+        model: model.to_string(),
+    })
+}
+
+macro_rules! suite_tests {
+    ($($name:ident $(($arg:expr))?),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let Some(s) = sides(stringify!($name)).await else { return };
+            suite::$name(&s $(, $arg)?).await;
+        }
+    )*};
+}
+
+suite_tests!(
+    a_receiver_started_first_waits_for_every_publisher,
+    a_timeout_names_who_was_seen_missing_and_behind,
+    an_unready_publisher_holds_discovery_until_it_advances,
+    discovery_never_mixes_steps_while_publishers_advance(60),
+    a_dropped_handle_is_a_publisher_gone_and_wakes_watchers,
+    one_holder_per_rank_and_a_restarted_rank_claims_it,
+    large_tables_arrive_intact,
+    a_live_publisher_outlasts_its_lease,
+    a_disagreeing_architecture_is_refused,
+    fetch_reports_each_records_readiness,
+    a_record_not_ready_at_fetch_sends_discovery_round_again,
+    a_world_above_the_limit_is_refused_at_announce,
+    a_note_is_shown_with_the_member_and_clears,
+    a_member_withdrawn_between_list_and_fetch_is_waited_for,
+    an_unreachable_rendezvous_is_waited_through,
+    a_broken_watch_is_waited_through,
+    a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure,
+);
+
+/// Asks each member of `url` on its own (a connection to that endpoint alone): every one must
+/// answer, they must be [`MEMBERS`] distinct members of one cluster, and agree on a leader
+/// among them.
+async fn every_member_answers(url: &str) {
+    let hosts: Vec<&str> = url.trim_start_matches("etcd://").split(',').collect();
+    assert_eq!(hosts.len(), MEMBERS, "{url}");
+    let mut members = Vec::new();
+    for h in &hosts {
+        let mut one = etcd_client::Client::connect([format!("http://{h}")], None)
+            .await
+            .unwrap();
+        let list = one
+            .member_list()
+            .await
+            .unwrap_or_else(|e| panic!("member {h}: {e}"));
+        assert_eq!(list.members().len(), MEMBERS, "{h}");
+        let status = one.status().await.unwrap();
+        members.push((status.header().unwrap().member_id(), status.leader()));
+    }
+    let leaders: Vec<u64> = members.iter().map(|m| m.1).collect();
+    assert!(leaders.iter().all(|&l| l == leaders[0]), "{members:?}");
+    let mut ids: Vec<u64> = members.iter().map(|m| m.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), MEMBERS, "distinct members: {members:?}");
+    assert!(ids.contains(&leaders[0]), "{members:?}");
+}
+
+/// The shared cluster really is [`MEMBERS`] members with one leader, and every endpoint the
+/// script printed answers on its own (a list naming one member would make the failover tests
+/// below meaningless).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_member_of_the_cluster_answers_on_its_own() {
+    let Some(url) = shared() else { return };
+    every_member_answers(&url).await;
+}
+
+/// A dead member is left out of a connection given every member, and taken back once it is up:
+/// after the leader is SIGKILLed and a new one elected, every request through the connection
+/// succeeds (without failover a share of them keeps going to the dead member, "connection
+/// refused", for as long as it is down), and still does once the member is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_member_is_left_out_of_the_connection() {
+    let Some(cluster) = Cluster::start("etcd-dead-member") else {
+        return;
+    };
+    let etcd = Etcd::connect(&cluster.url, options()).await.unwrap();
+    let model = "dead_member";
+    let requests = |what: &'static str| {
+        let etcd = etcd.clone();
+        async move {
+            for i in 0..40 {
+                etcd.members(model)
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}, request {i}: {e}"));
+            }
+        }
+    };
+    requests("all members up").await;
+    let leader = cluster.leader().await;
+    cluster.kill(leader).await;
+    let new = cluster.leader().await;
+    assert_ne!(new, leader);
+    // Failover probes the members once a request fails (an idle, healthy connection costs etcd
+    // no probes): requests go on until one lands on the dead member and fails, as a caller's
+    // retry would; the probe round that failure starts takes the member out, and from then on
+    // every request must succeed.
+    for _ in 0..100 {
+        if etcd.members(model).await.is_err() {
+            break;
+        }
+    }
+    let mut ok = false;
+    for _ in 0..100 {
+        if etcd.members(model).await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok, "no request succeeded with member {leader} dead");
+    // The probe round may still be asking the dead member (up to its 1 s timeout).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    requests("member dead").await;
+    cluster.restart(leader).await;
+    every_member_answers(&cluster.url).await;
+    requests("member back").await;
+}
+
+/// Killing the leader mid-run costs no step. Two publishers announced through the cluster
+/// (every endpoint given) stay discoverable while the leader is SIGKILLed and Raft elects
+/// another, advance to the next step with one member dead, and a receiver's `discover` finds
+/// that step; they outlive their lease TTL several times over (the keep-alive survives the
+/// election); the dead member comes back and the next step is found again. Twice, so the
+/// connections lose a member they were not using and, most likely, one they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "issue 27 items 1 and 3: the lease keep-alive stops at its first error ('lease keep \
+            alive error: channel closed', rendezvous/src/etcd/lease.rs) and discover fails on \
+            'etcdserver: leader changed' instead of starting over; passes with both fixed"]
+async fn killing_the_leader_costs_no_step() {
+    let Some(cluster) = Cluster::start("etcd-leader-kill") else {
+        return;
+    };
+    let model = "leader_kill";
+    // The suite's short TTL: an election (about a second) and a lost keep-alive both show.
+    let ttl = Duration::from_secs(2);
+    let o = EtcdOptions {
+        lease_ttl: ttl,
+        ..options()
+    };
+    let publishers = Etcd::connect(&cluster.url, o.clone()).await.unwrap();
+    let receivers = Etcd::connect(&cluster.url, o).await.unwrap();
+    let announce = |rank, step| {
+        let mut a = suite::announcement(rank, 2, step);
+        a.model = model.into();
+        a
+    };
+    let held: Vec<Box<dyn Announced>> = vec![
+        publishers.announce(announce(0, 1)).await.unwrap(),
+        publishers.announce(announce(1, 1)).await.unwrap(),
+    ];
+    let want = |after: Option<u64>| Want {
+        model: model.into(),
+        after_step: after,
+        timeout: Duration::from_secs(20),
+    };
+    let found = discover(&receivers, &want(None)).await.unwrap();
+    assert_eq!(found.step, 1);
+
+    let mut step = 1;
+    for round in 0..2 {
+        let leader = cluster.leader().await;
+        cluster.kill(leader).await;
+        // At once, most likely before a new leader is elected: the announced step is still
+        // there for a receiver.
+        let found = discover(&receivers, &want(None))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}, leader {leader} killed: {e}"));
+        assert_eq!(found.step, step, "round {round}");
+        // Both publishers advance with the leader dead.
+        step += 1;
+        for (rank, h) in held.iter().enumerate() {
+            h.advance(step, Bytes::from(format!("table {rank} {step}")))
+                .await
+                .unwrap_or_else(|e| panic!("round {round}, rank {rank} advancing: {e}"));
+        }
+        let found = discover(&receivers, &want(Some(step - 1)))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}, step {step}: {e}"));
+        assert_eq!(found.step, step);
+        for (rank, a) in found.announcements.iter().enumerate() {
+            assert_eq!(a.table, format!("table {rank} {step}"), "round {round}");
+        }
+        let new = cluster.leader().await;
+        assert_ne!(new, leader, "round {round}: a new leader among the living");
+        // The keep-alives went through the election: each lease outlives its TTL.
+        tokio::time::sleep(ttl * 3).await;
+        for (rank, h) in held.iter().enumerate() {
+            h.check_alive()
+                .unwrap_or_else(|e| panic!("round {round}, rank {rank}: {e}"));
+        }
+        let (members, _) = receivers.members(model).await.unwrap();
+        assert_eq!(members.len(), 2, "round {round}: {members:?}");
+        // The killed member comes back, and the next step is found with all three up.
+        cluster.restart(leader).await;
+        every_member_answers(&cluster.url).await;
+        step += 1;
+        for (rank, h) in held.iter().enumerate() {
+            h.advance(step, Bytes::from(format!("table {rank} {step}")))
+                .await
+                .unwrap();
+        }
+        let found = discover(&receivers, &want(Some(step - 1))).await.unwrap();
+        assert_eq!(found.step, step, "round {round}");
+    }
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+}
