@@ -43,6 +43,10 @@ const HOLDER_POLL: Duration = Duration::from_millis(200);
 /// counts it renewed (etcd revokes expired leases on a half-second tick, then through Raft).
 const EXPIRY_SLACK: Duration = Duration::from_secs(2);
 
+/// The least time a write is tried again for while etcd fails transiently: an election takes
+/// about a second (docs/deployment.md, "An etcd cluster").
+const WRITE_RETRY_FOR: Duration = Duration::from_secs(2);
+
 /// The first pause before a broken keep-alive stream is opened again (doubling up to a third
 /// of the TTL).
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -449,11 +453,32 @@ impl Shared {
         }
     }
 
+    /// [`Shared::write_once`], tried again with backoff while etcd fails transiently (a
+    /// `Transport` or `Timeout` error: a leader election, a member going down), for up to a
+    /// third of the TTL and at least [`WRITE_RETRY_FOR`]; then the error is the caller's to
+    /// retry later (`reshard publish` defers the write to its next look).
+    async fn write(&self, next: Record, new_table: Option<Bytes>) -> Result<()> {
+        let until = Instant::now() + (self.etcd.options.lease_ttl / 3).max(WRITE_RETRY_FOR);
+        let mut pause = FIRST_BACKOFF;
+        loop {
+            match self.write_once(next.clone(), new_table.clone()).await {
+                Err(e)
+                    if matches!(e.kind(), ErrorKind::Transport | ErrorKind::Timeout)
+                        && self.fatal.lock().is_none()
+                        && Instant::now() + pause < until =>
+                {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Writes `next` as the rank's record (with `new_table` as its table, written first, when
     /// given) under the current lease, recovering the hold when the key is no longer attached
-    /// to it. `state` changes only on success; etcd's errors are returned as they are, for the
-    /// caller to try again.
-    async fn write(&self, mut next: Record, new_table: Option<Bytes>) -> Result<()> {
+    /// to it. `state` changes only on success; etcd's errors are returned as they are.
+    async fn write_once(&self, mut next: Record, new_table: Option<Bytes>) -> Result<()> {
         let mut state = self.state.lock().await;
         self.check_fatal()?;
         let lease = state.lease;
