@@ -285,9 +285,6 @@ async fn a_dead_member_is_left_out_of_the_connection() {
 /// election); the dead member comes back and the next step is found again. Twice, so the
 /// connections lose a member they were not using and, most likely, one they were.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 27 items 1 and 3: the lease keep-alive stops at its first error ('lease keep \
-            alive error: channel closed', rendezvous/src/etcd/lease.rs) and discover fails on \
-            'etcdserver: leader changed' instead of starting over; passes with both fixed"]
 async fn killing_the_leader_costs_no_step() {
     let Some(cluster) = Cluster::start("etcd-leader-kill") else {
         return;
