@@ -483,7 +483,8 @@ fn withdrawn_publisher(transport: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start("withdraw", transport);
     // Rank 5 stays stopped while rank 3 exits: a lease that outlives the stop keeps it a member
-    // (a publisher whose lease ran out exits with an error for its supervisor to restart).
+    // throughout (one that ran out would be re-announced once it continues, under a new lease;
+    // docs/deployment.md, "Leases through etcd outages").
     c.lease_ttl_s = "30";
     rank3_ahead_of_stopped_rank5(&mut c, 2);
     c.signal(3, "-TERM");
