@@ -8,6 +8,7 @@ mod meta;
 mod plan;
 mod raw;
 mod transport;
+pub mod ucs_log;
 
 use reshard_core::config::TransportConfig;
 use reshard_core::registry::{Registry, TransportFactory};
