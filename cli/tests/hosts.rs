@@ -92,6 +92,10 @@ fn transport_env(transport: &str) -> Vec<(&'static str, &'static str)> {
             ("RESHARD_BACKENDS__UCX__TLS", "tcp"),
             ("RESHARD_BACKENDS__UCX__NET_DEVICES", "eth0"),
             ("RESHARD_BACKENDS__UCX__TIMEOUT_MS", NO_PROGRESS_MS),
+            // UCX sees progress per get: a 16 MiB piece takes ~2.5 s at an owner's share of
+            // these links (close to the 3 s bound on a loaded machine), a 1 MiB one ~0.15 s
+            // (backends/ucx/README.md, "In-flight safety" rule 4).
+            ("RESHARD_BACKENDS__UCX__PIECE_BYTES", "1048576"),
         ],
         _ => vec![
             ("UCX_TLS", "tcp"),

@@ -179,10 +179,10 @@ impl Engine {
     /// so it is not progress. An owner's reads advance when a get of the batch on it
     /// completes, when any get through the same endpoint completes successfully (another
     /// batch's gets ahead of these on the link), or when the first of the batch's gets on it
-    /// is issued while none is outstanding. Reads are cut into pieces of at most `MAX_PIECE`
-    /// and one endpoint's gets are served in the order they were issued, so a healthy link
-    /// completes one within `MAX_PIECE` over its bandwidth; `timeout_ms` must exceed that
-    /// (README, "In-flight safety").
+    /// is issued while none is outstanding. Reads are cut into pieces of at most
+    /// `piece_bytes` and one endpoint's gets are served in the order they were issued, so a
+    /// healthy link completes one within `piece_bytes` over the owner's share of its
+    /// bandwidth; `timeout_ms` must exceed that (README, "In-flight safety").
     pub(super) fn stalled_owners(&self, run: &Running, now: Instant) -> Vec<(OwnerId, Duration)> {
         let mut stalled: Vec<(OwnerId, Duration)> = run
             .owners
