@@ -75,9 +75,13 @@ pub(crate) struct NixlInFlight {
     /// Groups not posted yet, per owner, in batch order.
     queues: Vec<(reshard_core::OwnerId, VecDeque<usize>)>,
     /// Per owner, when its reads last advanced: one of its requests ended, or one was posted
-    /// while none of its was pending. The no-progress timer is per owner (see
+    /// while none of its was pending. What a timeout names (see
     /// [`NixlInFlight::stalled_owners`]).
     progress: Vec<(reshard_core::OwnerId, Instant)>,
+    /// When any request of the batch last ended (or the batch was posted): the no-progress
+    /// timer of `wait` and of the drains (abort, drop, after a failure), which go on while
+    /// anything of the batch still moves (docs/in-flight-safety.md, rule 4).
+    last_progress: Instant,
     /// The batch was handed back (idle) or to the quarantine.
     finished: bool,
     /// A post failed inside the UCX plugin: reads of that request it had already started may
@@ -97,6 +101,7 @@ impl NixlInFlight {
             pending: Vec::new(),
             queues: Vec::new(),
             progress: Vec::new(),
+            last_progress: Instant::now(),
             finished: false,
             unobservable: false,
             counted: WireReport::default(),
@@ -140,6 +145,7 @@ impl NixlInFlight {
                 None => self.queues.push((group.owner, VecDeque::from([g]))),
             }
         }
+        self.last_progress = Instant::now();
         self.refill()
     }
 
@@ -286,17 +292,22 @@ impl NixlInFlight {
             }
         });
         drop(nixl);
+        if !ended.is_empty() {
+            self.last_progress = Instant::now();
+        }
         self.advanced(ended);
         first
     }
 
-    /// The owners with requests in flight whose reads made no progress for the no-progress
-    /// bound, longest stalled first, with how long.
+    /// The owners with requests in flight, the one whose reads made no progress for longest
+    /// first, with how long. Once the batch as a whole made none for the bound, the first is
+    /// the owner whose reads stopped first (the one a dead link cut off, not a healthy one
+    /// that merely has a request pending).
     ///
     /// NIXL reports a request only when all of it has ended, so a request of `request_bytes`
     /// must be able to complete within the bound on a healthy link, behind the owner's other
     /// requests in flight: `timeout_ms` must exceed `requests_in_flight` x `request_bytes`
-    /// over the owner's share of the slowest link (README, "Configuration").
+    /// over the owner's share of the slowest link (README, "In-flight safety" rule 4).
     fn stalled_owners(&self) -> Vec<(reshard_core::OwnerId, Duration)> {
         let now = Instant::now();
         let mut stalled: Vec<(reshard_core::OwnerId, Duration)> = self
@@ -304,14 +315,14 @@ impl NixlInFlight {
             .iter()
             .filter(|(o, _)| self.pending.iter().any(|&g| self.p.groups[g].owner == *o))
             .map(|&(o, t)| (o, now.saturating_duration_since(t)))
-            .filter(|&(_, idle)| idle >= self.p.shared.timeout)
             .collect();
         stalled.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         stalled
     }
 
+    /// Whether no request of the batch ended for the no-progress bound (the drains' bound).
     fn stalled(&self) -> bool {
-        !self.stalled_owners().is_empty()
+        self.last_progress.elapsed() >= self.p.shared.timeout
     }
 
     fn closed(&self) -> bool {
