@@ -77,8 +77,8 @@ pub(crate) struct Runtime {
     /// Never closed: the stubs hold function pointers into it for the rest of the process.
     _lib: Option<libloading::os::unix::Library>,
     /// The wheel's UCX core library, configured before the UCX plugin uses it (see
-    /// [`exclude_efa`]); kept open so the plugin finds this very object by its soname.
-    _ucs: Option<libloading::os::unix::Library>,
+    /// [`configure_wheel_ucx`]); kept open so the plugin finds this very object by its soname.
+    _ucs: Option<libloading::Library>,
 }
 
 static RUNTIME: OnceLock<std::result::Result<Runtime, (ErrorKind, String)>> = OnceLock::new();
@@ -170,7 +170,7 @@ fn load() -> Result<Runtime> {
         None => None,
     };
     let ucs = match &path {
-        Some(p) if is_wheel(p) && std::env::var_os("UCX_MODULES").is_none() => exclude_efa(p),
+        Some(p) if is_wheel(p) => configure_wheel_ucx(p),
         _ => None,
     };
     // Never aborts: with the library already loaded the stub's dlopen by soname finds it;
@@ -202,25 +202,30 @@ fn load() -> Result<Runtime> {
     })
 }
 
-/// The wheel bundles UCX and its own libibverbs/libnl. Its `ib_efa` module also needs the
-/// system's libefa, which pulls in the system's libibverbs and a second libnl-route; the two
-/// libnl-route copies then corrupt each other's lists and crash in their exit destructors
-/// (SIGSEGV in rtnl_tc_unregister after main returns). EFA is served by NIXL's LIBFABRIC
-/// plugin, so the `efa` module is left out, as `UCX_MODULES=^efa` would, unless the user chose
-/// the modules (`UCX_MODULES` set).
+/// Configures the UCX the wheel bundles before the UCX plugin uses it, without touching the
+/// environment: the wheel's libucs is loaded here, by absolute path and before any NIXL agent
+/// exists (its constructor reads the `UCX_*` environment once), and then
 ///
-/// Without touching the environment: the wheel's libucs is loaded here, by absolute path and
-/// before any NIXL agent exists (its constructor reads the `UCX_*` environment once), and its
-/// global `MODULES` option is set through `ucs_global_opts_set_value`. UCX consults that option
-/// only when it loads its transport modules, inside `ucp_init` of the UCX plugin, which finds
-/// this same library object by its soname. Best effort: a failure is logged, never fatal.
-fn exclude_efa(capi: &Path) -> Option<libloading::os::unix::Library> {
+/// - its `efa` module is left out, as `UCX_MODULES=^efa` would, unless the user chose the
+///   modules (`UCX_MODULES` set). The wheel bundles UCX and its own libibverbs/libnl; its
+///   `ib_efa` module also needs the system's libefa, which pulls in the system's libibverbs and
+///   a second libnl-route; the two libnl-route copies then corrupt each other's lists and crash
+///   in their exit destructors (SIGSEGV in rtnl_tc_unregister after main returns). EFA is
+///   served by NIXL's LIBFABRIC plugin. The global `MODULES` option is set through
+///   `ucs_global_opts_set_value`; UCX consults it only when it loads its transport modules,
+///   inside `ucp_init` of the UCX plugin, which finds this same library object by its soname;
+/// - its log goes to stderr instead of stdout (`reshard_backend_ucx::ucs_log`), unless the user
+///   set `UCX_LOG_FILE` or this libucs was loaded before (by someone else).
+///
+/// Best effort: a failure is logged, never fatal.
+fn configure_wheel_ucx(capi: &Path) -> Option<libloading::Library> {
     let libs = capi.parent()?.parent()?.join("nixl_cu12.libs");
     let ucs = std::fs::read_dir(&libs).ok()?.flatten().find_map(|e| {
         let name = e.file_name();
         let name = name.to_str()?;
         (name.starts_with("libucs-") && name.contains(".so")).then(|| e.path())
     })?;
+    let was_loaded = reshard_backend_ucx::ucs_log::is_loaded(ucs.as_os_str());
     // SAFETY: libucs' initialisers set up UCX's globals (configuration parsed from the
     // environment, logging); they start no thread that outlives the call. RTLD_LOCAL keeps its
     // symbols private, as for the C API library.
@@ -230,12 +235,23 @@ fn exclude_efa(capi: &Path) -> Option<libloading::os::unix::Library> {
             libc::RTLD_NOW | libc::RTLD_LOCAL,
         )
     } {
-        Ok(l) => l,
+        Ok(l) => libloading::Library::from(l),
         Err(e) => {
-            tracing::warn!(%e, "nixl: cannot load the wheel's libucs to exclude its efa module");
+            tracing::warn!(%e, "nixl: cannot load the wheel's libucs to configure it");
             return None;
         }
     };
+    if std::env::var_os("UCX_MODULES").is_none() {
+        exclude_efa(&lib);
+    }
+    if !was_loaded && !reshard_backend_ucx::ucs_log::user_chose_log_file() {
+        reshard_backend_ucx::ucs_log::log_to_stderr(&lib);
+    }
+    Some(lib)
+}
+
+/// Leaves the `efa` module out of the libucs `lib` (see [`configure_wheel_ucx`]).
+fn exclude_efa(lib: &libloading::Library) {
     // `ucs_status_t ucs_global_opts_set_value(const char *name, const char *value)`;
     // `ucs_status_t` is a packed (one byte) enum, UCS_OK = 0.
     type SetValue =
@@ -253,7 +269,6 @@ fn exclude_efa(capi: &Path) -> Option<libloading::os::unix::Library> {
             "nixl: could not exclude the wheel's UCX efa module (ucs_global_opts_set_value)"
         );
     }
-    Some(lib)
 }
 
 /// True for the pip wheel's layout (its bundled UCX needs the `efa` workaround above).

@@ -74,7 +74,13 @@ pub(crate) struct NixlInFlight {
     pending: Vec<usize>,
     /// Groups not posted yet, per owner, in batch order.
     queues: Vec<(reshard_core::OwnerId, VecDeque<usize>)>,
-    /// When a pending request last ended (or the batch was posted): the no-progress timer.
+    /// Per owner, when its reads last advanced: one of its requests ended, or one was posted
+    /// while none of its was pending. What a timeout names (see
+    /// [`NixlInFlight::stalled_owners`]).
+    progress: Vec<(reshard_core::OwnerId, Instant)>,
+    /// When any request of the batch last ended (or the batch was posted): the no-progress
+    /// timer of `wait` and of the drains (abort, drop, after a failure), which go on while
+    /// anything of the batch still moves (docs/in-flight-safety.md, rule 4).
     last_progress: Instant,
     /// The batch was handed back (idle) or to the quarantine.
     finished: bool,
@@ -94,6 +100,7 @@ impl NixlInFlight {
             p,
             pending: Vec::new(),
             queues: Vec::new(),
+            progress: Vec::new(),
             last_progress: Instant::now(),
             finished: false,
             unobservable: false,
@@ -159,6 +166,7 @@ impl NixlInFlight {
         };
         let log = self.p.shared.log.lock().clone();
         let mut posted = Vec::new();
+        let mut started = Vec::new();
         let mut result = Ok(());
         'owners: for (owner, queue) in &mut self.queues {
             let groups = &self.p.groups;
@@ -172,6 +180,10 @@ impl NixlInFlight {
                     break;
                 };
                 let group = &groups[g];
+                if busy == 0 {
+                    // The owner's timer starts with its first request in flight.
+                    started.push(*owner);
+                }
                 match self.p.shared.agent.post(&reqs[g]) {
                     Ok(true) => {
                         self.pending.push(g);
@@ -207,10 +219,22 @@ impl NixlInFlight {
             }
         }
         drop(nixl);
+        self.advanced(started);
         if let Some(log) = log {
             self.p.record(&log, &posted);
         }
         result
+    }
+
+    /// Restarts the no-progress timer of each of `owners`.
+    fn advanced(&mut self, owners: impl IntoIterator<Item = reshard_core::OwnerId>) {
+        let now = Instant::now();
+        for owner in owners {
+            match self.progress.iter_mut().find(|(o, _)| *o == owner) {
+                Some((_, t)) => *t = now,
+                None => self.progress.push((owner, now)),
+            }
+        }
     }
 
     /// Requests not posted yet.
@@ -219,7 +243,7 @@ impl NixlInFlight {
     }
 
     /// Polls the pending requests once; returns the first failure.
-    /// Any request seen to end (completed or failed) restarts the no-progress timer.
+    /// A request seen to end (completed or failed) restarts its owner's no-progress timer.
     fn poll_once(&mut self) -> Option<Error> {
         let nixl = self.p.nixl.lock();
         let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
@@ -231,10 +255,14 @@ impl NixlInFlight {
         };
         let mut first = None;
         let p = &self.p;
-        let before = self.pending.len();
         let counted = &mut self.counted;
-        self.pending
-            .retain(|&g| match p.shared.agent.done(&reqs[g]) {
+        let mut ended = Vec::new();
+        self.pending.retain(|&g| {
+            let r = p.shared.agent.done(&reqs[g]);
+            if !matches!(r, Ok(false)) {
+                ended.push(p.groups[g].owner);
+            }
+            match r {
                 Ok(done) => {
                     if done {
                         // A request completes whole: its descriptors and bytes are counted.
@@ -261,13 +289,38 @@ impl NixlInFlight {
                     }
                     false
                 }
-            });
-        if self.pending.len() < before {
+            }
+        });
+        drop(nixl);
+        if !ended.is_empty() {
             self.last_progress = Instant::now();
         }
+        self.advanced(ended);
         first
     }
 
+    /// The owners with requests in flight, the one whose reads made no progress for longest
+    /// first, with how long. Once the batch as a whole made none for the bound, the first is
+    /// the owner whose reads stopped first (the one a dead link cut off, not a healthy one
+    /// that merely has a request pending).
+    ///
+    /// NIXL reports a request only when all of it has ended, so a request of `request_bytes`
+    /// must be able to complete within the bound on a healthy link, behind the owner's other
+    /// requests in flight: `timeout_ms` must exceed `requests_in_flight` x `request_bytes`
+    /// over the owner's share of the slowest link (README, "In-flight safety" rule 4).
+    fn stalled_owners(&self) -> Vec<(reshard_core::OwnerId, Duration)> {
+        let now = Instant::now();
+        let mut stalled: Vec<(reshard_core::OwnerId, Duration)> = self
+            .progress
+            .iter()
+            .filter(|(o, _)| self.pending.iter().any(|&g| self.p.groups[g].owner == *o))
+            .map(|&(o, t)| (o, now.saturating_duration_since(t)))
+            .collect();
+        stalled.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        stalled
+    }
+
+    /// Whether no request of the batch ended for the no-progress bound (the drains' bound).
     fn stalled(&self) -> bool {
         self.last_progress.elapsed() >= self.p.shared.timeout
     }
@@ -302,7 +355,6 @@ impl NixlInFlight {
     /// rule 1), and NIXL cannot stop them, so the dropping thread waits them out while they
     /// progress. Only a batch that stops progressing is handed to the quarantine.
     fn drain_blocking(&mut self) -> bool {
-        let bound = self.p.shared.timeout;
         let mut sleep = FIRST_SLEEP;
         let mut spins = 0u32;
         while !self.pending.is_empty() {
@@ -314,7 +366,7 @@ impl NixlInFlight {
             if self.pending.len() < before {
                 sleep = FIRST_SLEEP;
             }
-            if self.last_progress.elapsed() >= bound {
+            if self.stalled() {
                 return false;
             }
             if spins < SPIN_POLLS {
@@ -459,13 +511,27 @@ impl NixlInFlight {
         }
     }
 
+    /// The `Timeout` of a batch whose reads of some owners stalled: it names the owner stalled
+    /// longest (and lists the others) and that owner's first request still in flight.
     fn timeout_error(&self) -> Error {
-        let g = self.pending.first().map(|&g| &self.p.groups[g]);
+        let stalled = self.stalled_owners();
+        let first = stalled.first().map(|&(o, _)| o);
+        let g = self
+            .pending
+            .iter()
+            .map(|&g| &self.p.groups[g])
+            .find(|g| Some(g.owner) == first);
+        let owners: Vec<String> = stalled
+            .iter()
+            .map(|(o, idle)| format!("owner {o} for {} ms", idle.as_millis()))
+            .collect();
         let mut e = Error::new(
             ErrorKind::Timeout,
             format!(
-                "no NIXL READ of this batch completed for {} ms (status NIXL_IN_PROG)",
-                self.p.shared.timeout.as_millis()
+                "NIXL READs made no progress for over {} ms (no request ended, status \
+                 NIXL_IN_PROG): {}",
+                self.p.shared.timeout.as_millis(),
+                owners.join(", ")
             ),
         )
         .with_backend(SCHEME);

@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_READS_IN_FLIGHT: usize = 512;
 /// Completion timeout when the configuration does not say (milliseconds).
 pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
+/// Most bytes one get carries when the configuration does not say.
+pub const DEFAULT_PIECE_BYTES: u64 = 16 << 20;
+/// Smallest `piece_bytes` accepted: smaller gets cost more per byte than they help.
+pub const MIN_PIECE_BYTES: u64 = 64 << 10;
 
 /// Options of the UCX backend. Unknown keys are `Config` errors.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -20,12 +24,18 @@ pub struct UcxOptions {
     pub net_devices: Option<String>,
     /// Most reads of one posted batch outstanding at once; more are issued as they complete.
     pub reads_in_flight: usize,
-    /// No-progress bound (milliseconds): a posted batch that makes no progress for this long
-    /// (no read issued, copied or completed, no bytes arriving) fails with `Timeout` and its
-    /// outstanding reads are ended by force-closing their endpoints; reads that still do not
-    /// complete within another such period are quarantined. Connection set-up is bounded by
-    /// it too, but never by less than one second.
+    /// No-progress bound (milliseconds): a posted batch whose reads of some owner make no
+    /// progress for this long (none of its gets on that owner completes) fails with `Timeout`
+    /// naming that owner, and its outstanding reads are ended by force-closing their
+    /// endpoints; reads that still do not complete within another such period are
+    /// quarantined. It must exceed the time one get of `piece_bytes` takes at the owner's
+    /// share of the slowest link. Connection set-up is bounded by it too, but never by less
+    /// than one second.
     pub timeout_ms: u64,
+    /// Most bytes one get carries; longer reads are cut into pieces. UCX reports a get only
+    /// when it completes, so this is the step at which the no-progress timer sees an owner's
+    /// reads advance: lower it on slow links or with a tight `timeout_ms` (at least 64 KiB).
+    pub piece_bytes: u64,
     /// Threads that copy reads served straight from a peer's shared memory (`ucp_rkey_ptr`);
     /// the machine's available parallelism when unset. 1 copies on the progress thread.
     pub copy_threads: Option<usize>,
@@ -43,6 +53,7 @@ impl Default for UcxOptions {
             net_devices: None,
             reads_in_flight: DEFAULT_READS_IN_FLIGHT,
             timeout_ms: DEFAULT_TIMEOUT_MS,
+            piece_bytes: DEFAULT_PIECE_BYTES,
             copy_threads: None,
             shm_fast_path: true,
         }
@@ -78,6 +89,11 @@ impl UcxOptions {
         if self.copy_threads == Some(0) {
             return bad("backends.ucx.copy_threads must be at least 1");
         }
+        if self.piece_bytes < MIN_PIECE_BYTES {
+            return bad(&format!(
+                "backends.ucx.piece_bytes must be at least {MIN_PIECE_BYTES} (64 KiB)"
+            ));
+        }
         for (key, v) in [("tls", &self.tls), ("net_devices", &self.net_devices)] {
             if let Some(v) = v {
                 if v.trim().is_empty() || v.contains('\0') {
@@ -95,6 +111,8 @@ impl UcxOptions {
 mod tests {
     use super::*;
     use reshard_core::config::Config;
+
+    const MIB_FOR_TEST: u64 = 1 << 20;
 
     #[test]
     fn section_is_typed_and_checked() {
@@ -136,6 +154,18 @@ mod tests {
                 .unwrap();
         let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
         assert!(e.to_string().contains("copy_threads"), "{e}");
+        let c =
+            Config::from_toml("[transport]\nkind = \"ucx\"\n[backends.ucx]\npiece_bytes = 65535\n")
+                .unwrap();
+        let e = UcxOptions::from_transport_config(&c.transport).unwrap_err();
+        assert!(e.to_string().contains("piece_bytes"), "{e}");
+        let c = Config::from_toml(
+            "[transport]\nkind = \"ucx\"\n[backends.ucx]\npiece_bytes = 1048576\n",
+        )
+        .unwrap();
+        let o = UcxOptions::from_transport_config(&c.transport).unwrap();
+        assert_eq!(o.piece_bytes, MIB_FOR_TEST);
+        assert_eq!(UcxOptions::default().piece_bytes, DEFAULT_PIECE_BYTES);
         let c = Config::from_toml("").unwrap();
         assert_eq!(
             UcxOptions::from_transport_config(&c.transport).unwrap(),

@@ -8,6 +8,7 @@ mod meta;
 mod plan;
 mod raw;
 mod transport;
+pub mod ucs_log;
 
 use reshard_core::config::TransportConfig;
 use reshard_core::registry::{Registry, TransportFactory};
@@ -15,7 +16,9 @@ use reshard_core::{Result, Transport};
 use std::sync::Arc;
 
 pub use alloc::UcxHostMemory;
-pub use config::{UcxOptions, DEFAULT_READS_IN_FLIGHT, DEFAULT_TIMEOUT_MS};
+pub use config::{
+    UcxOptions, DEFAULT_PIECE_BYTES, DEFAULT_READS_IN_FLIGHT, DEFAULT_TIMEOUT_MS, MIN_PIECE_BYTES,
+};
 pub use raw::{UcxStatusError, LIBUCP};
 pub use transport::UcxTransport;
 

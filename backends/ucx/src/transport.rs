@@ -103,6 +103,7 @@ impl UcxTransport {
                 incarnation,
                 reads_in_flight: options.reads_in_flight,
                 timeout: Duration::from_millis(options.timeout_ms),
+                piece_bytes: options.piece_bytes,
                 copy_threads: options.effective_copy_threads(),
                 shm_fast_path: options.shm_fast_path,
                 log: Arc::clone(&log),

@@ -53,6 +53,39 @@ fn counting() -> Counting {
 
 reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
 
+/// The same checks with the smallest `piece_bytes` (64 KiB): every read longer than that is cut
+/// into many gets (a 17 MiB read into 272), and each read is still counted, logged and landed
+/// once, whole.
+mod small_pieces {
+    use super::*;
+
+    fn options() -> UcxOptions {
+        UcxOptions {
+            piece_bytes: reshard_backend_ucx::MIN_PIECE_BYTES,
+            ..UcxOptions::default()
+        }
+    }
+
+    fn counting() -> Counting {
+        let harness = Harness::new("ucx", |agent| {
+            Ok(Arc::new(UcxTransport::new(agent, options())?) as Arc<dyn Transport>)
+        });
+        let endpoint = |agent: &str| {
+            let t = Arc::new(UcxTransport::new(agent, options())?);
+            let skip = t.clone();
+            let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
+            Ok((t as Arc<dyn Transport>, skip))
+        };
+        Counting {
+            endpoint: Arc::new(endpoint),
+            harness,
+            ..super::counting()
+        }
+    }
+
+    reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
+}
+
 /// Metadata layout (see `meta.rs`): magic, version, name, incarnation, worker address, region
 /// count, then per region `id, base, len, key_base, key_len` (u64 each), kind `u8`, device
 /// `u32`, key length `u32` and key. Enlarges region `region`'s length and its key's range by `by`

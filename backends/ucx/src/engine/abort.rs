@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::rc::Rc;
 #[cfg(test)]
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use reshard_core::contract::span;
 use reshard_core::{Error, ErrorKind, OwnerId};
@@ -171,27 +171,78 @@ impl Engine {
         self.quarantine.push(run);
     }
 
-    pub(super) fn timeout_error(&self, run: &Running) -> Error {
+    /// The owners of `run` whose reads made no progress for the no-progress bound, longest
+    /// stalled first, with how long.
+    ///
+    /// UCX reports a get only when it completes. The worker's own activity cannot be
+    /// attributed to an owner, and it stays busy while a link is down (connection attempts),
+    /// so it is not progress. An owner's reads advance when a get of the batch on it
+    /// completes, when any get through the same endpoint completes successfully (another
+    /// batch's gets ahead of these on the link), or when the first of the batch's gets on it
+    /// is issued while none is outstanding. Reads are cut into pieces of at most
+    /// `piece_bytes` and one endpoint's gets are served in the order they were issued, so a
+    /// healthy link completes one within `piece_bytes` over the owner's share of its
+    /// bandwidth; `timeout_ms` must exceed that (README, "In-flight safety").
+    pub(super) fn stalled_owners(&self, run: &Running, now: Instant) -> Vec<(OwnerId, Duration)> {
+        let mut stalled: Vec<(OwnerId, Duration)> = run
+            .owners
+            .iter()
+            .filter(|o| o.outstanding > 0)
+            .filter_map(|o| {
+                let through = run
+                    .res
+                    .peers
+                    .get(&o.owner)
+                    .and_then(|p| p.last_completion.get());
+                let last = through.map_or(o.since, |t| t.max(o.since));
+                let idle = now.saturating_duration_since(last);
+                (idle > self.opts.timeout).then_some((o.owner, idle))
+            })
+            .collect();
+        stalled.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        stalled
+    }
+
+    /// The `Timeout` of `run`, whose reads of the `stalled` owners (see
+    /// [`Engine::stalled_owners`]) made no progress: it names the owner stalled longest and
+    /// the first of its reads still outstanding.
+    pub(super) fn timeout_error(&self, run: &Running, stalled: &[(OwnerId, Duration)]) -> Error {
+        let first = stalled.first().map(|&(o, _)| o);
         let r = self
             .pending
             .values()
-            .find(|p| p.batch == run.id)
-            .and_then(|p| run.res.op_read.get(p.piece as usize))
+            .filter(|p| p.batch == run.id && Some(p.owner) == first)
+            .filter_map(|p| run.res.op_read.get(p.piece as usize))
+            .min()
             .and_then(|&read| run.batch.reads.get(read as usize));
+        let from: usize = run
+            .owners
+            .iter()
+            .filter(|o| stalled.iter().any(|s| s.0 == o.owner))
+            .map(|o| o.outstanding)
+            .sum();
+        let owners: Vec<String> = stalled
+            .iter()
+            .map(|(o, idle)| format!("owner {o} for {} ms", idle.as_millis()))
+            .collect();
         let mut e = Error::new(
             ErrorKind::Timeout,
             format!(
-                "ucx reads made no progress for {} ms ({} outstanding)",
+                "ucx reads made no progress for over {} ms: {} ({from} of the batch's {} \
+                 outstanding reads are theirs); the batch's endpoints are force-closed, and it \
+                 answers once none of its reads is outstanding (else they are quarantined)",
                 self.opts.timeout.as_millis(),
+                owners.join(", "),
                 run.outstanding
             ),
         )
         .with_backend(SCHEME)
         .set_retryable(true);
+        if let Some(o) = first {
+            e = e.with_owner(o);
+        }
         if let Some(r) = r {
-            e = e
-                .with_owner(r.owner)
-                .with_range(span(r.remote_offset, r.len));
+            e = e.with_range(span(r.remote_offset, r.len));
         }
         e
     }

@@ -76,14 +76,10 @@ impl Engine {
             }
             if rounds > 0 {
                 worked = true;
+                // Only for napping: activity of the worker is not progress of any batch's
+                // reads (it stays busy reconnecting while a link is down); completions are
+                // (`Engine::stalled_owners`).
                 last_ucx = Instant::now();
-                // Bytes are arriving: progress for every batch still waiting on its gets
-                // (until its endpoints were force-closed: then only completions count).
-                for r in &mut self.running {
-                    if r.outstanding > 0 && !r.closed {
-                        r.last_event = last_ucx;
-                    }
-                }
             }
             worked |= self.apply_completions();
             worked |= self.pump();

@@ -26,9 +26,12 @@ pub(super) struct Running {
     pub(super) error: Option<Error>,
     /// Ended by abort, a dropped handle or shutdown: issues and copies nothing more.
     pub(super) cancelled: bool,
-    /// Last progress: a read issued, copied or completed, or bytes arriving (the worker
-    /// progressing while gets are outstanding, until its endpoints were force-closed).
+    /// Last event of the batch: a read issued, copied or completed, or its endpoints
+    /// force-closed. Once they were, no completion for the timeout quarantines it.
     pub(super) last_event: Instant,
+    /// Its gets outstanding per owner, and since when each owner's reads last advanced: the
+    /// no-progress timer while its endpoints are open (see `Engine::stalled_owners`).
+    pub(super) owners: Vec<OwnerGets>,
     /// The endpoints its gets were outstanding on were force-closed: from now on only a
     /// completion counts as progress, and no progress for the timeout quarantines it.
     pub(super) closed: bool,
@@ -80,6 +83,42 @@ impl Running {
     /// Whether `piece` belongs to the read fault injection skips.
     fn skipped(&self, piece: u32) -> bool {
         self.skip.is_some() && self.res.op_read.get(piece as usize).copied() == self.skip
+    }
+}
+
+/// The gets one running batch has outstanding on one owner.
+pub(super) struct OwnerGets {
+    pub(super) owner: OwnerId,
+    pub(super) outstanding: usize,
+    /// When the batch's reads of this owner last advanced: one of its gets on the owner
+    /// completed, or the first of them was issued while none was outstanding.
+    pub(super) since: Instant,
+}
+
+impl Running {
+    /// Counts a get on `owner` issued at `now`.
+    fn owner_issued(&mut self, owner: OwnerId, now: Instant) {
+        match self.owners.iter_mut().find(|o| o.owner == owner) {
+            Some(o) => {
+                if o.outstanding == 0 {
+                    o.since = now;
+                }
+                o.outstanding += 1;
+            }
+            None => self.owners.push(OwnerGets {
+                owner,
+                outstanding: 1,
+                since: now,
+            }),
+        }
+    }
+
+    /// Counts a get on `owner` that completed at `now` (with any status).
+    fn owner_completed(&mut self, owner: OwnerId, now: Instant) {
+        if let Some(o) = self.owners.iter_mut().find(|o| o.owner == owner) {
+            o.outstanding = o.outstanding.saturating_sub(1);
+            o.since = now;
+        }
     }
 }
 
@@ -186,6 +225,7 @@ impl Engine {
             error: None,
             cancelled: false,
             last_event: Instant::now(),
+            owners: Vec::new(),
             closed: false,
             done: Some(done),
             signal,
@@ -244,6 +284,7 @@ impl Engine {
                 Started::Done => run.complete(piece),
                 Started::Pending(req) => {
                     let owner = run.owner_of(piece).unwrap_or_default();
+                    run.owner_issued(owner, Instant::now());
                     self.pending.insert(
                         token,
                         PendingRead {
@@ -343,13 +384,24 @@ impl Engine {
                 continue;
             };
             let PendingRead {
-                batch, piece, req, ..
+                batch,
+                owner,
+                piece,
+                req,
             } = p;
             // The read is complete: it writes nothing more, and the request goes back to UCX.
             drop(req);
             if let Some(run) = self.running.iter_mut().find(|r| r.id == batch) {
                 run.outstanding -= 1;
                 run.last_event = now;
+                run.owner_completed(owner, now);
+                if status == raw::sys::UCS_OK {
+                    // The link to this owner moves bytes: progress for every batch reading
+                    // through this endpoint (their gets queue behind this one's).
+                    if let Some(peer) = run.res.peers.get(&owner) {
+                        peer.last_completion.set(Some(now));
+                    }
+                }
                 if status == raw::sys::UCS_OK {
                     run.complete(piece);
                 }
@@ -377,9 +429,10 @@ impl Engine {
     /// Issues more reads, finishes completed batches and enforces the no-progress bound;
     /// true on work.
     ///
-    /// A batch with gets outstanding and no progress for the timeout first fails with
-    /// `Timeout` and has its endpoints force-closed; if its gets still do not complete
-    /// within another no-progress timeout, it is quarantined.
+    /// A batch with gets outstanding on an owner whose reads made no progress for the
+    /// timeout first fails with `Timeout` naming that owner and has its endpoints
+    /// force-closed; if its gets still do not complete within another no-progress timeout,
+    /// it is quarantined.
     pub(super) fn pump(&mut self) -> bool {
         let mut worked = false;
         let mut runs = std::mem::take(&mut self.running);
@@ -394,15 +447,19 @@ impl Engine {
                 to_close.push(run.id);
             }
             worked |= self.issue(run);
-            if run.outstanding > 0 && now.duration_since(run.last_event) > self.opts.timeout {
-                if !run.closed {
+            if run.outstanding == 0 {
+                continue;
+            }
+            if !run.closed {
+                let stalled = self.stalled_owners(run, now);
+                if !stalled.is_empty() {
                     if run.error.is_none() && !run.cancelled {
-                        run.error = Some(self.timeout_error(run));
+                        run.error = Some(self.timeout_error(run, &stalled));
                     }
                     to_close.push(run.id);
-                } else {
-                    to_quarantine.push(run.id);
                 }
+            } else if now.duration_since(run.last_event) > self.opts.timeout {
+                to_quarantine.push(run.id);
             }
         }
         runs.append(&mut self.running);

@@ -55,9 +55,6 @@ use peers::{Connecting, Peer};
 use regions::{LocalRegion, Releasing};
 use resolve::PreparedEntry;
 
-/// Reads longer than this are issued as several pieces, so one large read is pipelined (and
-/// spread over the in-flight window) instead of served as one long operation.
-const MAX_PIECE: u64 = 16 << 20;
 /// Bytes of direct reads copied between two looks at the mailbox (~30 ms at memory speed).
 const DIRECT_BYTES: usize = 256 << 20;
 /// Busy-poll this long after the last event before sleeping on the event fd.
@@ -106,6 +103,10 @@ pub(crate) struct EngineOptions {
     pub(crate) incarnation: u64,
     pub(crate) reads_in_flight: usize,
     pub(crate) timeout: Duration,
+    /// Reads longer than this are issued as several pieces, so one large read is pipelined
+    /// (and spread over the in-flight window) instead of served as one long operation, and
+    /// the no-progress timer sees it advance piece by piece (`UcxOptions::piece_bytes`).
+    pub(crate) piece_bytes: u64,
     /// Threads copying direct reads (1: on the progress thread itself).
     pub(crate) copy_threads: usize,
     /// Whether reads of a peer's shared memory mapped here are copied directly.

@@ -1,6 +1,7 @@
 //! Loaded peers: connecting to them, unpacking their keys, waiting for wire-up, and
 //! installing the latest load of each owner.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Instant;
@@ -22,6 +23,10 @@ pub(super) struct Peer {
     pub(super) meta: EndpointMeta,
     /// Load sequence number: of two loads of one owner, the later one wins.
     pub(super) seq: u64,
+    /// When a get through this endpoint last completed successfully, whichever batch posted
+    /// it: proof that the link to this owner moves bytes (the no-progress timer of every
+    /// batch reading through it, see `Engine::stalled_owners`).
+    pub(super) last_completion: Cell<Option<Instant>>,
 }
 
 pub(super) struct RemoteRegion {
@@ -133,6 +138,7 @@ impl Engine {
             ep,
             meta,
             seq,
+            last_completion: Cell::new(None),
         })
     }
 

@@ -12,7 +12,7 @@ use reshard_core::{Error, ErrorKind, MemoryKind, OwnerId, ReadBatch, ReadDesc, R
 
 use super::peers::{Peer, RemoteRegion};
 use super::regions::LocalRegion;
-use super::{Engine, MAX_PIECE};
+use super::Engine;
 use crate::maps::Maps;
 use crate::plan::issue_order;
 use crate::raw::{self, GetOp, RKey};
@@ -21,7 +21,7 @@ use crate::SCHEME;
 /// A batch translated to raw reads: valid while the objects in `peers` and `regions` live,
 /// which the `Rc`s guarantee.
 pub(super) struct Resolved {
-    /// One `ucp_get_nbx` per piece: reads longer than [`MAX_PIECE`] are cut into pieces.
+    /// One `ucp_get_nbx` per piece: reads longer than `piece_bytes` are cut into pieces.
     pub(super) ops: Vec<GetOp>,
     /// The batch read each piece belongs to (errors name the read's owner and range).
     pub(super) op_read: Vec<u32>,
@@ -231,7 +231,7 @@ impl Engine {
             // these sums and casts are exact.
             let mut done = 0;
             while done < r.len {
-                let n = (r.len - done).min(MAX_PIECE);
+                let n = (r.len - done).min(self.opts.piece_bytes);
                 let remote_addr = region.base + r.remote_offset + done;
                 let direct = match base {
                     Some(b) => (b + (r.remote_offset + done) as usize) as *const u8,

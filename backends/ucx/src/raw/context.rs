@@ -65,6 +65,16 @@ impl Drop for UcpConfig {
     }
 }
 
+/// Whether a `UCX_TLS`-style list lets UCX use TCP: empty (UCX's default, all), `all`, a
+/// list naming `tcp`, or an exclusion list (`^...`) that does not name it.
+fn tcp_listed(tls: &str) -> bool {
+    let tls = tls.trim();
+    match tls.strip_prefix('^') {
+        Some(excluded) => !excluded.split(',').any(|t| t.trim() == "tcp"),
+        None => tls.is_empty() || tls.split(',').any(|t| matches!(t.trim(), "tcp" | "all")),
+    }
+}
+
 /// A UCP context (`ucp_init` with RMA and WAKEUP, `mt_workers_shared`), cleaned up on drop.
 pub(crate) struct Context {
     pub(crate) ucx: &'static Ucx,
@@ -118,6 +128,23 @@ impl Context {
         }
         if let Some(d) = &opts.net_devices {
             cfg.modify("NET_DEVICES", d)?;
+        }
+        // UCX's TCP transport connects with a blocking connect() by default, on the thread
+        // that creates the endpoint: this endpoint's progress thread, which re-creates a
+        // force-closed endpoint at once. To a host whose link is down that blocks it for
+        // seconds per attempt (until ARP gives up: `No route to host`), and with it every
+        // batch, abort and timeout of the endpoint (a refit then failed 30-47 s after a link
+        // went down, not after the 3 s no-progress bound). Non-blocking, a failed connect is
+        // an endpoint error like any other. A user's UCX_TCP_CONN_NB is kept. (A UCT option
+        // is given to ucp_config_modify by its name in the transport's table, and UCX warns
+        // about one no transport used: only when TCP is among the transports.)
+        let tls = opts
+            .tls
+            .clone()
+            .or_else(|| std::env::var("UCX_TLS").ok())
+            .unwrap_or_default();
+        if std::env::var_os("UCX_TCP_CONN_NB").is_none() && tcp_listed(&tls) {
+            cfg.modify("CONN_NB", "y")?;
         }
         let name = CString::new(opts.name.replace('\0', "?")).unwrap_or_default();
         let params = sys::ucp_params_t {

@@ -98,6 +98,8 @@ pub(crate) fn lib() -> Result<&'static Ucx, Error> {
 
 fn load() -> Result<Ucx, String> {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    // Before libucp pulls libucs in: only a libucs loaded here may get the log handler.
+    let ucs_was_loaded = crate::ucs_log::is_loaded(LIBUCS.as_ref());
     // SAFETY: opening libucp runs its ELF constructors (UCS/UCM global init), which are safe to
     // run once per process; RTLD_LOCAL keeps its `ucp_*` symbols out of the global namespace so
     // another UCX copy (NIXL's plugin) binds to its own.
@@ -121,6 +123,13 @@ fn load() -> Result<Ucx, String> {
     // libucp depends on libucs, so this only takes another reference to the loaded copy.
     // SAFETY: as above; the library is kept in `Ucx` for as long as the pointer is used.
     let ucs = unsafe { Library::open(Some(LIBUCS), RTLD_NOW | RTLD_LOCAL) }.ok();
+    let ucs = ucs.map(libloading::Library::from);
+    // UCX's log goes to stderr, not stdout, unless the user chose (crate::ucs_log).
+    if let Some(l) = &ucs {
+        if !ucs_was_loaded && !crate::ucs_log::user_chose_log_file() {
+            crate::ucs_log::log_to_stderr(l);
+        }
+    }
     let status_string = ucs.as_ref().and_then(|l| {
         // SAFETY: `ucs_status_string` has this C signature in <ucs/type/status.h>.
         unsafe { l.get::<StatusStringFn>(b"ucs_status_string\0") }
@@ -130,7 +139,7 @@ fn load() -> Result<Ucx, String> {
     Ok(Ucx {
         ucp,
         status_string,
-        _ucs: ucs.map(libloading::Library::from),
+        _ucs: ucs,
         version: (major, minor, release),
     })
 }
