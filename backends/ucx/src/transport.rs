@@ -443,11 +443,6 @@ mod tests {
     /// says so and is not retryable, posts into their memory are refused until they complete,
     /// then the memory is released and a clean post works.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "timing-dependent on this engine: any worker activity counts as progress for every \
-                batch, so on an idle machine 512 MiB over TCP may never leave the 1 ms quiet gap \
-                the timer needs (seen failing 3 of 4 idle runs, every attempt completing); the \
-                per-owner timer of completed gets (branch h27-stall, issue 27) makes it \
-                deterministic: run it again when that lands"]
     async fn unstoppable_gets_are_quarantined_then_released() {
         if !reshard_conformance::backend_available("ucx", crate::probe()) {
             return;
