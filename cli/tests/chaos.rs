@@ -891,6 +891,9 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
             "publisher {r} (pid {pid}) exited"
         );
     }
+    // Still held a TTL and more later: the keep-alive renews again after the outage (a lease
+    // etcd extended on restart but nobody renews would be gone by now).
+    std::thread::sleep(2 * ttl);
     run.one_holder_per_rank(2);
 
     // 2. The leader SIGKILLed; the next step goes through the two left; the member restarted.
