@@ -11,28 +11,16 @@
 //! Skipped (loudly) where not root, without network namespaces, without the transport or
 //! without etcd, unless `RESHARD_REQUIRE_BACKENDS` is set.
 
-use std::io::BufRead;
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use reshard_checkpoint::Checkpoint;
 use reshard_testkit::hosts::{self, Hosts};
 use serde_json::Value;
-
-const R: &str = env!("CARGO_BIN_EXE_reshard");
-
-/// One set of hosts at a time: the machine has two cores.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// The clock of this test's progress lines (receiver output, link changes) on stderr.
-static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-
-fn log(what: &str) {
-    let s = START.get_or_init(Instant::now).elapsed().as_secs_f64();
-    eprintln!("[{s:8.3} s] {what}");
-}
+use support::{check_dump, checkpoint, log, scripts, serial, Proc, R};
 
 /// Each publisher link's rate: a refit then takes seconds, so "mid-refit" is a wide window.
 const PUBLISHER_LINK: &str = "160mbit";
@@ -50,32 +38,10 @@ const FAILS_WITHIN: Duration = Duration::from_secs(15);
 /// keeps them announced (keeping a lease through a partition is not what this test is about).
 const LEASE_TTL_S: &str = "30";
 
-fn scripts() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts")
-}
-
 /// Skips loudly where the hosts, the transport or etcd are missing, unless
 /// `RESHARD_REQUIRE_BACKENDS` asks for them.
 fn available(transport: &str) -> bool {
-    if !hosts::available() {
-        return false;
-    }
-    let probe = reshard_transports::registry().probe(transport);
-    if !reshard_conformance::backend_available(transport, probe) {
-        return false;
-    }
-    let etcd = std::process::Command::new("etcd")
-        .arg("--version")
-        .output()
-        .is_ok();
-    assert!(
-        etcd || std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
-        "etcd is required here: run scripts/install-deps.sh"
-    );
-    if !etcd {
-        eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
-    }
-    etcd
+    hosts::available() && support::available(transport)
 }
 
 /// The transport over TCP on the host's one interface, and a no-progress bound that turns a
@@ -118,7 +84,7 @@ struct Deployment {
     etcd: String,
     transport: &'static str,
     publishers: Vec<Child>,
-    receivers: Vec<(Child, mpsc::Receiver<Value>)>,
+    receivers: Vec<Proc>,
     // Last: the processes above are killed before their hosts go.
     hosts: Hosts,
 }
@@ -129,10 +95,7 @@ impl Drop for Deployment {
             let _ = c.kill();
             let _ = c.wait();
         }
-        for (c, _) in &mut self.receivers {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.receivers.clear();
         // On its host: the pid file holds a pid of that host's PID namespace.
         let _ = self
             .hosts
@@ -209,33 +172,19 @@ impl Deployment {
 
     /// Starts receiver `t` of TP2 on host `recv<t>`; its JSON lines arrive on its channel.
     fn receiver(&mut self, t: usize, steps: u64) {
-        let mut child = self
-            .hosts
-            .command(&format!("recv{t}"), R)
-            .args(["receive", "--rendezvous", &self.etcd, "--model", "q"])
-            .args(["--receivers", "tp=2", "--rank", &t.to_string()])
-            .args(["--transport", self.transport, "--steps", &steps.to_string()])
-            .args(["--json", "--timeout-s", "300"])
-            .arg("--dump")
-            .arg(self.dir.join(format!("dump-{t}")))
-            .envs(transport_env(self.transport))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
-                log(&format!("receiver {t}: {line}"));
-                let v: Value = serde_json::from_str(&line)
-                    .unwrap_or_else(|e| panic!("receiver {t}: not a JSON line ({e}): {line}"));
-                if tx.send(v).is_err() {
-                    break;
-                }
-            }
-        });
-        self.receivers.push((child, rx));
+        let p = Proc::spawn(
+            &format!("receiver {t}"),
+            self.hosts
+                .command(&format!("recv{t}"), R)
+                .args(["receive", "--rendezvous", &self.etcd, "--model", "q"])
+                .args(["--receivers", "tp=2", "--rank", &t.to_string()])
+                .args(["--transport", self.transport, "--steps", &steps.to_string()])
+                .args(["--json", "--timeout-s", "300"])
+                .arg("--dump")
+                .arg(self.dir.join(format!("dump-{t}")))
+                .envs(transport_env(self.transport)),
+        );
+        self.receivers.push(p);
     }
 
     /// The next JSON line of receiver `t`.
@@ -245,16 +194,7 @@ impl Deployment {
 
     /// The next JSON line of receiver `t`, which must come before `deadline`.
     fn line_by(&self, t: usize, deadline: Instant) -> Value {
-        let wait = deadline.saturating_duration_since(Instant::now());
-        match self.receivers[t].1.recv_timeout(wait) {
-            Ok(v) => v,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                panic!("receiver {t} printed nothing for {wait:?}")
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                panic!("receiver {t}'s output ended (or was not JSON, see above)")
-            }
-        }
+        self.receivers[t].line_by(deadline)
     }
 
     /// Asserts an installed step's JSON line and its dump against the checkpoint files.
@@ -275,99 +215,9 @@ impl Deployment {
 
     /// Waits for every receiver to exit 0.
     fn receivers_succeed(&mut self) {
-        for (t, (c, _)) in self.receivers.iter_mut().enumerate() {
-            let status = c.wait().unwrap();
-            assert!(status.success(), "receiver {t} exited {status}");
+        for r in &mut self.receivers {
+            r.succeeds();
         }
-    }
-}
-
-fn checkpoint(dir: &Path, step: u64) {
-    let out = std::process::Command::new(R)
-        .args(["checkpoint", "--preset", "qwen3-30b-a3b", "--layers", "1"])
-        .args(["--experts", "8", "--vocab", "512", "--max-shard-mib", "16"])
-        .args(["--step", &step.to_string(), "--out"])
-        .arg(dir.join(format!("step-{step}")))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Bytes of rows `rows` of a row-major 2-D tensor with `cols` columns of `elem` bytes.
-fn rows(t: &[u8], cols: usize, elem: usize, rows: std::ops::Range<usize>) -> Vec<u8> {
-    t[rows.start * cols * elem..rows.end * cols * elem].to_vec()
-}
-
-/// Columns `c` of every row of a row-major 2-D tensor.
-fn cols(t: &[u8], ncols: usize, elem: usize, c: std::ops::Range<usize>) -> Vec<u8> {
-    t.chunks(ncols * elem)
-        .flat_map(|row| row[c.start * elem..c.end * elem].to_vec())
-        .collect()
-}
-
-/// What TP rank `t` of `tp` holds of each parameter in vLLM's naming, cut from the checkpoint
-/// (the reference of cli/tests/deploy.rs, kept independent of reshard's planner).
-fn expected(ckpt: &Checkpoint, name: &str, t: usize, tp: usize) -> Vec<u8> {
-    let m = ckpt.model();
-    let (h, e) = (m.hidden as usize, 2usize);
-    let hd = m.head_dim as usize;
-    let (q, kv) = (m.heads as usize * hd, m.kv_heads as usize * hd);
-    let get = |n: &str| ckpt.tensor_bytes(n).unwrap().to_vec();
-    let part = |len: usize| (t * len / tp)..((t + 1) * len / tp);
-    let l = "model.layers.0.";
-    let moe = m.moe.as_ref().unwrap();
-    let i = moe.expert_intermediate as usize;
-    match name.strip_prefix(l).unwrap_or(name) {
-        "model.embed_tokens.weight" | "lm_head.weight" => {
-            rows(&get(name), h, e, part(m.vocab as usize))
-        }
-        "self_attn.qkv_proj.weight" => [
-            rows(&get(&format!("{l}self_attn.q_proj.weight")), h, e, part(q)),
-            rows(&get(&format!("{l}self_attn.k_proj.weight")), h, e, part(kv)),
-            rows(&get(&format!("{l}self_attn.v_proj.weight")), h, e, part(kv)),
-        ]
-        .concat(),
-        "self_attn.o_proj.weight" => cols(&get(name), q, e, part(q)),
-        "mlp.experts.w13_weight" => (0..moe.experts)
-            .flat_map(|x| {
-                let p = |proj: &str| get(&format!("{l}mlp.experts.{x}.{proj}.weight"));
-                [
-                    rows(&p("gate_proj"), h, e, part(i)),
-                    rows(&p("up_proj"), h, e, part(i)),
-                ]
-                .concat()
-            })
-            .collect(),
-        "mlp.experts.w2_weight" => (0..moe.experts)
-            .flat_map(|x| {
-                let p = get(&format!("{l}mlp.experts.{x}.down_proj.weight"));
-                cols(&p, i, e, part(i))
-            })
-            .collect(),
-        // Norms and the router are replicated: the whole tensor.
-        _ => get(name),
-    }
-}
-
-/// Compares receiver `t`'s dump with the checkpoint, parameter by parameter.
-fn check_dump(dump: &Path, ckpt: &Checkpoint, t: usize, tp: usize) {
-    let bytes = std::fs::read(dump).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let names = st.names();
-    assert_eq!(names.len(), 12, "{names:?}");
-    for name in names {
-        let got = st.tensor(name).unwrap();
-        let want = expected(ckpt, name, t, tp);
-        assert!(
-            got.data() == &want[..],
-            "receiver {t}: {name} differs from the checkpoint ({} vs {} bytes)",
-            got.data().len(),
-            want.len()
-        );
     }
 }
 
@@ -379,7 +229,7 @@ fn link_down_mid_refit(transport: &'static str) {
     if !available(transport) {
         return;
     }
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let mut d = Deployment::start(transport);
     checkpoint(&d.ckpts(), 1);
     let before = d.hosts.port_bytes("pub1").unwrap().0;

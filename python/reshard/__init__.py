@@ -38,6 +38,8 @@ import numpy as np
 from . import _reshard
 from ._reshard import (
     Aborted,
+    Busy,
+    Closed,
     Config,
     Decode,
     Guard,
@@ -72,6 +74,8 @@ __all__ = [
     "numpy_dtype",
     "ReshardError",
     "Aborted",
+    "Busy",
+    "Closed",
     "Config",
     "Decode",
     "Guard",

@@ -7,6 +7,8 @@ import numpy as np
 
 from ._reshard import (
     Aborted as Aborted,
+    Busy as Busy,
+    Closed as Closed,
     Config as Config,
     Decode as Decode,
     Guard as Guard,

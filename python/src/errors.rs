@@ -4,13 +4,20 @@
 //! boundary every entry point runs behind ([`boundary`]), which raises a Rust panic as
 //! `reshard.Panic` (a `reshard.Internal`) instead of PyO3's `PanicException`, a BaseException
 //! that `except Exception` lets through.
+//!
+//! Where Python has a class for the same failure, a kind's class is also that class, so code that
+//! knows nothing of reshard catches it the standard way (docs/python.md, "Errors"): `Timeout` is a
+//! `TimeoutError`, `Transport` a `ConnectionError`, `InvalidInput`, `Layout` and `Config` are
+//! `ValueError`s. An object used from two threads at once is `Busy`, one used after `close()` is
+//! `Closed`: neither is an invalid value.
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyConnectionError, PyException, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 use reshard_core::{Error, ErrorKind};
 
@@ -21,64 +28,160 @@ pyo3::create_exception!(
     "Base of every reshard error; attributes: kind, tensor, owner, byte_range, backend, retryable."
 );
 
-/// Declares one exception class per kind, and the kind-to-class table.
-macro_rules! kinds {
-    ($($kind:ident => $class:ident: $doc:literal),* $(,)?) => {
-        $(pyo3::create_exception!(reshard, $class, ReshardError, $doc);)*
-
-        /// The Python class of `kind`.
-        fn class_of(py: Python<'_>, kind: ErrorKind) -> Bound<'_, pyo3::types::PyType> {
-            match kind {
-                $(ErrorKind::$kind => py.get_type::<$class>(),)*
-                _ => py.get_type::<ReshardError>(),
-            }
-        }
-
-        /// Adds the base class and every kind's class to the module.
-        pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
-            let py = m.py();
-            m.add("ReshardError", py.get_type::<ReshardError>())?;
-            $(m.add(stringify!($class), py.get_type::<$class>())?;)*
-            m.add("Panic", py.get_type::<Panic>())?;
-            Ok(())
-        }
-    };
+/// Which standard Python class a kind's class also derives from, if any.
+#[derive(Clone, Copy)]
+enum Std {
+    None,
+    Value,
+    Timeout,
+    Connection,
 }
 
-kinds! {
-    InvalidInput => InvalidInput: "An argument is invalid (unknown tensor, wrong shape or dtype, missing array).",
-    Decode => Decode: "An encoded shard table or metadata could not be decoded.",
-    InvalidTable => InvalidTable: "A shard table is internally invalid.",
-    InconsistentTensor => InconsistentTensor: "Two publishers disagree on a tensor's dtype or shape.",
-    ReplicaDivergence => ReplicaDivergence: "Replicas of one box carry different digests.",
-    MissingCoverage => MissingCoverage: "A wanted box is not offered by any publisher.",
-    OverlappingOffers => OverlappingOffers: "Distinct offers partially overlap inside a wanted box.",
-    Layout => Layout: "A receiver layout cannot be built for this model and topology.",
-    OutOfBounds => OutOfBounds: "A read falls outside a registered memory region.",
-    PeerUnknown => PeerUnknown: "A read names an owner whose metadata was never loaded.",
-    Transport => Transport: "The transport failed to move bytes (a dead publisher, a broken link).",
-    Aborted => Aborted: "The operation was aborted or cancelled.",
-    Verification => Verification: "Installed bytes do not match the publisher's digest.",
-    Guard => Guard: "A guard (throughput ceiling, coverage floor) refused the update.",
-    Config => Config: "Configuration is invalid (unknown transport, bad topology).",
-    Unsupported => Unsupported: "The backend does not support what was asked.",
-    Unavailable => Unavailable: "A backend's native runtime is not installed on this machine.",
-    Timeout => Timeout: "A wait (discovery, connect, completion) ran past its timeout.",
-    Internal => Internal: "A bug or broken invariant inside reshard.",
+/// Every class this module raises, made once per interpreter ([`classes`]), in [`CLASSES`]'
+/// order.
+static TYPES: GILOnceCell<Vec<Py<PyType>>> = GILOnceCell::new();
+
+/// Name, the kind it stands for (`None`: the classes that are not kinds), standard base, doc.
+const CLASSES: &[(&str, Option<ErrorKind>, Std, &str)] = &[
+    ("InvalidInput", Some(ErrorKind::InvalidInput), Std::Value, "An argument is invalid (unknown tensor, wrong shape or dtype, missing array); also a ValueError."),
+    ("Decode", Some(ErrorKind::Decode), Std::None, "An encoded shard table or metadata could not be decoded."),
+    ("InvalidTable", Some(ErrorKind::InvalidTable), Std::None, "A shard table is internally invalid."),
+    ("InconsistentTensor", Some(ErrorKind::InconsistentTensor), Std::None, "Two publishers disagree on a tensor's dtype or shape."),
+    ("ReplicaDivergence", Some(ErrorKind::ReplicaDivergence), Std::None, "Replicas of one box carry different digests."),
+    ("MissingCoverage", Some(ErrorKind::MissingCoverage), Std::None, "A wanted box is not offered by any publisher."),
+    ("OverlappingOffers", Some(ErrorKind::OverlappingOffers), Std::None, "Distinct offers partially overlap inside a wanted box."),
+    ("Layout", Some(ErrorKind::Layout), Std::Value, "A receiver layout cannot be built for this model and topology; also a ValueError."),
+    ("OutOfBounds", Some(ErrorKind::OutOfBounds), Std::None, "A read falls outside a registered memory region."),
+    ("PeerUnknown", Some(ErrorKind::PeerUnknown), Std::None, "A read names an owner whose metadata was never loaded."),
+    ("Transport", Some(ErrorKind::Transport), Std::Connection, "The transport failed to move bytes (a dead publisher, a broken link); also a ConnectionError."),
+    ("Aborted", Some(ErrorKind::Aborted), Std::None, "The operation was aborted or cancelled."),
+    ("Verification", Some(ErrorKind::Verification), Std::None, "Installed bytes do not match the publisher's digest."),
+    ("Guard", Some(ErrorKind::Guard), Std::None, "A guard (throughput ceiling, coverage floor) refused the update."),
+    ("Config", Some(ErrorKind::Config), Std::Value, "Configuration is invalid (unknown transport, bad topology); also a ValueError."),
+    ("Unsupported", Some(ErrorKind::Unsupported), Std::None, "The backend does not support what was asked."),
+    ("Unavailable", Some(ErrorKind::Unavailable), Std::None, "A backend's native runtime is not installed on this machine."),
+    ("Timeout", Some(ErrorKind::Timeout), Std::Timeout, "A wait (discovery, connect, completion) ran past its timeout; also a TimeoutError."),
+    ("Internal", Some(ErrorKind::Internal), Std::None, "A bug or broken invariant inside reshard."),
+    ("Busy", None, Std::None, "The object is in use: by a call in another thread, or (swap install) its landing bank by arrays the engine still holds."),
+    ("Closed", None, Std::None, "The object was closed: make a new one."),
+];
+
+/// The classes of [`CLASSES`], then `Panic`, made on first use: `type(name, (ReshardError,
+/// std), ...)` (pyo3's declared exceptions take one base; these need two).
+fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    TYPES.get_or_try_init(py, || {
+        let base = py.get_type::<ReshardError>();
+        let make = |name: &str, bases: Bound<'_, PyTuple>, doc: &str| -> PyResult<Py<PyType>> {
+            let ns = PyDict::new(py);
+            ns.set_item("__module__", "reshard")?;
+            ns.set_item("__doc__", doc)?;
+            let t = py
+                .get_type::<PyType>()
+                .call1((name, bases, ns))?
+                .downcast_into::<PyType>()?;
+            Ok(t.unbind())
+        };
+        let mut out = Vec::with_capacity(CLASSES.len() + 1);
+        for &(name, _, std, doc) in CLASSES {
+            let bases = match std {
+                Std::None => PyTuple::new(py, [base.clone()])?,
+                Std::Value => PyTuple::new(py, [base.clone(), py.get_type::<PyValueError>()])?,
+                Std::Timeout => PyTuple::new(py, [base.clone(), py.get_type::<PyTimeoutError>()])?,
+                Std::Connection => {
+                    PyTuple::new(py, [base.clone(), py.get_type::<PyConnectionError>()])?
+                }
+            };
+            out.push(make(name, bases, doc)?);
+        }
+        // `Panic` derives from `Internal`.
+        let at = CLASSES.iter().position(|c| c.0 == "Internal").unwrap_or(0);
+        let internal = out[at].bind(py).clone();
+        out.push(make(
+            "Panic",
+            PyTuple::new(py, [internal])?,
+            "reshard panicked: a bug, raised as an Internal error rather than PyO3's PanicException.",
+        )?);
+        Ok(out)
+    })
 }
 
-pyo3::create_exception!(
-    reshard,
-    Panic,
-    Internal,
-    "reshard panicked: a bug, raised as an Internal error rather than PyO3's PanicException."
-);
+/// The class named `name` ([`CLASSES`] or `Panic`); `ReshardError` if the classes could not be
+/// made (out of memory at import: then the base class is still the right answer).
+fn class_named<'py>(py: Python<'py>, name: &str) -> Bound<'py, PyType> {
+    let at = CLASSES
+        .iter()
+        .position(|c| c.0 == name)
+        .unwrap_or(CLASSES.len());
+    match classes(py) {
+        Ok(all) => all[at.min(all.len() - 1)].bind(py).clone(),
+        Err(_) => py.get_type::<ReshardError>(),
+    }
+}
+
+/// The Python class of `kind`.
+fn class_of(py: Python<'_>, kind: ErrorKind) -> Bound<'_, PyType> {
+    match CLASSES.iter().position(|c| c.1 == Some(kind)) {
+        Some(at) => class_named(py, CLASSES[at].0),
+        None => py.get_type::<ReshardError>(),
+    }
+}
+
+/// Adds the base class and every other class to the module.
+pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("ReshardError", py.get_type::<ReshardError>())?;
+    let all = classes(py)?;
+    for (i, &(name, ..)) in CLASSES.iter().enumerate() {
+        m.add(name, all[i].bind(py))?;
+    }
+    m.add("Panic", all[CLASSES.len()].bind(py))?;
+    Ok(())
+}
 
 /// The Python exception for `e`: its kind's class, the message, and the context as attributes.
 pub fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| {
         let class = class_of(py, e.kind());
         raise_as(py, class, e)
+    })
+}
+
+/// `reshard.Busy` (kind `busy`, retryable: the other user may finish): `message` says what is
+/// in use and by what.
+pub fn busy(message: String) -> PyErr {
+    plain("Busy", "busy", message, None, true)
+}
+
+/// `reshard.Busy` naming `tensor` (its `tensor` attribute): memory of it is in use.
+pub fn busy_tensor(message: String, tensor: &str) -> PyErr {
+    plain("Busy", "busy", message, Some(tensor), true)
+}
+
+/// `reshard.Closed` (kind `closed`): the object was closed.
+pub fn closed(message: String) -> PyErr {
+    plain("Closed", "closed", message, None, false)
+}
+
+/// An exception of class `class` that is no [`ErrorKind`], with the attributes every reshard
+/// error carries (no owner, range or backend).
+fn plain(class: &str, kind: &str, message: String, tensor: Option<&str>, retryable: bool) -> PyErr {
+    Python::with_gil(|py| {
+        let text = match tensor {
+            Some(t) => format!("{kind}: {message} [tensor {t}]"),
+            None => format!("{kind}: {message}"),
+        };
+        let err = PyErr::from_type(class_named(py, class), text);
+        let value = err.value(py);
+        let _ = (|| -> PyResult<()> {
+            value.setattr("kind", kind)?;
+            value.setattr("tensor", tensor)?;
+            for none in ["owner", "byte_range", "backend"] {
+                value.setattr(none, py.None())?;
+            }
+            value.setattr("retryable", retryable)?;
+            Ok(())
+        })();
+        err
     })
 }
 
@@ -143,7 +246,7 @@ pub fn boundary<T>(what: &str, body: impl FnOnce() -> PyResult<T>) -> PyResult<T
                  was called on may be unusable, close it): {message}"
             ),
         );
-        Python::with_gil(|py| raise_as(py, py.get_type::<Panic>(), e))
+        Python::with_gil(|py| raise_as(py, class_named(py, "Panic"), e))
     })
 }
 

@@ -17,7 +17,7 @@ use reshard_core::{Error, ErrorKind, HostMemory, Transport};
 use reshard_planner::topology::PublisherTopology;
 use reshard_runtime::{HeldTensor, TensorPublisher};
 
-use crate::errors::{boundary, invalid, IntoPy};
+use crate::errors::{self, boundary, invalid, IntoPy};
 use crate::memory::{fill_view, ArrayMemory};
 use crate::{lease_ttl_arg, load_config, model_from, registry, rendezvous, runtime, wait};
 
@@ -104,14 +104,10 @@ impl NativePublisher {
     /// held could deadlock a publish that needs the GIL to check for Ctrl-C.
     fn lock(&self) -> PyResult<MutexGuard<'_, Option<State>>> {
         self.state.try_lock().ok_or_else(|| {
-            invalid(
-                ErrorKind::InvalidInput,
-                format!(
-                    "publisher rank {} is busy in another thread (one thread per publisher)",
-                    self.rank
-                ),
-                None,
-            )
+            errors::busy(format!(
+                "publisher rank {} is busy in another thread (one thread per publisher)",
+                self.rank
+            ))
         })
     }
 
@@ -119,11 +115,10 @@ impl NativePublisher {
         let mut guard = self.lock()?;
         match guard.as_mut() {
             Some(s) => f(s),
-            None => Err(invalid(
-                ErrorKind::InvalidInput,
-                format!("publisher rank {} is closed", self.rank),
-                None,
-            )),
+            None => Err(errors::closed(format!(
+                "publisher rank {} is closed",
+                self.rank
+            ))),
         }
     }
 }
@@ -339,7 +334,7 @@ impl NativePublisher {
         let mut guard = self.lock()?;
         let s = guard
             .as_mut()
-            .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
+            .ok_or_else(|| errors::closed("publisher is closed".into()))?;
         let publisher = &mut s.publisher;
         wait(
             py,
@@ -381,7 +376,7 @@ impl NativePublisher {
         let mut guard = self.lock()?;
         let s = guard
             .as_mut()
-            .ok_or_else(|| invalid(ErrorKind::InvalidInput, "publisher is closed".into(), None))?;
+            .ok_or_else(|| errors::closed("publisher is closed".into()))?;
         if s.announced.is_some() {
             return Err(invalid(
                 ErrorKind::InvalidInput,
@@ -400,13 +395,9 @@ impl NativePublisher {
     /// [`NativePublisher::publish`]'s body.
     fn publish_step(&self, py: Python<'_>, step: u64) -> PyResult<()> {
         let mut guard = self.lock()?;
-        let s = guard.as_mut().ok_or_else(|| {
-            invalid(
-                ErrorKind::InvalidInput,
-                format!("publisher rank {} is closed", self.rank),
-                None,
-            )
-        })?;
+        let s = guard
+            .as_mut()
+            .ok_or_else(|| errors::closed(format!("publisher rank {} is closed", self.rank)))?;
         let rank = self.rank;
         if let Some(live) = s.step {
             if step <= live {

@@ -26,7 +26,7 @@ use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StageTimes, StepReport, Subscriber};
 
 use crate::bank::{BankView, Lent};
-use crate::errors::{boundary, invalid, IntoPy};
+use crate::errors::{self, boundary, invalid, IntoPy};
 use crate::memory::ArrayMemory;
 use crate::{load_config, registry, rendezvous, runtime, timeout_arg, wait};
 
@@ -106,21 +106,16 @@ impl NativeReceiver {
     /// the GIL held could deadlock a refit that needs the GIL to check for Ctrl-C).
     fn state(&self) -> PyResult<MutexGuard<'_, Option<State>>> {
         let guard = self.state.try_lock().ok_or_else(|| {
-            invalid(
-                ErrorKind::InvalidInput,
-                format!(
-                    "receiver rank {} is busy with a refit in another thread",
-                    self.rank
-                ),
-                None,
-            )
+            errors::busy(format!(
+                "receiver rank {} is busy with a refit in another thread",
+                self.rank
+            ))
         })?;
         if guard.is_none() {
-            return Err(invalid(
-                ErrorKind::InvalidInput,
-                format!("receiver rank {} is closed", self.rank),
-                None,
-            ));
+            return Err(errors::closed(format!(
+                "receiver rank {} is closed",
+                self.rank
+            )));
         }
         Ok(guard)
     }
@@ -150,8 +145,7 @@ impl NativeReceiver {
         let step = s
             .previous_step
             .map_or_else(|| "an earlier step".to_string(), |n| format!("step {n}"));
-        Err(invalid(
-            ErrorKind::InvalidInput,
+        Err(errors::busy_tensor(
             format!(
                 "receiver rank {}: the next refit lands in the buffers of {step}, and {arrays} \
                  array(s) from weights() still view them ({} of {} parameters: {}); an array \
@@ -163,7 +157,7 @@ impl NativeReceiver {
                 self.specs.len(),
                 names.join(", ")
             ),
-            Some(first),
+            first,
         ))
     }
 
@@ -388,7 +382,7 @@ impl NativeReceiver {
         let mut guard = self.state()?;
         let s = guard
             .as_mut()
-            .ok_or_else(|| invalid(ErrorKind::InvalidInput, "receiver is closed".into(), None))?;
+            .ok_or_else(|| errors::closed("receiver is closed".into()))?;
         if cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
             return Err(invalid(
                 ErrorKind::Aborted,

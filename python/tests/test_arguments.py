@@ -5,6 +5,7 @@ raised as ``reshard.Panic``, an ``Exception`` (PyO3's PanicException is not one)
 
 import asyncio
 import math
+import time
 
 import pytest
 
@@ -88,3 +89,119 @@ def test_a_panic_is_a_reshard_error_of_its_own_class():
     assert issubclass(reshard.Panic, reshard.ReshardError)
     assert issubclass(reshard.Panic, Exception)
     assert "Panic" in reshard.__all__
+
+
+def test_errors_are_also_the_standard_python_classes(hub, name):
+    """Code that knows nothing of reshard catches its errors the standard way: a timeout as
+    ``TimeoutError``, a bad argument as ``ValueError``; an object busy in another thread is
+    ``reshard.Busy`` and a closed one ``reshard.Closed``, neither an invalid value."""
+    for cls, std in [(reshard.Timeout, TimeoutError), (reshard.Transport, ConnectionError),
+                     (reshard.InvalidInput, ValueError), (reshard.Layout, ValueError),
+                     (reshard.Config, ValueError)]:
+        assert issubclass(cls, reshard.ReshardError) and issubclass(cls, std), cls
+    for cls in (reshard.Busy, reshard.Closed):
+        assert issubclass(cls, reshard.ReshardError) and not issubclass(cls, ValueError), cls
+    model = tiny_model(name)
+    with pytest.raises(TimeoutError) as e:
+        receiver(model, hub, timeout=0.3)
+    assert isinstance(e.value, reshard.Timeout) and e.value.kind == "timeout", e.value
+    pubs, arrays = start_publishers(model, hub)
+    rx = receiver(model, hub)
+    with pytest.raises(ValueError) as e:
+        rx.refit(timeout=math.nan)
+    assert isinstance(e.value, reshard.InvalidInput) and "timeout" in str(e.value)
+    assert rx.refit(timeout=10).step == 1
+
+    # A refit waiting for step 2 in another thread holds the receiver: a second call is Busy.
+    async def main():
+        task = asyncio.ensure_future(rx.refit_async(timeout=30))
+        deadline = time.monotonic() + 20
+        while True:
+            assert time.monotonic() < deadline, "the receiver was never busy"
+            await asyncio.sleep(0.05)
+            if task.done():
+                # One of our calls below held the receiver first: the task was the busy one.
+                assert isinstance(task.exception(), reshard.Busy), task.exception()
+                task = asyncio.ensure_future(rx.refit_async(timeout=30))
+                continue
+            try:
+                rx.refit(timeout=0.05)
+            except reshard.Busy as busy:
+                assert busy.kind == "busy" and busy.retryable, busy
+                break
+            except reshard.Timeout:
+                continue  # this call came first (it waited for step 2 in vain)
+        advance(pubs, arrays, 2)
+        return await task
+
+    assert asyncio.run(main()).step == 2
+    assert_exact(rx.params, expected(model, LAYOUT, 0, 2))
+    rx.close()
+    for p in pubs:
+        p.close()
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0, math.inf, 1e300, -math.inf])
+def test_a_lease_ttl_that_is_not_finite_and_positive_is_invalid_input(hub, name, bad):
+    refused(lambda: reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0,
+                                      rendezvous=hub, transport="loopback", lease_ttl=bad),
+            "lease_ttl")
+
+
+def test_short_lease_ttls_are_still_accepted(hub, name):
+    for ttl in (0.0, 0.5, 1.0, 3600.0):
+        reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0, rendezvous=hub,
+                          transport="loopback", lease_ttl=ttl).close()
+
+
+def test_a_panic_is_a_reshard_error_of_its_own_class():
+    # PyO3's PanicException derives from BaseException; reshard.Panic is an Exception, and an
+    # Internal error (a bug), so `except Exception` and `except reshard.ReshardError` catch it.
+    assert issubclass(reshard.Panic, reshard.Internal)
+    assert issubclass(reshard.Panic, reshard.ReshardError)
+    assert issubclass(reshard.Panic, Exception)
+    assert "Panic" in reshard.__all__
+
+
+def test_errors_are_also_the_standard_python_classes(hub, name):
+    """Code that knows nothing of reshard catches its errors the standard way: a timeout as
+    ``TimeoutError``, a bad argument as ``ValueError``; an object busy in another thread is
+    ``reshard.Busy`` and a closed one ``reshard.Closed``, neither an invalid value."""
+    for cls, std in [(reshard.Timeout, TimeoutError), (reshard.Transport, ConnectionError),
+                     (reshard.InvalidInput, ValueError), (reshard.Layout, ValueError),
+                     (reshard.Config, ValueError)]:
+        assert issubclass(cls, reshard.ReshardError) and issubclass(cls, std), cls
+    for cls in (reshard.Busy, reshard.Closed):
+        assert issubclass(cls, reshard.ReshardError) and not issubclass(cls, ValueError), cls
+    model = tiny_model(name)
+    with pytest.raises(TimeoutError) as e:
+        receiver(model, hub, timeout=0.3)
+    assert isinstance(e.value, reshard.Timeout) and e.value.kind == "timeout", e.value
+    pubs, arrays = start_publishers(model, hub)
+    rx = receiver(model, hub)
+    with pytest.raises(ValueError) as e:
+        rx.refit(timeout=math.nan)
+    assert isinstance(e.value, reshard.InvalidInput) and "timeout" in str(e.value)
+    assert rx.refit(timeout=10).step == 1
+
+    # A refit waiting for step 2 in another thread holds the receiver: a second call is Busy.
+    async def main():
+        task = asyncio.ensure_future(rx.refit_async(timeout=30))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            try:
+                rx.refit(timeout=0.1)
+            except reshard.Busy as busy:
+                assert busy.kind == "busy" and busy.retryable, busy
+                break
+        else:
+            pytest.fail("a refit running in another thread never made the receiver busy")
+        advance(pubs, arrays, 2)
+        return await task
+
+    assert asyncio.run(main()).step == 2
+    rx.close()
+    with pytest.raises(reshard.Closed):
+        rx.refit(timeout=1)
+    for p in pubs:
+        p.close()

@@ -22,9 +22,11 @@ def readme_block():
 
 def test_readme_python_example_runs_verbatim():
     script = readme_block()
-    venv = ROOT / ".deps" / "venv" / "bin" / "python"
-    if not venv.exists() or venv.resolve() != Path(sys.executable).resolve():
-        # Only where pytest runs outside the virtualenv: the same command, this interpreter.
+    venv = ROOT / ".deps" / "venv"
+    # Which virtualenv runs us is sys.prefix: the interpreter paths of two virtualenvs of one
+    # Python resolve to the same file, so comparing them cannot tell the two apart.
+    if Path(sys.prefix).resolve() != venv.resolve():
+        # Only where pytest runs outside that virtualenv: the same command, this interpreter.
         script = script.replace(".deps/venv/bin/python", sys.executable)
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True,
                          capture_output=True, timeout=300)

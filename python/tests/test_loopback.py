@@ -270,8 +270,10 @@ def test_context_managers_withdraw_and_release(hub, name):
     pubs, _ = start_publishers(model, hub)
     with receiver(model, hub) as rx:
         rx.refit(timeout=10)
-    with pytest.raises(reshard.InvalidInput):
+    with pytest.raises(reshard.Closed) as e:
         rx.refit(timeout=1)
+    assert e.value.kind == "closed" and not e.value.retryable
+    assert not isinstance(e.value, reshard.InvalidInput)
     for p in pubs:
         with p:
             pass

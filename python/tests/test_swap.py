@@ -65,9 +65,10 @@ def test_swap_serves_reshard_buffers_zero_copy_and_guards_held_arrays(hub, train
     # Step 3 would land in step 1's buffers, which the engine still holds: refused, naming them,
     # before anything is written.
     advance(pubs, arrays, 3)
-    with pytest.raises(reshard.InvalidInput) as e:
+    with pytest.raises(reshard.Busy) as e:
         rx.refit(timeout=10)
     assert e.value.tensor == first and "step 1" in str(e.value)
+    assert e.value.kind == "busy" and not isinstance(e.value, ValueError)
     assert rx.live_step == 2
     assert_exact(w1, expected(model, LAYOUT, 0, 1))
     assert_exact(w2, expected(model, LAYOUT, 0, 2))
@@ -75,7 +76,7 @@ def test_swap_serves_reshard_buffers_zero_copy_and_guards_held_arrays(hub, train
     # into the same buffers (no allocation) and step 2's arrays stay as they were.
     kept = w1[first]
     del w1
-    with pytest.raises(reshard.InvalidInput) as e:
+    with pytest.raises(reshard.Busy) as e:
         rx.refit(timeout=10)
     assert e.value.tensor == first and "1 array(s)" in str(e.value)
     del kept

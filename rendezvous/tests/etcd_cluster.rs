@@ -4,11 +4,11 @@
 //! discoverable, advance, and are discovered at the next step while a new leader is elected and
 //! one member is dead; then the member comes back.
 
+mod common;
 mod suite;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,40 +19,10 @@ use suite::Sides;
 /// Members of every cluster here: the smallest that survives losing one.
 const MEMBERS: usize = 3;
 
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/etcd.sh")
-}
-
-/// Runs scripts/etcd.sh with `args`; its stdout, trimmed, or a panic with its stderr.
+/// Runs scripts/etcd.sh with `args` (every member is stopped by the script's watcher once this
+/// binary exits).
 fn etcd_sh(args: &[&std::ffi::OsStr]) -> String {
-    let out = Command::new("bash")
-        .arg(script())
-        .args(args)
-        // Every member is stopped by the script's watcher once this binary exits, even where a
-        // cluster lives in a static (never dropped) or a test panics before its drop.
-        .env("ETCD_OWNER_PID", std::process::id().to_string())
-        .output()
-        .expect("run scripts/etcd.sh");
-    assert!(
-        out.status.success(),
-        "scripts/etcd.sh {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
-
-/// Whether etcd is installed; where it is not and the environment does not require it
-/// (`RESHARD_REQUIRE_BACKENDS` set, as in CI), says so loudly.
-fn etcd_installed() -> bool {
-    let installed = Command::new("etcd").arg("--version").output().is_ok();
-    if !installed {
-        assert!(
-            std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
-            "etcd is required here: run scripts/install-deps.sh"
-        );
-        eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
-    }
-    installed
+    common::etcd_sh(args, None)
 }
 
 /// A private etcd cluster of [`MEMBERS`] members in `dir`, stopped when dropped.
@@ -66,7 +36,7 @@ impl Cluster {
     /// Starts a cluster in a fresh temporary folder named after `name`, or `None` where etcd is
     /// not installed.
     fn start(name: &str) -> Option<Cluster> {
-        if !etcd_installed() {
+        if !common::etcd_installed() {
             return None;
         }
         let dir = std::env::temp_dir().join(format!("reshard-{name}-{}", std::process::id()));
@@ -139,55 +109,21 @@ fn shared() -> Option<String> {
 }
 
 fn options() -> EtcdOptions {
-    EtcdOptions {
-        lease_ttl: Duration::from_secs(1),
-        ..EtcdOptions::default()
-    }
+    common::options(1)
 }
 
-/// Two connections to the cluster, each given every member; every test uses its own model name
-/// (prefix), so the tests of this binary run in parallel without seeing each other.
+/// The suite's two sides on the shared cluster, each connection given every member.
 async fn sides(model: &str) -> Option<Sides> {
-    let url = shared()?;
-    let publishers = Etcd::connect(&url, options()).await.expect("connect");
-    let receivers = Etcd::connect(&url, options()).await.expect("connect");
+    let (publishers, receivers) = common::two_connections(&shared()?).await;
     Some(Sides {
-        publishers: Arc::new(publishers),
-        receivers: Arc::new(receivers),
+        publishers,
+        receivers,
         gone_within: Duration::from_secs(3),
         model: model.to_string(),
     })
 }
 
-macro_rules! suite_tests {
-    ($($name:ident $(($arg:expr))?),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $name() {
-            let Some(s) = sides(stringify!($name)).await else { return };
-            suite::$name(&s $(, $arg)?).await;
-        }
-    )*};
-}
-
-suite_tests!(
-    a_receiver_started_first_waits_for_every_publisher,
-    a_timeout_names_who_was_seen_missing_and_behind,
-    an_unready_publisher_holds_discovery_until_it_advances,
-    discovery_never_mixes_steps_while_publishers_advance(60),
-    a_dropped_handle_is_a_publisher_gone_and_wakes_watchers,
-    one_holder_per_rank_and_a_restarted_rank_claims_it,
-    large_tables_arrive_intact,
-    a_live_publisher_outlasts_its_lease,
-    a_disagreeing_architecture_is_refused,
-    fetch_reports_each_records_readiness,
-    a_record_not_ready_at_fetch_sends_discovery_round_again,
-    a_world_above_the_limit_is_refused_at_announce,
-    a_note_is_shown_with_the_member_and_clears,
-    a_member_withdrawn_between_list_and_fetch_is_waited_for,
-    an_unreachable_rendezvous_is_waited_through,
-    a_broken_watch_is_waited_through,
-    a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure,
-);
+suite::suite_tests!(sides, 60);
 
 /// Asks each member of `url` on its own (a connection to that endpoint alone): every one must
 /// answer, they must be [`MEMBERS`] distinct members of one cluster, and agree on a leader

@@ -4,6 +4,8 @@
 //! restart; the same incarnation under a new lease after a pause longer than the TTL; and a
 //! process that lost its rank to another never overwrites or deletes the new holder's record.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -13,10 +15,6 @@ use etcd_client::Client;
 use reshard_core::rendezvous::{discover, Announced, Announcement, Rendezvous, Want};
 use reshard_core::ErrorKind;
 use reshard_rendezvous::{Etcd, EtcdOptions};
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/etcd.sh")
-}
 
 /// An etcd of one test: its folder, client port and process; stopped and removed when dropped.
 struct Server {
@@ -28,12 +26,7 @@ struct Server {
 impl Server {
     /// Starts one, or `None` (loudly) where etcd is not installed and not required.
     fn start(name: &str) -> Option<Server> {
-        if Command::new("etcd").arg("--version").output().is_err() {
-            assert!(
-                std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
-                "etcd is required here: run scripts/install-deps.sh"
-            );
-            eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
+        if !common::etcd_installed() {
             return None;
         }
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -53,19 +46,7 @@ impl Server {
     }
 
     fn run_start(&self, port: Option<&str>) -> String {
-        let mut cmd = Command::new("bash");
-        cmd.arg(script()).arg("start").arg(&self.dir);
-        cmd.env("ETCD_OWNER_PID", std::process::id().to_string());
-        if let Some(p) = port {
-            cmd.env("ETCD_PORT", p);
-        }
-        let out = cmd.output().expect("run scripts/etcd.sh");
-        assert!(
-            out.status.success(),
-            "scripts/etcd.sh start failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
+        common::etcd_sh(&["start".as_ref(), self.dir.as_os_str()], port)
     }
 
     fn pid(&self) -> String {
@@ -103,7 +84,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = Command::new("kill").args(["-CONT", &self.pid()]).status();
         let _ = Command::new("bash")
-            .arg(script())
+            .arg(common::script())
             .arg("stop")
             .arg(&self.dir)
             .status();

@@ -561,3 +561,38 @@ pub async fn a_note_is_shown_with_the_member_and_clears(s: &Sides) {
     a.set_note(None).await.unwrap();
     assert_eq!(note(r, s.model.clone()).await, (5, true, None));
 }
+
+/// Every test of the suite as a `#[tokio::test]` of the calling binary. `$sides` is an async fn
+/// giving the [`Sides`] of a model name (`None`: skipped, said loudly by it); `$rounds` is how
+/// many steps the advancing test runs (a hub takes thousands where etcd takes tens).
+macro_rules! suite_tests {
+    ($sides:path, $rounds:expr) => {
+        $crate::suite::suite_tests!(@each $sides;
+            a_receiver_started_first_waits_for_every_publisher,
+            a_timeout_names_who_was_seen_missing_and_behind,
+            an_unready_publisher_holds_discovery_until_it_advances,
+            discovery_never_mixes_steps_while_publishers_advance($rounds),
+            a_dropped_handle_is_a_publisher_gone_and_wakes_watchers,
+            one_holder_per_rank_and_a_restarted_rank_claims_it,
+            large_tables_arrive_intact,
+            a_live_publisher_outlasts_its_lease,
+            a_disagreeing_architecture_is_refused,
+            fetch_reports_each_records_readiness,
+            a_record_not_ready_at_fetch_sends_discovery_round_again,
+            a_world_above_the_limit_is_refused_at_announce,
+            a_note_is_shown_with_the_member_and_clears,
+            a_member_withdrawn_between_list_and_fetch_is_waited_for,
+            an_unreachable_rendezvous_is_waited_through,
+            a_broken_watch_is_waited_through,
+            a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure,
+        );
+    };
+    (@each $sides:path; $($name:ident $(($arg:expr))?),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let Some(s) = $sides(stringify!($name)).await else { return };
+            $crate::suite::$name(&s $(, $arg)?).await;
+        }
+    )*};
+}
+pub(crate) use suite_tests;
