@@ -35,7 +35,8 @@ use reshard_checkpoint::Checkpoint;
 use reshard_testkit::hosts::{self, Hosts};
 use serde_json::Value;
 
-const R: &str = env!("CARGO_BIN_EXE_reshard");
+mod support;
+use support::{expected, log, scripts, R};
 
 /// Model name the run meets under.
 const MODEL: &str = "chaos";
@@ -61,37 +62,10 @@ const SLOW_LINK: &str = "160mbit";
 /// Longest a step may take to install on both receivers after its fault ended.
 const RECOVER_WITHIN: Duration = Duration::from_secs(90);
 
-/// The clock of this test's progress lines on stderr.
-static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-
-fn log(what: &str) {
-    let s = START.get_or_init(Instant::now).elapsed().as_secs_f64();
-    eprintln!("[{s:8.3} s] {what}");
-}
-
-fn scripts() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts")
-}
-
 /// Skips loudly where the hosts, UCX or etcd are missing, unless `RESHARD_REQUIRE_BACKENDS`
 /// asks for them.
 fn available() -> bool {
-    if !hosts::available() {
-        return false;
-    }
-    let probe = reshard_transports::registry().probe("ucx");
-    if !reshard_conformance::backend_available("ucx", probe) {
-        return false;
-    }
-    let etcd = Command::new("etcd").arg("--version").output().is_ok();
-    assert!(
-        etcd || std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
-        "etcd is required here: run scripts/install-deps.sh"
-    );
-    if !etcd {
-        eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
-    }
-    etcd
+    hosts::available() && support::available("ucx")
 }
 
 /// UCX over TCP on the host's one interface, with gets of 1 MiB and a no-progress bound that
@@ -431,7 +405,9 @@ urllib.request.urlopen(req, timeout=10).read()
         self.dir.join("ckpts")
     }
 
-    /// Writes step `step` aside (not yet seen by the publishers); `move_in` moves it in.
+    /// Writes step `step` aside (not yet seen by the publishers); `move_in` moves it in. Four
+    /// experts (one per EP rank) rather than `support::checkpoint`'s eight: a step half the
+    /// bytes, a dozen of them in the run.
     fn write_aside(&self, step: u64) -> PathBuf {
         let out = self.dir.join("aside").join(format!("step-{step}"));
         let run = Command::new(R)
@@ -734,62 +710,6 @@ urllib.request.urlopen(req, timeout=10).read()
     }
 }
 
-/// Bytes of rows `rows` of a row-major 2-D tensor with `cols` columns of `elem` bytes.
-fn rows(t: &[u8], cols: usize, elem: usize, rows: std::ops::Range<usize>) -> Vec<u8> {
-    t[rows.start * cols * elem..rows.end * cols * elem].to_vec()
-}
-
-/// Columns `c` of every row of a row-major 2-D tensor.
-fn cols(t: &[u8], ncols: usize, elem: usize, c: std::ops::Range<usize>) -> Vec<u8> {
-    t.chunks(ncols * elem)
-        .flat_map(|row| row[c.start * elem..c.end * elem].to_vec())
-        .collect()
-}
-
-/// What TP rank `t` of `tp` holds of each parameter in vLLM's naming, cut from the checkpoint
-/// (the reference of cli/tests/deploy.rs, kept independent of reshard's planner).
-fn expected(ckpt: &Checkpoint, name: &str, t: usize, tp: usize) -> Vec<u8> {
-    let m = ckpt.model();
-    let (h, e) = (m.hidden as usize, 2usize);
-    let hd = m.head_dim as usize;
-    let (q, kv) = (m.heads as usize * hd, m.kv_heads as usize * hd);
-    let get = |n: &str| ckpt.tensor_bytes(n).unwrap().to_vec();
-    let part = |len: usize| (t * len / tp)..((t + 1) * len / tp);
-    let l = "model.layers.0.";
-    let moe = m.moe.as_ref().unwrap();
-    let i = moe.expert_intermediate as usize;
-    match name.strip_prefix(l).unwrap_or(name) {
-        "model.embed_tokens.weight" | "lm_head.weight" => {
-            rows(&get(name), h, e, part(m.vocab as usize))
-        }
-        "self_attn.qkv_proj.weight" => [
-            rows(&get(&format!("{l}self_attn.q_proj.weight")), h, e, part(q)),
-            rows(&get(&format!("{l}self_attn.k_proj.weight")), h, e, part(kv)),
-            rows(&get(&format!("{l}self_attn.v_proj.weight")), h, e, part(kv)),
-        ]
-        .concat(),
-        "self_attn.o_proj.weight" => cols(&get(name), q, e, part(q)),
-        "mlp.experts.w13_weight" => (0..moe.experts)
-            .flat_map(|x| {
-                let p = |proj: &str| get(&format!("{l}mlp.experts.{x}.{proj}.weight"));
-                [
-                    rows(&p("gate_proj"), h, e, part(i)),
-                    rows(&p("up_proj"), h, e, part(i)),
-                ]
-                .concat()
-            })
-            .collect(),
-        "mlp.experts.w2_weight" => (0..moe.experts)
-            .flat_map(|x| {
-                let p = get(&format!("{l}mlp.experts.{x}.down_proj.weight"));
-                cols(&p, i, e, part(i))
-            })
-            .collect(),
-        // Norms and the router are replicated: the whole tensor.
-        _ => get(name),
-    }
-}
-
 /// The shard files of checkpoint `dir`, sorted.
 fn shards(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -835,7 +755,7 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
         return;
     }
     let began = Instant::now();
-    START.get_or_init(Instant::now);
+    log("chaos run starts");
     let mut run = Run::start();
     let ttl = Duration::from_secs(TTL_S);
 
