@@ -732,8 +732,9 @@ fn set_rate(hosts: &Hosts, host: &str, rate: &str) {
     assert!(ok, "hosts.sh rate {host} {rate}");
 }
 
-/// Waits for every publisher's `refused` line of `step`; their error kinds.
-fn refusals(run: &Run, step: u64) -> Vec<String> {
+/// Waits for every publisher's `refused` line of `step`, whose message must name `what`; their
+/// error kinds.
+fn refusals(run: &Run, step: u64, what: &str) -> Vec<String> {
     (0..WORLD)
         .map(|r| {
             let seen = run.publisher_event(r, "refused", step);
@@ -743,7 +744,11 @@ fn refusals(run: &Run, step: u64) -> Vec<String> {
                 "publisher {r} still serves the live step: {v}"
             );
             let kind = v["error"]["kind"].as_str().expect("a typed error");
-            assert!(!v["error"]["message"].as_str().unwrap().is_empty(), "{v}");
+            let message = v["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains(what),
+                "publisher {r}: {what} not named: {v}"
+            );
             format!("publisher refused step {step}: {kind}")
         })
         .collect()
@@ -848,6 +853,7 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
     // process, and what the receivers install is the new step byte for byte.
     log("fault 4: publisher 5 SIGSTOPped");
     let pid5 = run.pubr(5).pid;
+    let incarnation = run.status()[5]["incarnation"].clone();
     run.pubr(5).signal("-STOP");
     let stopped = Instant::now();
     let s = run.write_aside(5);
@@ -864,6 +870,7 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
     assert_eq!(run.pubr(5).pid, pid5);
     run.one_holder_per_rank(5);
     let m5 = run.status()[5].clone();
+    assert_eq!(m5["incarnation"], incarnation, "the same incarnation: {m5}");
     let age = m5["lease_age_s"].as_f64().unwrap();
     assert!(
         age <= resumed.elapsed().as_secs_f64() + 1.0,
@@ -880,8 +887,13 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
             .command(&publisher_host(6), R)
             .args(run.publish_args(6)),
     );
+    let claimed = Instant::now();
     let code = second.exit_code(Duration::from_secs(30));
     let ended = Instant::now();
+    log(&format!(
+        "the second claimant exited {code:?} after {:.1} s",
+        (ended - claimed).as_secs_f64()
+    ));
     let err = second.stderr_text();
     assert_eq!(code, Some(2), "{err}");
     for part in [
@@ -939,7 +951,7 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
     )
     .unwrap();
     run.move_in(&bad);
-    let mut refused = refusals(&run, 8);
+    let mut refused = refusals(&run, 8, "config.json");
     let bad = run.write_aside(9);
     let cut = shards(&bad)[1].clone();
     let len = std::fs::metadata(&cut).unwrap().len();
@@ -950,7 +962,8 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
         .set_len(len / 3)
         .unwrap();
     run.move_in(&bad);
-    refused.extend(refusals(&run, 9));
+    let file = cut.file_name().unwrap().to_str().unwrap().to_string();
+    refused.extend(refusals(&run, 9, &file));
     for r in 0..WORLD {
         assert!(
             run.pubr(r).lines.try_recv().is_err(),
