@@ -1,8 +1,8 @@
-//! The chaos run (docs/deployment.md, "The chaos run"; issue 27 item 6): a whole deployment on
-//! emulated hosts (scripts/hosts.sh) — a real 3-member etcd cluster on one host, 8 `reshard
-//! publish` processes (Megatron TP2/EP4/DP4 on 4 hosts, a TP group each) and 2 `reshard receive` processes
-//! (vLLM TP2, one host each) over UCX restricted to TCP on the hosts' links — taken through
-//! the faults an ordinary day brings, one after the other:
+//! The chaos run (docs/deployment.md §7, "The chaos run"; issue 27 item 6): a whole deployment
+//! on emulated hosts (scripts/hosts.sh) — a real 3-member etcd cluster on one host, 8 `reshard
+//! publish` processes (Megatron TP2/EP4/DP4 on 4 hosts, a TP group each) and 2 `reshard
+//! receive` processes (vLLM TP2, one host each) over UCX restricted to TCP on the hosts' links
+//! — taken through the faults an ordinary day brings, one after the other:
 //!
 //! 1. every etcd member down (SIGTERM) longer than the lease TTL, then back on its data;
 //! 2. the etcd leader SIGKILLed (restarted once the next step is in);
