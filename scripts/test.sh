@@ -22,6 +22,9 @@ fi
 # this).
 PATH="$(dirname "$python"):$PATH"
 export PATH
+# The NIXL runtime install-deps put in this checkout (cargo sets the same for what it runs,
+# .cargo/config.toml; pytest's processes are not cargo's).
+export RESHARD_NIXL_HOME=${RESHARD_NIXL_HOME:-$root/.deps/nixl}
 
 # The in-flight safety tests run under AddressSanitizer instead of here: the same tests, checked
 # the same way (no byte lands after the batch ends), and a read into freed memory caught too
@@ -29,7 +32,11 @@ export PATH
 cargo test --workspace --release -- --skip quiesc
 bash scripts/asan-quiescence.sh
 
-# --no-build-isolation: maturin comes from the virtualenv (install-deps), not a fresh download.
-"$python" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall \
-    --no-deps ./python
+# The package as users get it: a wheel (maturin, from the virtualenv: install-deps), kept in
+# target/wheels for scripts/wheel-check.sh, installed into the virtualenv.
+wheels=$root/target/wheels
+rm -f "$wheels"/reshard-*.whl
+maturin build --release --quiet -m python/Cargo.toml --out "$wheels"
+"$python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+    "$wheels"/reshard-*.whl
 "$python" -m pytest -q -p no:cacheprovider python/tests

@@ -29,9 +29,32 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
+
+
+def _nixl_home() -> Optional[str]:
+    """The folder of the ``nixl-cu12`` package installed beside this one (``pip install
+    reshard[nixl]``), where its ``.nixl_cu12.mesonpy.libs/libnixl_capi.so`` lives; ``None`` when
+    it is not installed. Only looked up, never imported (importing it needs CUDA)."""
+    try:
+        spec = importlib.util.find_spec("nixl_cu12")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(next(iter(spec.submodule_search_locations))).parent)
+
+
+# The nixl backend loads the NIXL runtime from RESHARD_NIXL_HOME (else the loader's search path;
+# never from the tree the package was built in): an explicit setting wins, else the installed
+# nixl-cu12 package. Set before the native module creates any transport.
+if not os.environ.get("RESHARD_NIXL_HOME") and (_home := _nixl_home()) is not None:
+    os.environ["RESHARD_NIXL_HOME"] = _home
 
 import numpy as np
 

@@ -2,8 +2,10 @@
 //!
 //! `nixl-sys` is built with its stub API: at its first call it `dlopen`s `libnixl_capi.so`
 //! *by name* and aborts the process when that fails. This module owns everything that must
-//! happen before that point: it locates the library (`RESHARD_NIXL_HOME`, else the repository's
-//! `.deps/nixl`, else the loader's search path), `dlopen`s it by absolute path with
+//! happen before that point: it locates the library (`RESHARD_NIXL_HOME`, else the loader's
+//! search path; never a path compiled in, so an installed build finds what is installed where it
+//! runs: cargo sets `RESHARD_NIXL_HOME` to the checkout's `.deps/nixl` in `.cargo/config.toml`, and
+//! the Python package to the `nixl-cu12` package installed beside it), `dlopen`s it by absolute path with
 //! `RTLD_LOCAL` and keeps the handle for the life of the process, so the stub's later
 //! `dlopen("libnixl_capi.so")` finds the already-loaded object by its soname. Only then is
 //! `nixl_sys::is_stub()` asked, which never aborts. Every failure is a typed `Unavailable`
@@ -23,13 +25,10 @@ pub const HOME_ENV: &str = "RESHARD_NIXL_HOME";
 const CAPI: &str = "libnixl_capi.so";
 
 /// How to get the runtime, appended to every `Unavailable` message.
-const INSTALL_HINT: &str = "install it with `bash scripts/install-deps.sh` (puts the nixl-cu12 \
-                            wheel in .deps/nixl), or point RESHARD_NIXL_HOME at a NIXL install";
-
-/// The repository's default runtime folder, fixed at build time.
-fn repo_default() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.deps/nixl")
-}
+const INSTALL_HINT: &str = "install the nixl-cu12 wheel (`pip install reshard[nixl]` for the \
+                            Python package; in a checkout, `bash scripts/install-deps.sh` puts it \
+                            in .deps/nixl, which cargo points RESHARD_NIXL_HOME at) or point \
+                            RESHARD_NIXL_HOME at a NIXL install";
 
 /// Folders inside a runtime home where `libnixl_capi.so` may live: the wheel's layout first,
 /// then the usual install prefixes.
@@ -43,20 +42,20 @@ fn candidates(home: &Path) -> [PathBuf; 4] {
 }
 
 /// Where the C API library is: `Ok(Some(path))` inside `home` (when given, it must hold the
-/// library) or inside `fallback`; `Ok(None)` when neither has it and the loader's search path
-/// (`LD_LIBRARY_PATH`) is the last resort. An explicit home without the library is an
-/// `Unavailable` error: a wrong override should not silently pick up another NIXL.
-pub fn locate(home: Option<&Path>, fallback: &Path) -> Result<Option<PathBuf>> {
-    if let Some(home) = home {
-        return match candidates(home).into_iter().find(|p| p.is_file()) {
-            Some(p) => Ok(Some(p)),
-            None => Err(unavailable(format!(
-                "{HOME_ENV}={} holds no {CAPI}",
-                home.display()
-            ))),
-        };
+/// library); `Ok(None)` without a home, when the loader's search path (`LD_LIBRARY_PATH`) is the
+/// last resort. An explicit home without the library is an `Unavailable` error: a wrong override
+/// should not silently pick up another NIXL.
+pub fn locate(home: Option<&Path>) -> Result<Option<PathBuf>> {
+    let Some(home) = home else {
+        return Ok(None);
+    };
+    match candidates(home).into_iter().find(|p| p.is_file()) {
+        Some(p) => Ok(Some(p)),
+        None => Err(unavailable(format!(
+            "{HOME_ENV}={} holds no {CAPI}",
+            home.display()
+        ))),
     }
-    Ok(candidates(fallback).into_iter().find(|p| p.is_file()))
 }
 
 fn unavailable(why: String) -> Error {
@@ -151,7 +150,7 @@ fn load() -> Result<Runtime> {
     let home = std::env::var_os(HOME_ENV)
         .filter(|h| !h.is_empty())
         .map(PathBuf::from);
-    let path = locate(home.as_deref(), &repo_default())?;
+    let path = locate(home.as_deref())?;
     let lib = match &path {
         Some(p) => {
             // SAFETY: loading a shared library runs its initialisers; libnixl_capi.so is the
@@ -177,8 +176,7 @@ fn load() -> Result<Runtime> {
     // otherwise it tries the loader's search path and reports failure.
     if nixl_sys::is_stub() {
         return Err(unavailable(format!(
-            "{CAPI} is neither in {} nor on the loader's search path (LD_LIBRARY_PATH)",
-            repo_default().display()
+            "{HOME_ENV} is not set and {CAPI} is not on the loader's search path (LD_LIBRARY_PATH)"
         )));
     }
     let source = path.as_ref().map_or_else(
@@ -286,11 +284,12 @@ mod tests {
     fn explicit_home_without_library_is_unavailable() {
         let empty = std::env::temp_dir().join(format!("reshard-nixl-empty-{}", std::process::id()));
         std::fs::create_dir_all(&empty).unwrap();
-        let e = locate(Some(&empty), &repo_default()).unwrap_err();
+        let e = locate(Some(&empty)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unavailable);
         assert!(e.message().contains("install-deps.sh"), "{e}");
-        // No home and nothing in the fallback: rely on the loader's search path.
-        assert_eq!(locate(None, &empty).unwrap(), None);
+        assert!(e.message().contains("reshard[nixl]"), "{e}");
+        // No home: rely on the loader's search path (no folder compiled in).
+        assert_eq!(locate(None).unwrap(), None);
         std::fs::remove_dir_all(&empty).ok();
     }
 
@@ -300,11 +299,7 @@ mod tests {
         let dir = home.join(".nixl_cu12.mesonpy.libs");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join(CAPI), b"").unwrap();
-        assert_eq!(
-            locate(Some(&home), Path::new("/nonexistent")).unwrap(),
-            Some(dir.join(CAPI))
-        );
-        assert_eq!(locate(None, &home).unwrap(), Some(dir.join(CAPI)));
+        assert_eq!(locate(Some(&home)).unwrap(), Some(dir.join(CAPI)));
         std::fs::remove_dir_all(&home).ok();
     }
 }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The Python package as a user installs it (docs/python.md, "Installing"): built as a wheel
+# (maturin), installed with its `nixl` extra into a fresh virtualenv, then used from a shell that
+# has no cargo, no Rust toolchain and no build tree on its PATH or in its environment:
+#   1. the README's Python example (the block after "The examples in `examples/python/`", minus
+#      its install line, run with the fresh virtualenv's python);
+#   2. a nixl transport made from the installed package, which must load the NIXL runtime from
+#      the nixl-cu12 package installed in that virtualenv (read off /proc/self/maps), never from
+#      this checkout's .deps/nixl.
+# Usage: scripts/wheel-check.sh [WHEEL] (default: build one). Needs scripts/install-deps.sh
+# (maturin in .deps/venv) and network access or pip's cache for numpy and nixl-cu12, as a user's
+# install does.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${RESHARD_PYTHON:-$root/.deps/venv/bin/python}
+work=$(mktemp -d /tmp/reshard-wheel.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+wheel=${1:-}
+if [ -z "$wheel" ]; then
+    echo "== wheel: build"
+    PATH="$(dirname "$python"):$PATH" maturin build --release --quiet -m python/Cargo.toml \
+        --out "$work/dist"
+    wheel=$(ls "$work"/dist/reshard-*.whl)
+fi
+echo "== wheel: $(basename "$wheel") into a fresh virtualenv"
+"$python" -m venv "$work/venv"
+"$work/venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel[nixl]"
+
+# A user's shell: the system PATH only, nothing of cargo or of this checkout's environment.
+clean=(env -i HOME="$HOME" LANG=C.UTF-8 PATH=/usr/sbin:/usr/bin:/sbin:/bin UCX_TLS=tcp)
+if "${clean[@]}" bash -c 'command -v cargo || command -v rustc'; then
+    echo "wheel-check: cargo or rustc is on the system PATH; the check would not prove it needs none" >&2
+    exit 1
+fi
+
+echo "== wheel: the README's Python example, from the installed package"
+example=$("$python" - "$work/venv/bin/python" <<'EOF'
+import re, sys
+text = open("README.md").read()
+at = text.index("The examples in `examples/python/`")
+block = re.search(r"```sh\n(.*?)```", text[at:], re.S).group(1).splitlines()
+assert block[0].startswith("scripts/install-deps.sh"), block[0]
+print("\n".join(block[1:]).replace(".deps/venv/bin/python", sys.argv[1]))
+EOF
+)
+out=$("${clean[@]}" bash -euo pipefail -c "$example")
+echo "$out" | grep -E "^engine rank" || true
+for rank in 0 1; do
+    grep -q "engine rank $rank: step 3 installed, verified=True" <<<"$out" ||
+        { echo "wheel-check: engine rank $rank did not install step 3 verified:" >&2; echo "$out" >&2; exit 1; }
+done
+
+echo "== wheel: the NIXL runtime comes from the virtualenv's nixl-cu12"
+"${clean[@]}" "$work/venv/bin/python" - "$work/venv" <<'EOF'
+import sys
+import reshard
+
+venv = sys.argv[1]
+model = reshard.model_config("qwen3-30b-a3b", layers=1, experts=2, vocab=64, dtype="f32")
+# Making the publisher makes its transport, which loads the runtime.
+with reshard.Publisher(model=model, topology={"tp": 1}, rank=0,
+                       rendezvous=reshard.InProcessHub(), transport="nixl"):
+    maps = open("/proc/self/maps").read().splitlines()
+    libs = sorted({line.split()[-1] for line in maps if line.endswith("libnixl_capi.so")})
+assert libs, "no libnixl_capi.so mapped after making a nixl transport"
+for lib in libs:
+    assert lib.startswith(venv + "/"), f"NIXL runtime loaded from {lib}, not from {venv}"
+print(f"NIXL runtime: {libs[0]}")
+EOF
+echo "wheel-check: the wheel installs without cargo, runs the README example, finds NIXL in its venv"
