@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::config::dtype_from_safetensors as from_st_dtype;
 use crate::config::read_config;
 use crate::file::ShardFile;
-use crate::{INDEX_FILE, STEP_KEY};
+use crate::{INDEX_FILE, SINGLE_FILE, STEP_KEY};
 
 /// Where one tensor's bytes are.
 pub(crate) struct Entry {
@@ -49,18 +49,27 @@ pub(crate) fn cfg_err(msg: String) -> Error {
     Error::new(ErrorKind::Config, msg)
 }
 
-/// The parsed index: step, and tensor name -> shard file name.
+/// The parsed index: step, and tensor name -> shard file name. A single-file checkpoint (no
+/// index, one `model.safetensors`) has one made from that file's header.
 pub(crate) struct Index {
     pub(crate) step: Option<u64>,
     pub(crate) weight_map: BTreeMap<String, String>,
+    /// Made from `model.safetensors` alone: there is no index file.
+    pub(crate) single: bool,
 }
 
-/// Reads `dir/model.safetensors.index.json`; a missing index means the folder is incomplete.
+/// Reads `dir/model.safetensors.index.json`, or, where there is none, the header of
+/// `dir/model.safetensors` (a single-file checkpoint: every tensor in that file, its step from the
+/// file's `__metadata__`). Neither present means the folder is incomplete.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let file = dir.join(INDEX_FILE);
+    if !file.exists() && dir.join(SINGLE_FILE).exists() {
+        return single_index(dir);
+    }
     let text = std::fs::read_to_string(&file).map_err(|e| {
         cfg_err(format!(
-            "{} is not a complete checkpoint: cannot read {}: {e}",
+            "{} is not a complete checkpoint: cannot read {} (and there is no single-file \
+             {SINGLE_FILE}): {e}",
             dir.display(),
             file.display()
         ))
@@ -97,7 +106,27 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
             s.as_u64()
                 .or_else(|| s.as_str().and_then(|s| s.parse().ok()))
         });
-    Ok(Index { step, weight_map })
+    Ok(Index {
+        step,
+        weight_map,
+        single: false,
+    })
+}
+
+/// The index of a single-file checkpoint, from the header of `dir/model.safetensors`.
+fn single_index(dir: &Path) -> Result<Index> {
+    let file = ShardFile::open(&dir.join(SINGLE_FILE), SINGLE_FILE)?;
+    let (_, meta) = file.read_header()?;
+    let weight_map = meta
+        .tensors()
+        .into_keys()
+        .map(|t| (t, SINGLE_FILE.to_string()))
+        .collect();
+    Ok(Index {
+        step: shard_step(&meta),
+        weight_map,
+        single: true,
+    })
 }
 
 /// Checks what the `safetensors` crate checks of a whole file, from the header and the file size
@@ -196,7 +225,8 @@ fn step_from_dir_name(dir: &Path) -> Option<u64> {
 }
 
 impl Checkpoint {
-    /// Opens the checkpoint in `dir`: reads `config.json` and the index, opens every shard file,
+    /// Opens the checkpoint in `dir`: reads `config.json` and the index (or, without one, the header of a single
+    /// `model.safetensors`), opens every shard file,
     /// reads its header and validates every tensor against the architecture (see the crate docs
     /// for the error kinds). Tensor data is read later, by [`Checkpoint::copy_box`].
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
@@ -257,6 +287,7 @@ impl Checkpoint {
             let have = found.get(&want.name).ok_or_else(|| {
                 let why = match file {
                     Some(f) => format!("the index lists it in {f} but that file does not hold it"),
+                    None if index.single => format!("{SINGLE_FILE} does not hold it"),
                     None => "it is neither in the index nor in any shard file".into(),
                 };
                 cfg_err(format!(

@@ -1,4 +1,5 @@
-//! Generating a checkpoint: shard files first, `config.json`, then the index last (atomically).
+//! Generating a checkpoint: shard files first, `config.json`, then the index last (atomically);
+//! or a single-file one: `config.json`, then `model.safetensors` (atomically).
 
 use std::fs;
 use std::io::Write;
@@ -11,7 +12,7 @@ use serde_json::json;
 use crate::config::safetensors_dtype as to_st_dtype;
 use crate::config::{to_hf_config, CONFIG_FILE};
 use crate::content::fill_tensor;
-use crate::{INDEX_FILE, STEP_KEY};
+use crate::{INDEX_FILE, SINGLE_FILE, STEP_KEY};
 
 use serde_json::{Map, Value};
 
@@ -121,13 +122,7 @@ pub fn write_checkpoint(
         }
         shards.push(name);
     }
-    let cfg = serde_json::to_string_pretty(&to_hf_config(model)).map_err(|e| {
-        Error::new(
-            ErrorKind::Internal,
-            format!("cannot encode config.json: {e}"),
-        )
-    })?;
-    write_atomic(&out.join(CONFIG_FILE), cfg.as_bytes())?;
+    write_atomic(&out.join(CONFIG_FILE), hf_config(model)?.as_bytes())?;
     let idx = json!({
         "metadata": { "total_size": total, STEP_KEY: step },
         "weight_map": weight_map,
@@ -142,6 +137,47 @@ pub fn write_checkpoint(
         shards,
         total_size: total,
         tensors: specs.len(),
+    })
+}
+
+/// Writes a complete single-file checkpoint of `model` at `step` into `out` (created if needed),
+/// as Hugging Face publishes models up to a few billion parameters: `config.json`, then every
+/// tensor in one `model.safetensors` (its `__metadata__` carrying the step), written through a
+/// temporary name, synced and renamed, so the folder is complete once that file appears. An
+/// existing index is removed first (it would make the folder a sharded checkpoint).
+pub fn write_single_file(model: &ModelConfig, step: u64, out: &Path) -> Result<Written> {
+    model.validate()?;
+    fs::create_dir_all(out).map_err(|e| io_err("create", out, e))?;
+    let index = out.join(INDEX_FILE);
+    match fs::remove_file(&index) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("remove the old index", &index, e)),
+    }
+    let specs = model.tensors();
+    write_atomic(&out.join(CONFIG_FILE), hf_config(model)?.as_bytes())?;
+    let group: Vec<&TensorSpec> = specs.iter().collect();
+    let tmp = out.join(format!(".{SINGLE_FILE}.tmp"));
+    write_shard(&group, step, &tmp)?;
+    sync(&tmp)?;
+    let path = out.join(SINGLE_FILE);
+    fs::rename(&tmp, &path).map_err(|e| io_err("rename into", &path, e))?;
+    Ok(Written {
+        dir: out.to_path_buf(),
+        step,
+        shards: vec![SINGLE_FILE.to_string()],
+        total_size: specs.iter().map(TensorSpec::bytes).sum(),
+        tensors: specs.len(),
+    })
+}
+
+/// `config.json` of `model`, in Hugging Face form.
+fn hf_config(model: &ModelConfig) -> Result<String> {
+    serde_json::to_string_pretty(&to_hf_config(model)).map_err(|e| {
+        Error::new(
+            ErrorKind::Internal,
+            format!("cannot encode config.json: {e}"),
+        )
     })
 }
 

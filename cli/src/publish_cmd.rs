@@ -3,31 +3,36 @@
 //! rendezvous, advances when a newer complete checkpoint appears, and withdraws cleanly on
 //! SIGTERM or SIGINT.
 //!
-//! A bad checkpoint at start is an error (exit 2). Once a step is served, a newer step folder
-//! that cannot be published (incomplete though indexed, unreadable, of another architecture,
-//! changed while it was read) never ends the process: it keeps serving the step it has, says
-//! why (a log line, a `refused` JSON line, and the note `reshard status` shows), and tries that
-//! folder again only once the folder changes (docs/deployment.md §5).
-//!
-//! Nor does etcd out of reach end it: a rendezvous write that fails for that (marking itself not
-//! ready, advancing, setting its note) is tried again at the next look, and the memory is never
-//! rewritten before "not ready" is written. Its lease outlives the outage (`reshard-rendezvous`
-//! reconnects, and announces the same incarnation again if the lease expired meanwhile). Only
-//! losing its rank to another live process ends it (exit 2, naming that process).
+//! Nothing at start ends it but a bad configuration (flags, transport, topology), a signal or
+//! its rank held by another live process (exit 2, naming that process); docs/deployment.md §5:
+//! - A checkpoint folder that cannot be published (incomplete though indexed, unreadable, of
+//!   another architecture, changed while it was read) is refused, at start as once a step is
+//!   served: it says why (a log line, a `refused` JSON line, and the note `reshard status`
+//!   shows), tries the next older complete one, and tries that folder again only once the
+//!   folder changes. Once a step is served it keeps serving it past a refused newer one.
+//! - With no complete checkpoint it can serve, it says why within one look (which folder, which
+//!   file is missing or short, which were refused), once per change, and claims its rank
+//!   announced not ready with that note, until a checkpoint it can serve appears.
+//! - etcd out of reach, at start or later, never ends it: connecting, claiming and announcing
+//!   are tried again with backoff (said once per outage: `rendezvous_unreachable`, then
+//!   `rendezvous_back`); a rendezvous write that fails for that (marking itself not ready,
+//!   advancing, setting its note) is tried again at the next look, and the memory is never
+//!   rewritten before "not ready" is written. Its lease outlives the outage
+//!   (`reshard-rendezvous` reconnects, and announces the same incarnation again if the lease
+//!   expired meanwhile).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use reshard_checkpoint::{
-    candidates, incomplete_reason, newest_complete, Checkpoint, FolderState, INDEX_FILE,
-};
+use reshard_checkpoint::{candidates, incomplete_reason, Checkpoint, FolderState, INDEX_FILE};
 use reshard_core::encoding::encode_table;
 use reshard_core::rendezvous::{Announced, Announcement, Rendezvous};
 use reshard_core::{Error, ErrorKind, Result, Transport};
+use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::PublisherTopology;
 use reshard_runtime::ShardPublisher;
 
@@ -65,16 +70,6 @@ pub struct PublishArgs {
 /// Runs the publisher until SIGTERM or SIGINT.
 pub fn run(args: PublishArgs) -> Result<Outcome> {
     crate::block_on(publish(args))
-}
-
-/// The newest complete checkpoint under `dir`, waiting for one to appear.
-async fn newest(dir: &Path, poll: Duration) -> Result<(u64, PathBuf)> {
-    loop {
-        if let Some(found) = newest_complete(dir)? {
-            return Ok(found);
-        }
-        tokio::time::sleep(poll).await;
-    }
 }
 
 /// Loads step `step` of `ckpt` into the publisher's registered memory.
@@ -125,14 +120,44 @@ enum Failure {
     Fatal(Error),
 }
 
-/// A publisher that serves: its memory, announcement and what it has refused.
+/// Where the rendezvous comes from: connected already, or to connect to (and again, with
+/// backoff, while etcd is out of reach).
+enum Meeting {
+    Connected(Arc<dyn Rendezvous>),
+    To(RendezvousArgs),
+}
+
+/// Longest pause between two tries to reach an etcd that is out of reach at start.
+const CONNECT_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Why no checkpoint is served, as last said: said again only when `key` changes (the folders
+/// and what is wrong with each, without the byte counts of a file still being written).
+struct Unserved {
+    key: String,
+    message: String,
+}
+
+/// A publisher rank: its memory once a step is loaded, its announcement once the rendezvous
+/// answered, and what it has refused.
 struct Running {
     rank: u32,
     json: bool,
     dir: PathBuf,
-    model: reshard_planner::presets::ModelConfig,
-    publisher: ShardPublisher,
-    held: Box<dyn Announced>,
+    model_name: String,
+    topology: PublisherTopology,
+    transport: Arc<dyn Transport>,
+    meeting: Meeting,
+    /// No connect is tried before this instant (backoff while etcd is out of reach).
+    connect_after: Instant,
+    connect_backoff: Duration,
+    /// The architecture, fixed by the first step loaded: a publisher keeps one for its life.
+    model: Option<ModelConfig>,
+    /// Registered memory, laid out once the architecture is known.
+    publisher: Option<ShardPublisher>,
+    /// The announcement, once made: a claim without a step (`claim_only`) or a served step.
+    held: Option<Box<dyn Announced>>,
+    /// `held` claims the rank with no step to serve (an empty table, not ready).
+    claim_only: bool,
     /// The step the announcement carries (ready only while `serving` is `Some`).
     announced: u64,
     serving: Option<Serving>,
@@ -142,28 +167,101 @@ struct Running {
     listing: Option<String>,
     /// Why no step is served, after the served step could not be loaded again.
     lost: Option<String>,
+    /// Why no checkpoint is served since start, while none is.
+    unserved: Option<Unserved>,
     /// The note last set on the announcement.
     note: Option<String>,
     /// Step folders tried so far (each refused one once per state it is in).
     tried: u64,
     /// A step in memory whose announcement could not be written yet (etcd out of reach): the
-    /// record says not ready until it is.
+    /// record says not ready (or nothing is announced) until it is.
     pending: Option<u64>,
-    /// Since when rendezvous writes fail (etcd out of reach), while they do.
-    deferred: Option<std::time::Instant>,
+    /// Since when the rendezvous fails (etcd out of reach), while it does.
+    deferred: Option<Instant>,
+}
+
+/// `text` without its digits: two reasons that differ only in byte counts (a file still being
+/// written) are one reason.
+fn without_digits(text: &str) -> String {
+    text.chars().filter(|c| !c.is_ascii_digit()).collect()
 }
 
 impl Running {
-    /// One look at the checkpoint folder: tries the newest step above the announced one that
-    /// has an index (a folder without one is still being written) and is not refused in its
-    /// current state, falling back to older ones while they are refused. Only rendezvous
-    /// failures are returned.
+    /// A publisher of rank `rank` of `topology` that serves nothing yet: its first
+    /// [`Running::look`] finds a checkpoint, and announces it once the rendezvous answers.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        meeting: Meeting,
+        transport: Arc<dyn Transport>,
+        model_name: &str,
+        topology: PublisherTopology,
+        rank: u32,
+        json: bool,
+        dir: PathBuf,
+        poll: Duration,
+    ) -> Running {
+        Running {
+            rank,
+            json,
+            dir,
+            model_name: model_name.to_string(),
+            topology,
+            transport,
+            meeting,
+            connect_after: Instant::now(),
+            connect_backoff: poll,
+            model: None,
+            publisher: None,
+            held: None,
+            claim_only: false,
+            announced: 0,
+            serving: None,
+            refused: BTreeMap::new(),
+            listing: None,
+            lost: None,
+            unserved: None,
+            note: None,
+            tried: 0,
+            pending: None,
+            deferred: None,
+        }
+    }
+
+    /// Whether receivers may be reading the memory: a step is announced (not a bare claim).
+    fn readable(&self) -> bool {
+        self.held.is_some() && !self.claim_only
+    }
+
+    /// The step a newer checkpoint must be above: the one served, else the one announced (a
+    /// publisher that lost its served step never goes back to an older one: receivers hold
+    /// that step already); none before a step was announced (at start every step is a
+    /// candidate, newest first).
+    fn floor(&self) -> Option<u64> {
+        match (&self.serving, self.readable()) {
+            (Some(s), _) => Some(s.step),
+            (None, true) => Some(self.announced),
+            (None, false) => None,
+        }
+    }
+
+    /// Fails once the rank is lost for good to another live process.
+    fn check_alive(&self) -> Result<()> {
+        self.held.as_ref().map_or(Ok(()), |h| h.check_alive())
+    }
+
+    /// One look at the checkpoint folder: tries the newest step above the one served that is
+    /// complete (a sharded folder without its index, or a single file whose size does not
+    /// check out yet, is still being written) and is not refused in its current state,
+    /// falling back to older ones while they are refused. With nothing served, says why, and
+    /// claims the rank not ready. Only rendezvous failures that end the process are returned.
     async fn look(&mut self) -> Result<()> {
-        // A step loaded but not announced comes first: until it is, the memory is not touched.
+        // A step loaded but not announced comes first: until it is, memory that receivers may
+        // read is not touched.
         if let Some(step) = self.pending {
             match self.advance(step).await {
                 Ok(true) => {}
-                Ok(false) | Err(Failure::Later) => return Ok(()),
+                Ok(false) | Err(Failure::Later) if self.readable() => return Ok(()),
+                Ok(false) | Err(Failure::Later) => {}
                 Err(Failure::Fatal(e) | Failure::Refused(e)) => return Err(e),
             }
         }
@@ -171,17 +269,20 @@ impl Running {
             Ok(l) => l,
             Err(e) => {
                 self.listing = Some(e.message().to_string());
-                return self.update_note().await;
+                return self.settle(&[]).await;
             }
         };
         self.listing = None;
-        let floor = self.announced;
+        let floor = self.floor();
         for (step, path) in &list {
             let (step, path) = (*step, path.clone());
-            if step <= floor {
+            if floor.is_some_and(|f| step <= f) {
                 break;
             }
-            if !path.join(INDEX_FILE).exists() {
+            // A sharded folder's index is written last: with it, the folder claims to be
+            // complete, and one that is not is refused. Without it, or for a single file,
+            // an incomplete folder is still being written.
+            if !path.join(INDEX_FILE).exists() && incomplete_reason(&path).is_some() {
                 continue;
             }
             // Read before trying, so a change made while the step loads is seen next time.
@@ -211,10 +312,142 @@ impl Running {
             }
         }
         // Refusals of folders that are gone or no longer newer say nothing any more.
-        let floor = self.announced;
+        let floor = self.floor();
         self.refused
-            .retain(|p, r| r.step > floor && list.iter().any(|(_, q)| q == p));
+            .retain(|p, r| floor.is_none_or(|f| r.step > f) && list.iter().any(|(_, q)| q == p));
+        self.settle(&list).await
+    }
+
+    /// After a look at `list`: says why nothing is served (once per change), claims the rank
+    /// while nothing is announced, and sets the note.
+    async fn settle(&mut self, list: &[(u64, PathBuf)]) -> Result<()> {
+        if self.serving.is_none() && self.lost.is_none() {
+            self.say_unserved(list);
+        } else {
+            self.unserved = None;
+        }
+        if self.held.is_none() && self.pending.is_none() && self.serving.is_none() {
+            match self.claim().await {
+                Ok(()) | Err(Failure::Later) => {}
+                Err(Failure::Fatal(e) | Failure::Refused(e)) => return Err(e),
+            }
+        }
         self.update_note().await
+    }
+
+    /// Says why no checkpoint in the folder can be served: which folders there are and what is
+    /// wrong with each (the file missing or short, or why it was refused). Said when it changes.
+    fn say_unserved(&mut self, list: &[(u64, PathBuf)]) {
+        let dir = self.dir.display();
+        let (key, message) = if let Some(why) = &self.listing {
+            (why.clone(), why.clone())
+        } else if list.is_empty() {
+            let m = format!(
+                "no checkpoint in {dir}: no step-N/ folder, and no {INDEX_FILE} or \
+                 model.safetensors in it"
+            );
+            (m.clone(), m)
+        } else {
+            let mut parts = Vec::new();
+            let mut key = String::new();
+            for (step, path) in list.iter().take(4) {
+                let why = match self.refused.get(path) {
+                    Some(r) => format!("refused: {}", r.reason),
+                    None => incomplete_reason(path).unwrap_or_else(|| "not tried yet".into()),
+                };
+                key.push_str(&format!("{}|{}|", path.display(), without_digits(&why)));
+                parts.push(format!("step {step}: {why}"));
+            }
+            if list.len() > 4 {
+                parts.push(format!("and {} older step folders", list.len() - 4));
+            }
+            let m = format!(
+                "no complete checkpoint in {dir} can be served: {}",
+                parts.join("; ")
+            );
+            (key, m)
+        };
+        if self.unserved.as_ref().is_some_and(|u| u.key == key) {
+            return;
+        }
+        if self.json {
+            println!(
+                "{}",
+                serde_json::json!({"event": "no_checkpoint", "rank": self.rank,
+                    "checkpoint": self.dir, "reason": message})
+            );
+        } else {
+            eprintln!(
+                "publisher rank {}: serving no step: {message}; waiting for one",
+                self.rank
+            );
+        }
+        self.unserved = Some(Unserved { key, message });
+    }
+
+    /// The rendezvous, connecting to it when not yet connected (with backoff); `Later` while
+    /// etcd is out of reach.
+    async fn rendezvous(&mut self) -> std::result::Result<Arc<dyn Rendezvous>, Failure> {
+        let args = match &self.meeting {
+            Meeting::Connected(r) => return Ok(r.clone()),
+            Meeting::To(args) => args.clone(),
+        };
+        if Instant::now() < self.connect_after {
+            return Err(Failure::Later);
+        }
+        match connect(&args).await {
+            Ok(r) => {
+                self.meeting = Meeting::Connected(r.clone());
+                self.resumed();
+                Ok(r)
+            }
+            Err(e) => {
+                self.connect_after = Instant::now() + self.connect_backoff;
+                self.connect_backoff = (self.connect_backoff * 2).min(CONNECT_BACKOFF_MAX);
+                Err(self.rendezvous_failure(e))
+            }
+        }
+    }
+
+    /// Claims the rank with no step to serve (an empty table: not ready), so `reshard status`
+    /// shows the note saying why, and a second process for the rank is refused.
+    async fn claim(&mut self) -> std::result::Result<(), Failure> {
+        let rendezvous = self.rendezvous().await?;
+        let a = self.announcement(0, Bytes::new(), Bytes::new()).await?;
+        match rendezvous.announce(a).await {
+            Ok(h) => {
+                self.resumed();
+                self.held = Some(h);
+                self.claim_only = true;
+                self.note = None;
+                Ok(())
+            }
+            Err(e) => Err(self.rendezvous_failure(e)),
+        }
+    }
+
+    /// The announcement of this rank at `step` with `table` and architecture `config`.
+    async fn announcement(
+        &self,
+        step: u64,
+        table: Bytes,
+        config: Bytes,
+    ) -> std::result::Result<Announcement, Failure> {
+        Ok(Announcement {
+            model: self.model_name.clone(),
+            rank: self.rank,
+            world: self.topology.world(),
+            step,
+            transport: self.transport.name().to_string(),
+            incarnation: self.transport.incarnation(),
+            table,
+            metadata: self
+                .transport
+                .export_metadata()
+                .await
+                .map_err(Failure::Fatal)?,
+            config,
+        })
     }
 
     /// Publishes step `step` from `path`: [`Running::check`], then [`Running::install`].
@@ -230,11 +463,11 @@ impl Running {
         if let Some(why) = incomplete_reason(path) {
             return Err(Error::new(
                 ErrorKind::Config,
-                format!("{} is not a complete checkpoint: {why}", path.display()),
+                format!("not a complete checkpoint: {why}"),
             ));
         }
         let fresh = Checkpoint::open(path)?;
-        if fresh.model() != &self.model {
+        if self.model.as_ref().is_some_and(|m| fresh.model() != m) {
             return Err(Error::new(
                 ErrorKind::Config,
                 format!(
@@ -249,7 +482,8 @@ impl Running {
 
     /// Unready, load `fresh` as step `step`, advance. A load that fails part-way (a shard file
     /// changed after `check`) reloads the served step (its files are still open) and announces
-    /// it again, so receivers keep reading it; the failure is returned as a refusal.
+    /// it again, so receivers keep reading it; the failure is returned as a refusal. The first
+    /// step loaded lays out the memory.
     async fn install(
         &mut self,
         step: u64,
@@ -259,11 +493,35 @@ impl Running {
         // Receivers must not start reading while the memory is rewritten in place (one that
         // already is fails its digest check and keeps its previous weights): no write of "not
         // ready", no rewrite.
-        if let Err(e) = self.held.unready().await {
-            return Err(self.rendezvous_failure(e));
+        if self.readable() {
+            if let Some(h) = &self.held {
+                if let Err(e) = h.unready().await {
+                    return Err(self.rendezvous_failure(e));
+                }
+            }
+            self.resumed();
         }
-        self.resumed();
-        if let Err(e) = load(&mut self.publisher, step, &fresh) {
+        if self.publisher.is_none() {
+            // A topology the checkpoint's architecture does not divide into is this
+            // checkpoint's problem as much as the flags': refused, said, waited past.
+            let p = ShardPublisher::new(
+                self.transport.clone(),
+                fresh.model(),
+                &self.topology,
+                self.rank,
+            )
+            .await
+            .map_err(Failure::Refused)?;
+            self.model = Some(fresh.model().clone());
+            self.publisher = Some(p);
+        }
+        let Some(publisher) = &mut self.publisher else {
+            return Err(Failure::Fatal(Error::new(
+                ErrorKind::Internal,
+                "publisher memory missing after it was laid out",
+            )));
+        };
+        if let Err(e) = load(publisher, step, &fresh) {
             self.restore(&e).await?;
             return Err(Failure::Refused(e));
         }
@@ -281,11 +539,11 @@ impl Running {
     /// After a failed load (`why`): loads the served step again and announces it ready. When
     /// that fails too, the publisher serves nothing (stays unready) until a newer step loads.
     async fn restore(&mut self, why: &Error) -> std::result::Result<(), Failure> {
-        let Some(s) = &self.serving else {
+        let (Some(s), Some(publisher)) = (&self.serving, &mut self.publisher) else {
             return Ok(());
         };
         let step = s.step;
-        match load(&mut self.publisher, step, &s.ckpt) {
+        match load(publisher, step, &s.ckpt) {
             Ok(()) => self.advance(step).await.map(|_| ()),
             Err(e) => {
                 let msg = format!(
@@ -311,10 +569,18 @@ impl Running {
     }
 
     /// Announces the memory's current contents as step `step`, ready: true when announced;
-    /// false when etcd is out of reach, the step left `pending` for the next look.
+    /// false when etcd is out of reach, the step left `pending` for the next look. The first
+    /// announcement of a step replaces the bare claim, if one was made.
     async fn advance(&mut self, step: u64) -> std::result::Result<bool, Failure> {
-        let table = Bytes::from(encode_table(self.publisher.table()));
-        if let Err(e) = self.held.advance(step, table).await {
+        let table = match &self.publisher {
+            Some(p) => Bytes::from(encode_table(p.table())),
+            None => return Ok(false),
+        };
+        let written = match &self.held {
+            Some(h) if !self.claim_only => h.advance(step, table).await,
+            _ => return self.announce(step, table).await,
+        };
+        if let Err(e) = written {
             return match self.rendezvous_failure(e) {
                 Failure::Later => {
                     self.pending = Some(step);
@@ -328,25 +594,72 @@ impl Running {
         let newer = step > self.announced;
         self.announced = step;
         if newer {
-            if let Some(s) = &self.serving {
-                line(
-                    self.json,
-                    "advanced",
-                    self.rank,
-                    step,
-                    &s.path,
-                    self.publisher.memory_bytes(),
-                );
-            }
+            self.said("advanced", step);
         }
         Ok(true)
     }
 
-    /// What a failed rendezvous write means: [`Failure::Later`] while etcd is out of reach and
-    /// the rank still this process's (said once per outage), else [`Failure::Fatal`].
+    /// The first announcement of a served step (`table` the memory's): a bare claim made while
+    /// nothing was served is withdrawn first, as its record carries no architecture. `false`
+    /// (the step `pending`) while etcd is out of reach.
+    async fn announce(&mut self, step: u64, table: Bytes) -> std::result::Result<bool, Failure> {
+        let rendezvous = match self.rendezvous().await {
+            Ok(r) => r,
+            Err(Failure::Later) => {
+                self.pending = Some(step);
+                return Ok(false);
+            }
+            Err(f) => return Err(f),
+        };
+        let config = self.model.as_ref().map_or(Ok(Vec::new()), |m| {
+            serde_json::to_vec(m).map_err(|e| {
+                Failure::Fatal(Error::new(
+                    ErrorKind::Internal,
+                    format!("model configuration to JSON: {e}"),
+                ))
+            })
+        })?;
+        let a = self.announcement(step, table, Bytes::from(config)).await?;
+        if let Some(claim) = self.held.take() {
+            // Best effort: a claim that could not be revoked expires with its lease, and the
+            // announcement below waits that out (docs/deployment.md §3, "One holder per rank").
+            let _ = claim.withdraw().await;
+            self.claim_only = false;
+            self.note = None;
+        }
+        match rendezvous.announce(a).await {
+            Ok(h) => {
+                self.resumed();
+                self.held = Some(h);
+                self.claim_only = false;
+                self.note = None;
+                self.pending = None;
+                self.announced = step;
+                self.said("published", step);
+                Ok(true)
+            }
+            Err(e) => match self.rendezvous_failure(e) {
+                Failure::Later => {
+                    self.pending = Some(step);
+                    Ok(false)
+                }
+                f => Err(f),
+            },
+        }
+    }
+
+    /// Prints `what` (published, advanced) of step `step` from the folder served.
+    fn said(&self, what: &str, step: u64) {
+        if let (Some(s), Some(p)) = (&self.serving, &self.publisher) {
+            line(self.json, what, self.rank, step, &s.path, p.memory_bytes());
+        }
+    }
+
+    /// What a failed rendezvous request means: [`Failure::Later`] while etcd is out of reach
+    /// and the rank still this process's (said once per outage), else [`Failure::Fatal`].
     fn rendezvous_failure(&mut self, e: Error) -> Failure {
         let transient = matches!(e.kind(), ErrorKind::Transport | ErrorKind::Timeout);
-        if let Err(lost) = self.held.check_alive() {
+        if let Err(lost) = self.check_alive() {
             return Failure::Fatal(lost);
         }
         if !transient {
@@ -358,20 +671,28 @@ impl Running {
                     "{}",
                     serde_json::json!({"event": "rendezvous_unreachable", "rank": self.rank,
                         "step": self.announced, "pending_step": self.pending,
-                        "error": error_json(&e)})
+                        "serving_step": self.serving.as_ref().map(|s| s.step),
+                        "announced": self.readable(), "error": error_json(&e)})
                 );
             } else {
                 eprintln!(
-                    "publisher rank {}: the rendezvous cannot be written ({e}); serving step {}                      on, trying again every poll",
-                    self.rank, self.announced
+                    "publisher rank {}: the rendezvous cannot be reached ({e}); {}, trying \
+                     again with backoff",
+                    self.rank,
+                    match (&self.serving, self.readable()) {
+                        (Some(s), true) => format!("serving step {} on", s.step),
+                        (Some(s), false) =>
+                            format!("step {} loaded, announced once it answers", s.step),
+                        (None, _) => "serving no step".to_string(),
+                    }
                 );
             }
         }
-        self.deferred.get_or_insert_with(std::time::Instant::now);
+        self.deferred.get_or_insert_with(Instant::now);
         Failure::Later
     }
 
-    /// A rendezvous write succeeded: an outage in progress is over (said once).
+    /// A rendezvous request succeeded: an outage in progress is over (said once).
     fn resumed(&mut self) {
         if let Some(since) = self.deferred.take() {
             let waited = since.elapsed().as_secs_f64();
@@ -383,7 +704,7 @@ impl Running {
                 );
             } else {
                 eprintln!(
-                    "publisher rank {}: the rendezvous is written again after {waited:.1} s",
+                    "publisher rank {}: the rendezvous answers again after {waited:.1} s",
                     self.rank
                 );
             }
@@ -412,31 +733,39 @@ impl Running {
         }
     }
 
-    /// Sets the announcement's note to what `reshard status` should say now: a lost step or an
-    /// unlistable folder first, then the newest refused folder; none when all is well.
+    /// Sets the announcement's note to what `reshard status` should say now: a lost step, an
+    /// unlistable folder or why nothing is served first, then the newest refused folder; none
+    /// when all is well.
     async fn update_note(&mut self) -> Result<()> {
+        let Some(held) = &self.held else {
+            return Ok(());
+        };
         let serving = self
             .serving
             .as_ref()
             .map_or("serving no step".to_string(), |s| {
                 format!("serving step {}", s.step)
             });
-        let refused = self
-            .refused
-            .values()
-            .max_by_key(|r| r.step)
-            .map(|r| format!("refused step {}: {}; {serving}", r.step, r.reason));
-        let trouble = match (&self.lost, &self.listing) {
-            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
-            (a, b) => a.clone().or_else(|| b.clone()),
-        };
-        let note = match (&trouble, refused) {
-            (Some(t), Some(r)) => Some(format!("{t}; {r}")),
-            (Some(t), None) => Some(format!("{t}; {serving}")),
-            (None, r) => r,
+        let note = if let Some(u) = &self.unserved {
+            Some(format!("serving no step: {}", u.message))
+        } else {
+            let refused = self
+                .refused
+                .values()
+                .max_by_key(|r| r.step)
+                .map(|r| format!("refused step {}: {}; {serving}", r.step, r.reason));
+            let trouble = match (&self.lost, &self.listing) {
+                (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+                (a, b) => a.clone().or_else(|| b.clone()),
+            };
+            match (&trouble, refused) {
+                (Some(t), Some(r)) => Some(format!("{t}; {r}")),
+                (Some(t), None) => Some(format!("{t}; {serving}")),
+                (None, r) => r,
+            }
         };
         if note != self.note {
-            match self.held.set_note(note.clone()).await {
+            match held.set_note(note.clone()).await {
                 Ok(()) => {
                     self.resumed();
                     self.note = note;
@@ -463,107 +792,55 @@ fn error_json(e: &Error) -> serde_json::Value {
     })
 }
 
-impl Running {
-    /// Lays out rank `rank` of `topology`, loads step `step` of `ckpt` (from `path`, found in
-    /// the checkpoint folder `dir`) and announces it ready as model `model_name`.
-    #[allow(clippy::too_many_arguments)]
-    async fn start(
-        rendezvous: &dyn Rendezvous,
-        transport: Arc<dyn Transport>,
-        model_name: &str,
-        topology: &PublisherTopology,
-        rank: u32,
-        json: bool,
-        dir: PathBuf,
-        (step, path, ckpt): (u64, PathBuf, Checkpoint),
-    ) -> Result<Running> {
-        let model = ckpt.model().clone();
-        let mut publisher = ShardPublisher::new(transport.clone(), &model, topology, rank).await?;
-        load(&mut publisher, step, &ckpt)?;
-        let config = Bytes::from(serde_json::to_vec(&model).map_err(|e| {
-            Error::new(
-                ErrorKind::Internal,
-                format!("model configuration to JSON: {e}"),
-            )
-        })?);
-        let held: Box<dyn Announced> = rendezvous
-            .announce(Announcement {
-                model: model_name.to_string(),
-                rank,
-                world: topology.world(),
-                step,
-                transport: transport.name().to_string(),
-                incarnation: transport.incarnation(),
-                table: Bytes::from(encode_table(publisher.table())),
-                metadata: transport.export_metadata().await?,
-                config,
-            })
-            .await?;
-        line(
-            json,
-            "published",
-            rank,
-            step,
-            &path,
-            publisher.memory_bytes(),
-        );
-        Ok(Running {
-            rank,
-            json,
-            dir,
-            model,
-            publisher,
-            held,
-            announced: step,
-            serving: Some(Serving { step, path, ckpt }),
-            refused: BTreeMap::new(),
-            listing: None,
-            lost: None,
-            note: None,
-            tried: 0,
-            pending: None,
-            deferred: None,
-        })
-    }
-}
-
 async fn publish(args: PublishArgs) -> Result<Outcome> {
+    // A bad configuration ends the process at once: nothing else at start does.
     let cfg = args.transport.load()?;
     let topology: PublisherTopology = args.publishers.parse()?;
+    if args.rank >= topology.world() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "--rank {} is outside the {} ranks of --publishers {}",
+                args.rank,
+                topology.world(),
+                args.publishers
+            ),
+        ));
+    }
+    if !args.rendezvous.rendezvous.starts_with("etcd://") {
+        // The same refusal `connect` gives, before anything waits.
+        connect(&args.rendezvous).await?;
+    }
     let poll = Duration::from_millis(args.poll_ms.max(10));
-    let rendezvous = connect(&args.rendezvous).await?;
-    // At start a bad checkpoint is an error: there is nothing good to keep serving.
-    let (step, path) = newest(&args.checkpoint, poll).await?;
-    let ckpt = Checkpoint::open(&path)?;
     let registry = reshard_transports::registry();
     let agent = format!("{}-publisher-{}", args.model, args.rank);
     let transport: Arc<dyn Transport> = registry.create(&agent, &cfg.transport)?;
-    let mut running = Running::start(
-        rendezvous.as_ref(),
+    let mut running = Running::new(
+        Meeting::To(args.rendezvous.clone()),
         transport,
         &args.model,
-        &topology,
+        topology,
         args.rank,
         args.json,
         args.checkpoint.clone(),
-        (step, path, ckpt),
-    )
-    .await?;
+        poll,
+    );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| Error::new(ErrorKind::Internal, format!("cannot watch SIGTERM: {e}")))?;
+    // The first look at once: why nothing can be served is said within a second of starting.
+    let mut pause = Duration::ZERO;
     let outcome = loop {
+        let step = async {
+            tokio::time::sleep(pause).await;
+            running.check_alive()?;
+            running.look().await.map_err(|e| e.with_owner(args.rank))
+        };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break Ok(()),
             _ = term.recv() => break Ok(()),
-            _ = tokio::time::sleep(poll) => {
-                if let Err(e) = running.held.check_alive() {
-                    break Err(e);
-                }
-                if let Err(e) = running.look().await {
-                    break Err(e.with_owner(args.rank));
-                }
-            }
+            r = step => if let Err(e) = r { break Err(e) },
         }
+        pause = poll;
     };
     // Withdraw first (receivers stop discovering this rank), then release the memory.
     let Running {
@@ -573,7 +850,10 @@ async fn publish(args: PublishArgs) -> Result<Outcome> {
         serving,
         ..
     } = running;
-    let withdrawn = held.withdraw().await;
+    let withdrawn = match held {
+        Some(h) => h.withdraw().await,
+        None => Ok(()),
+    };
     drop(publisher);
     outcome?;
     withdrawn?;
@@ -626,38 +906,108 @@ mod tests {
     }
 
     fn memory(r: &Running) -> Vec<u8> {
-        r.publisher.memory().bytes().to_vec()
+        r.publisher.as_ref().unwrap().memory().bytes().to_vec()
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_bad_newer_step_never_ends_a_publisher_that_serves_a_good_one() {
-        let scratch = Scratch(
-            std::env::temp_dir().join(format!("reshard-publish-unit-{}", std::process::id())),
-        );
-        let dir = scratch.0.clone();
-        let _ = std::fs::remove_dir_all(&dir);
-        let step1 = write(&dir, 1);
-        let hub = InProcess::new();
+    /// Rank 0 of TP1 of model "tiny" over loopback, meeting on `hub`, reading `dir`.
+    fn running(hub: &InProcess, dir: &Path) -> Running {
         let cfg = crate::load_config(Some("loopback"), None).unwrap();
         let transport = reshard_transports::registry()
             .create("tiny-publisher-0", &cfg.transport)
             .unwrap();
-        let topology: PublisherTopology = "tp=1".parse().unwrap();
-        let ckpt = Checkpoint::open(&step1).unwrap();
-        let mut r = Running::start(
-            &hub,
+        Running::new(
+            Meeting::Connected(Arc::new(hub.clone())),
             transport,
             "tiny",
-            &topology,
+            "tp=1".parse().unwrap(),
             0,
             true,
-            dir.clone(),
-            (1, step1, ckpt),
+            dir.to_path_buf(),
+            Duration::from_millis(10),
         )
-        .await
-        .unwrap();
+    }
+
+    fn scratch(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "reshard-publish-unit-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        Scratch(dir)
+    }
+
+    /// At start: with no complete checkpoint the rank is claimed not ready, the note naming the
+    /// folder and the file that is short; a bad newest step is refused and the older good one
+    /// served; the refused folder is not tried again until it changes, and is published then.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publisher_starts_on_the_newest_good_step_and_says_why_when_there_is_none() {
+        let scratch = scratch("start");
+        let dir = scratch.0.clone();
+        std::fs::create_dir_all(&dir).unwrap();
+        let hub = InProcess::new();
+        let mut r = running(&hub, &dir);
+        r.look().await.unwrap();
+        let (step, ready, note) = member(&hub).await;
+        assert_eq!((step, ready), (0, false), "claimed, not ready");
+        let note = note.expect("a note");
+        assert!(note.contains("no checkpoint in"), "{note}");
+
+        // A single file cut short: incomplete, said with the folder and the file.
+        let one = dir.join("step-1");
+        reshard_checkpoint::write_single_file(&reshard_testkit::models::tiny_moe(4), 1, &one)
+            .unwrap();
+        let file = one.join(reshard_checkpoint::SINGLE_FILE);
+        let len = std::fs::metadata(&file).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_len(len - 8)
+            .unwrap();
+        r.look().await.unwrap();
+        let (_, ready, note) = member(&hub).await;
+        let note = note.unwrap();
+        assert!(!ready);
+        assert!(
+            note.contains("step-1") && note.contains("model.safetensors"),
+            "{note}"
+        );
+        assert_eq!(r.tried, 0, "an incomplete single file is not tried");
+
+        // Whole again, and a newer sharded step 2 cut short under its index: 2 is refused,
+        // 1 is served (a single file, published as a sharded one is).
+        reshard_checkpoint::write_single_file(&reshard_testkit::models::tiny_moe(4), 1, &one)
+            .unwrap();
+        let step2 = write(&dir, 2);
+        truncate_shards(&step2);
+        r.look().await.unwrap();
+        let (step, ready, note) = member(&hub).await;
+        assert_eq!((step, ready), (1, true));
+        assert!(note.unwrap().contains("refused step 2"));
+        let tried = r.tried;
+        r.look().await.unwrap();
+        assert_eq!(
+            r.tried, tried,
+            "an unchanged refused folder is not tried again"
+        );
+        write(&dir, 2);
+        r.look().await.unwrap();
+        assert_eq!(member(&hub).await, (2, true, None));
+        r.held.take().unwrap().withdraw().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_newer_step_never_ends_a_publisher_that_serves_a_good_one() {
+        let scratch = scratch("newer");
+        let dir = scratch.0.clone();
+        let step1 = write(&dir, 1);
+        let hub = InProcess::new();
+        let mut r = running(&hub, &dir);
+        r.look().await.unwrap();
+        assert_eq!(member(&hub).await, (1, true, None));
+        assert_eq!(r.serving.as_ref().map(|s| &s.path), Some(&step1));
         let served = memory(&r);
-        let table = encode_table(r.publisher.table());
+        let table = encode_table(r.publisher.as_ref().unwrap().table());
 
         // Step 2 passes every check, then its shard files are cut before the load: the load
         // fails part-way, the served step is loaded again and announced ready.
@@ -674,7 +1024,7 @@ mod tests {
         assert!(e.message().contains(".safetensors"), "{e}");
         assert!(e.context().range.is_some(), "{e}");
         assert!(memory(&r) == served, "the served step's bytes are back");
-        assert_eq!(encode_table(r.publisher.table()), table);
+        assert_eq!(encode_table(r.publisher.as_ref().unwrap().table()), table);
         assert_eq!(member(&hub).await, (1, true, None));
 
         // Seen by the poll: refused once with the reason in the note, not tried again while
@@ -720,6 +1070,6 @@ mod tests {
         write(&dir, 4);
         r.look().await.unwrap();
         assert_eq!(member(&hub).await, (4, true, None));
-        r.held.withdraw().await.unwrap();
+        r.held.take().unwrap().withdraw().await.unwrap();
     }
 }

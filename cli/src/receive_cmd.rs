@@ -142,8 +142,8 @@ fn waiting(args: &ReceiveArgs, e: &Error, live: Option<u64>) {
 /// Pause after a discovery failure that is not a timeout, before looking again.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// Retries `attempt` while it fails with anything but a timeout, reporting each failure, until
-/// `deadline`; the last failure (or the timeout) is returned then.
+/// Retries `attempt` while it fails, reporting each failure, until `deadline`; the last failure
+/// (or the timeout) is returned then.
 async fn until<T, F, Fut>(
     args: &ReceiveArgs,
     deadline: Instant,
@@ -158,9 +158,10 @@ where
         let left = deadline.saturating_duration_since(Instant::now());
         match attempt(left).await {
             Ok(v) => return Ok(v),
-            Err(e) if e.kind() == ErrorKind::Timeout || Instant::now() + RETRY >= deadline => {
-                return Err(e)
-            }
+            // Only the deadline ends the wait: a request or a connection attempt that timed out
+            // (an etcd that is down or unreachable at start) is one more failure to wait
+            // through, not the receiver's own timeout.
+            Err(e) if Instant::now() + RETRY >= deadline => return Err(e),
             Err(e) => {
                 waiting(args, &e, live);
                 tokio::time::sleep(RETRY).await;
@@ -205,9 +206,7 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
             let left = deadline.saturating_duration_since(Instant::now());
             match sub.discover_next(left).await {
                 Ok(f) => break f,
-                Err(e) if e.kind() == ErrorKind::Timeout || Instant::now() + RETRY >= deadline => {
-                    return Err(e)
-                }
+                Err(e) if Instant::now() + RETRY >= deadline => return Err(e),
                 Err(e) => {
                     waiting(&args, &e, live);
                     tokio::time::sleep(RETRY).await;

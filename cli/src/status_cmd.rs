@@ -1,7 +1,7 @@
 //! `reshard status`: what the rendezvous holds: per model, every publisher rank with its step,
 //! readiness, transport, its holder (incarnation, host, pid), table size and lease age, and the
 //! publisher's note when it set one (its last error: why it does not advance to a newer
-//! checkpoint).
+//! checkpoint, or why it serves no step while it holds its rank with no table).
 
 use clap::Args;
 use reshard_core::Result;
@@ -48,7 +48,13 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
                     "  rank {:>4}  step {:>6}  {:<8}  {:<9}  incarnation {:016x}  table {:>9} B  lease age {:.1} s  holder {}",
                     m.rank,
                     m.step,
-                    if m.ready { "ready" } else { "updating" },
+                    match (m.ready, m.table_bytes) {
+                        (true, _) => "ready",
+                        // A claim with no table: the publisher has no step to serve (its note
+                        // says why, docs/deployment.md §5).
+                        (false, 0) => "no step",
+                        (false, _) => "updating",
+                    },
                     m.transport,
                     m.incarnation,
                     m.table_bytes,

@@ -1,5 +1,6 @@
 //! A bad newer checkpoint never ends a publisher that serves a good one (docs/deployment.md §5),
-//! and a bad first checkpoint ends it at once with the reason: a private etcd
+//! nor does a bad checkpoint at start: it is refused with the reason and the newest good one
+//! served, or, with none, the rank claimed not ready saying why: a private etcd
 //! (scripts/etcd.sh), one `reshard publish` process and one `reshard receive` process over UCX
 //! restricted to TCP, checkpoints written by `reshard checkpoint` and then damaged on disk.
 //! What the receiver installs is compared with the checkpoint files, tensor by tensor.
@@ -163,6 +164,11 @@ fn publisher(etcd: &Etcd, ckpts: &Path) -> Proc {
 
 /// `reshard status --json`'s entry for rank 0: (step, ready, note).
 fn status(etcd: &Etcd) -> (u64, bool, Option<String>) {
+    status_of(etcd).expect("rank 0 in reshard status")
+}
+
+/// [`status`], `None` while rank 0 has not claimed its rank yet.
+fn status_of(etcd: &Etcd) -> Option<(u64, bool, Option<String>)> {
     let out = Command::new(R)
         .args([
             "status",
@@ -181,11 +187,11 @@ fn status(etcd: &Etcd) -> (u64, bool, Option<String>) {
     );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let p = &v[0]["publishers"][0];
-    (
-        p["step"].as_u64().unwrap(),
-        p["ready"].as_bool().unwrap(),
+    Some((
+        p["step"].as_u64()?,
+        p["ready"].as_bool()?,
         p["note"].as_str().map(str::to_string),
-    )
+    ))
 }
 
 /// The publisher's next JSON line.
@@ -388,17 +394,21 @@ fn a_bad_newer_step_is_refused_and_the_good_one_served_until_a_fix_appears() {
 }
 
 /// The issue's `config.json` (10^12 layers of a model otherwise a few hundred bytes wide) in
-/// the only checkpoint: the publisher exits 2 at once naming the key, where it aborted
-/// allocating the tensor list (exit 134).
+/// the newest checkpoint at start, and no other: refused at once naming the key (it aborted
+/// allocating the tensor list, exit 134, before it was refused with exit 2; a supervisor
+/// restarting it would start into the same step again), the rank claimed not ready with the
+/// reason as its note; the process waits. An older good step 1 written then is served, the
+/// refused step 2 not tried again; SIGTERM ends it with exit 0.
 #[test]
-fn an_absurd_layer_count_ends_the_publisher_with_exit_2_naming_the_key() {
+fn an_absurd_layer_count_is_refused_naming_the_key_and_an_older_good_step_served() {
     if !available("loopback") {
         return;
     }
     let etcd = Etcd::start("publish-absurd-config");
     let ckpts = etcd.dir.join("ckpts");
-    let step1 = checkpoint(&ckpts, 1);
-    let cfg = step1.join("config.json");
+    let aside = etcd.dir.join("aside");
+    let step2 = checkpoint(&ckpts, 2);
+    let cfg = step2.join("config.json");
     let mut v: Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
     for (k, n) in [
         ("num_hidden_layers", 1_000_000_000_000u64),
@@ -412,30 +422,80 @@ fn an_absurd_layer_count_ends_the_publisher_with_exit_2_naming_the_key() {
     }
     std::fs::write(&cfg, serde_json::to_vec(&v).unwrap()).unwrap();
     let started = Instant::now();
-    let out = Command::new(R)
-        .args(["publish", "--rendezvous", &etcd.url, "--model", "q"])
-        .arg("--checkpoint")
-        .arg(&ckpts)
-        .args([
-            "--publishers",
-            "tp=1",
-            "--rank",
-            "0",
-            "--transport",
-            "loopback",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let mut p = Proc::spawn(
+        Command::new(R)
+            .args(["publish", "--rendezvous", &etcd.url, "--model", "q"])
+            .arg("--checkpoint")
+            .arg(&ckpts)
+            .args(["--publishers", "tp=1", "--rank", "0"])
+            .args(["--transport", "loopback", "--poll-ms", "100", "--json"]),
+    );
+    let v = event(&p);
+    assert_eq!(
+        (v["event"].as_str(), v["step"].as_u64()),
+        (Some("refused"), Some(2)),
+        "{v}"
+    );
+    assert!(v["serving_step"].is_null(), "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("\"num_hidden_layers\" is 1000000000000"),
+        "{msg}"
+    );
     // Refused from the config alone (a generous bound on a shared machine).
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "{:?}",
         started.elapsed()
     );
+    let v = event(&p);
+    assert_eq!(v["event"], "no_checkpoint", "{v}");
     assert!(
-        err.contains("\"num_hidden_layers\" is 1000000000000"),
-        "{err}"
+        v["reason"].as_str().unwrap().contains("num_hidden_layers"),
+        "{v}"
     );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let note = loop {
+        if let Some((step, ready, Some(n))) = status_of(&etcd) {
+            assert_eq!((step, ready), (0, false), "claimed, not ready");
+            break n;
+        }
+        assert!(Instant::now() < deadline, "no note in reshard status");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        note.contains("serving no step") && note.contains("num_hidden_layers"),
+        "{note}"
+    );
+    assert!(p.alive(), "the publisher exited");
+
+    // An older good step appears (moved in whole): served; step 2 is not tried again.
+    let step1 = checkpoint(&aside, 1);
+    std::fs::rename(&step1, ckpts.join("step-1")).unwrap();
+    let v = event(&p);
+    assert_eq!(
+        (v["event"].as_str(), v["step"].as_u64()),
+        (Some("published"), Some(1)),
+        "{v}"
+    );
+    let (step, ready, note) = status(&etcd);
+    assert_eq!((step, ready), (1, true));
+    assert!(note.unwrap().contains("refused step 2"));
+
+    assert!(Command::new("kill")
+        .args(["-TERM", &p.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let v = event(&p);
+    assert_eq!(v["event"], "withdrew", "{v}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the publisher did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "publisher exited {status}");
 }

@@ -30,7 +30,9 @@ pub struct Announcement {
     /// The publisher endpoint's incarnation (also in the table's `PublisherId`): a restarted
     /// publisher announces a new one, so stale metadata is never paired with a new table.
     pub incarnation: u64,
-    /// The shard table, encoded (`reshard_core::encoding`).
+    /// The shard table, encoded (`reshard_core::encoding`). Empty: the rank is claimed with no
+    /// step to serve yet (a publisher waiting for a checkpoint it can serve, its note saying
+    /// why), announced not ready; such a publisher withdraws and announces again to serve.
     pub table: Bytes,
     /// The transport's exported metadata (`Transport::export_metadata`).
     pub metadata: Bytes,

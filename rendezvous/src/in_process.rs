@@ -201,11 +201,13 @@ impl Rendezvous for InProcess {
                 let e = holder::rank_held(&model, rank, &who, "its handle is alive");
                 return (false, Err(e));
             }
+            // An empty table claims the rank with no step to serve: not ready.
+            let ready = !announcement.table.is_empty();
             m.members.insert(
                 rank,
                 Entry {
                     announcement,
-                    ready: true,
+                    ready,
                     note: None,
                     lease,
                     granted: Instant::now(),

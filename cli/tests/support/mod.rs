@@ -130,6 +130,11 @@ impl Proc {
         }
     }
 
+    /// A JSON line already printed and not yet read, if any (without waiting).
+    pub fn pending_line(&self) -> Option<Value> {
+        self.lines.try_recv().ok()
+    }
+
     /// Whether the process still runs.
     pub fn alive(&mut self) -> bool {
         self.child.try_wait().unwrap().is_none()

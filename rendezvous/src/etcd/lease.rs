@@ -304,7 +304,8 @@ impl Held {
             rank: a.rank,
             world: a.world,
             step: a.step,
-            ready: true,
+            // An empty table claims the rank with no step to serve (`Announcement::table`).
+            ready: !a.table.is_empty(),
             transport: a.transport.clone(),
             incarnation: a.incarnation,
             host: me.host,
