@@ -5,140 +5,14 @@
 //! restricted to TCP, checkpoints written by `reshard checkpoint` and then damaged on disk.
 //! What the receiver installs is compared with the checkpoint files, tensor by tensor.
 
-use std::io::BufRead;
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use reshard_checkpoint::Checkpoint;
 use serde_json::Value;
-
-const R: &str = env!("CARGO_BIN_EXE_reshard");
-
-fn scripts() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts")
-}
-
-/// Skips loudly where `transport` or etcd is missing, unless `RESHARD_REQUIRE_BACKENDS` asks
-/// for them.
-fn available(transport: &str) -> bool {
-    let probe = reshard_transports::registry().probe(transport);
-    if !reshard_conformance::backend_available(transport, probe) {
-        return false;
-    }
-    let etcd = Command::new("etcd").arg("--version").output().is_ok();
-    assert!(
-        etcd || std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
-        "etcd is required here: run scripts/install-deps.sh"
-    );
-    if !etcd {
-        eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
-    }
-    etcd
-}
-
-/// A process whose stdout JSON lines arrive on a channel; killed when dropped.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<Value>,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Proc {
-        let mut child = cmd
-            .env("RESHARD_BACKENDS__UCX__TLS", "tcp")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let (tx, lines) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
-                let v: Value = serde_json::from_str(&line).expect("JSON line");
-                if tx.send(v).is_err() {
-                    break;
-                }
-            }
-        });
-        Proc { child, lines }
-    }
-
-    fn line(&self, who: &str) -> Value {
-        match self.lines.recv_timeout(Duration::from_secs(90)) {
-            Ok(v) => v,
-            Err(mpsc::RecvTimeoutError::Timeout) => panic!("{who} printed nothing for 90 s"),
-            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{who} exited"),
-        }
-    }
-
-    fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A private etcd and a scratch folder, both gone when dropped.
-struct Etcd {
-    dir: PathBuf,
-    url: String,
-}
-
-impl Etcd {
-    fn start(name: &str) -> Etcd {
-        let dir =
-            Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let start = Command::new("bash")
-            .arg(scripts().join("etcd.sh"))
-            .args(["start".as_ref(), dir.join("etcd").as_os_str()])
-            .output()
-            .unwrap();
-        assert!(
-            start.status.success(),
-            "{}",
-            String::from_utf8_lossy(&start.stderr)
-        );
-        let url = String::from_utf8(start.stdout).unwrap().trim().to_string();
-        Etcd { dir, url }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(scripts().join("etcd.sh"))
-            .args(["stop".as_ref(), self.dir.join("etcd").as_os_str()])
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Writes step `step` as `dir/step-N` with `reshard checkpoint`.
-fn checkpoint(dir: &Path, step: u64) -> PathBuf {
-    let out = dir.join(format!("step-{step}"));
-    let run = Command::new(R)
-        .args(["checkpoint", "--preset", "qwen3-30b-a3b", "--layers", "1"])
-        .args(["--experts", "8", "--vocab", "512", "--max-shard-mib", "16"])
-        .args(["--step", &step.to_string(), "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    out
-}
+use support::{available, checkpoint, transport_env, Etcd, Proc, R};
 
 /// The shard files of checkpoint `dir`, sorted.
 fn shards(dir: &Path) -> Vec<PathBuf> {
@@ -153,50 +27,25 @@ fn shards(dir: &Path) -> Vec<PathBuf> {
 
 fn publisher(etcd: &Etcd, ckpts: &Path) -> Proc {
     Proc::spawn(
+        "the publisher",
         Command::new(R)
             .args(["publish", "--rendezvous", &etcd.url, "--model", "q"])
             .arg("--checkpoint")
             .arg(ckpts)
             .args(["--publishers", "tp=1", "--rank", "0", "--transport", "ucx"])
-            .args(["--lease-ttl-s", "3", "--poll-ms", "100", "--json"]),
+            .args(["--lease-ttl-s", "3", "--poll-ms", "100", "--json"])
+            .envs(transport_env("ucx")),
     )
 }
 
 /// `reshard status --json`'s entry for rank 0: (step, ready, note).
 fn status(etcd: &Etcd) -> (u64, bool, Option<String>) {
-    status_of(etcd).expect("rank 0 in reshard status")
-}
-
-/// [`status`], `None` while rank 0 has not claimed its rank yet.
-fn status_of(etcd: &Etcd) -> Option<(u64, bool, Option<String>)> {
-    let out = Command::new(R)
-        .args([
-            "status",
-            "--rendezvous",
-            &etcd.url,
-            "--model",
-            "q",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let p = &v[0]["publishers"][0];
-    Some((
-        p["step"].as_u64()?,
-        p["ready"].as_bool()?,
-        p["note"].as_str().map(str::to_string),
-    ))
+    etcd.rank0().expect("rank 0 in reshard status")
 }
 
 /// The publisher's next JSON line.
 fn event(p: &Proc) -> Value {
-    p.line("the publisher")
+    p.line()
 }
 
 /// Waits for the publisher to advance to `step`. Refusals of `step` on the way are what a
@@ -224,48 +73,11 @@ fn damaged(ckpts: &Path, step: u64, damage: impl FnOnce(&Path)) -> PathBuf {
     into
 }
 
-/// What the TP1 receiver holds of each parameter in vLLM's naming, cut from the checkpoint:
-/// q, k, v stacked; every expert's gate and up stacked, then every expert's down.
-fn expected(ckpt: &Checkpoint, name: &str) -> Vec<u8> {
-    let get = |n: &str| ckpt.tensor_bytes(n).unwrap();
-    let experts = ckpt.model().moe.as_ref().unwrap().experts;
-    let l = "model.layers.0.";
-    match name.strip_prefix(l).unwrap_or(name) {
-        "self_attn.qkv_proj.weight" => ["q", "k", "v"]
-            .iter()
-            .flat_map(|p| get(&format!("{l}self_attn.{p}_proj.weight")))
-            .collect(),
-        "mlp.experts.w13_weight" => (0..experts)
-            .flat_map(|x| {
-                ["gate_proj", "up_proj"]
-                    .iter()
-                    .flat_map(|p| get(&format!("{l}mlp.experts.{x}.{p}.weight")))
-                    .collect::<Vec<u8>>()
-            })
-            .collect(),
-        "mlp.experts.w2_weight" => (0..experts)
-            .flat_map(|x| get(&format!("{l}mlp.experts.{x}.down_proj.weight")))
-            .collect(),
-        _ => get(name),
-    }
-}
-
-/// Asserts the receiver's JSON line says `step` installed and verified, and that its dump of
-/// that step equals the checkpoint at `ckpt`, parameter by parameter.
+/// Asserts the TP1 receiver's JSON line says `step` installed and verified, and that its dump of
+/// that step equals the checkpoint folder `ckpt` (`.../step-N`), parameter by parameter.
 fn installed(v: &Value, step: u64, dump: &Path, ckpt: &Path) {
-    assert_eq!(v["step"], step, "{v}");
-    assert_eq!(v["verified"], true, "{v}");
-    let ckpt = Checkpoint::open(ckpt).unwrap();
-    let bytes = std::fs::read(dump.join(format!("step-{step}/model.safetensors"))).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    assert_eq!(st.names().len(), 12);
-    for name in st.names() {
-        let got = st.tensor(name).unwrap();
-        assert!(
-            got.data() == &expected(&ckpt, name)[..],
-            "{name} of step {step} differs from the checkpoint"
-        );
-    }
+    assert_eq!(ckpt.file_name().unwrap(), format!("step-{step}").as_str());
+    support::installed(v, step, dump, ckpt.parent().unwrap(), 0, 1);
 }
 
 /// A truncated step folder and one with a broken header, each written while a good step is
@@ -278,7 +90,7 @@ fn a_bad_newer_step_is_refused_and_the_good_one_served_until_a_fix_appears() {
         return;
     }
     let etcd = Etcd::start("publish-bad-step");
-    let ckpts = etcd.dir.join("ckpts");
+    let ckpts = etcd.ckpts();
     let step1 = checkpoint(&ckpts, 1);
     let mut p = publisher(&etcd, &ckpts);
     let v = event(&p);
@@ -318,6 +130,7 @@ fn a_bad_newer_step_is_refused_and_the_good_one_served_until_a_fix_appears() {
     // Still serving step 1: a receiver started now installs it from this publisher.
     let dump = etcd.dir.join("dump");
     let receiver = Proc::spawn(
+        "the receiver",
         Command::new(R)
             .args(["receive", "--rendezvous", &etcd.url, "--model", "q"])
             .args(["--receivers", "tp=1", "--rank", "0", "--transport", "ucx"])
@@ -331,21 +144,22 @@ fn a_bad_newer_step_is_refused_and_the_good_one_served_until_a_fix_appears() {
                 "3",
             ])
             .arg("--dump")
-            .arg(&dump),
+            .arg(&dump)
+            .envs(transport_env("ucx")),
     );
-    installed(&receiver.line("the receiver"), 1, &dump, &step1);
+    installed(&receiver.line(), 1, &dump, &step1);
     // Refused once: a folder that does not change is not tried again (the publisher polls
     // every 100 ms; the receiver's install took at least that long).
     assert!(p.alive(), "the publisher exited");
     assert!(
-        p.lines.try_recv().is_err(),
+        p.pending_line().is_none(),
         "the publisher said more about an unchanged folder"
     );
 
     // Rewritten whole (the writer's way: index removed, shards renamed in, index last).
     let step2 = checkpoint(&ckpts, 2);
     advanced(&p, 2);
-    installed(&receiver.line("the receiver"), 2, &dump, &step2);
+    installed(&receiver.line(), 2, &dump, &step2);
     assert_eq!(status(&etcd), (2, true, None), "the note clears");
 
     // Step 3 with a header length past the end of its file, then a good step 4.
@@ -372,7 +186,7 @@ fn a_bad_newer_step_is_refused_and_the_good_one_served_until_a_fix_appears() {
     assert!(note.unwrap().contains("refused step 3"));
     let step4 = checkpoint(&ckpts, 4);
     advanced(&p, 4);
-    installed(&receiver.line("the receiver"), 4, &dump, &step4);
+    installed(&receiver.line(), 4, &dump, &step4);
     assert_eq!(status(&etcd), (4, true, None));
     drop(receiver);
 
@@ -405,7 +219,7 @@ fn an_absurd_layer_count_is_refused_naming_the_key_and_an_older_good_step_served
         return;
     }
     let etcd = Etcd::start("publish-absurd-config");
-    let ckpts = etcd.dir.join("ckpts");
+    let ckpts = etcd.ckpts();
     let aside = etcd.dir.join("aside");
     let step2 = checkpoint(&ckpts, 2);
     let cfg = step2.join("config.json");
@@ -423,6 +237,7 @@ fn an_absurd_layer_count_is_refused_naming_the_key_and_an_older_good_step_served
     std::fs::write(&cfg, serde_json::to_vec(&v).unwrap()).unwrap();
     let started = Instant::now();
     let mut p = Proc::spawn(
+        "the publisher",
         Command::new(R)
             .args(["publish", "--rendezvous", &etcd.url, "--model", "q"])
             .arg("--checkpoint")
@@ -456,7 +271,7 @@ fn an_absurd_layer_count_is_refused_naming_the_key_and_an_older_good_step_served
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     let note = loop {
-        if let Some((step, ready, Some(n))) = status_of(&etcd) {
+        if let Some((step, ready, Some(n))) = etcd.rank0() {
             assert_eq!((step, ready), (0, false), "claimed, not ready");
             break n;
         }

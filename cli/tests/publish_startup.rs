@@ -85,21 +85,9 @@ fn receiver(etcd: &Etcd, steps: u64, dump: &Path) -> Proc {
     )
 }
 
-/// `reshard status --json`'s entry for rank 0: (step, ready, note); `None` while model `q` has
-/// no publisher.
-fn status_of(etcd: &Etcd) -> Option<(u64, bool, Option<String>)> {
-    let publishers = etcd.status();
-    let p = publishers.first()?;
-    Some((
-        p["step"].as_u64()?,
-        p["ready"].as_bool()?,
-        p["note"].as_str().map(str::to_string),
-    ))
-}
-
-/// [`status_of`], the rank present.
+/// `reshard status --json`'s entry for rank 0: (step, ready, note), the rank present.
 fn status(etcd: &Etcd) -> (u64, bool, Option<String>) {
-    status_of(etcd).expect("rank 0 in reshard status")
+    etcd.rank0().expect("rank 0 in reshard status")
 }
 
 /// Waits for the publisher's line `event` at `step`, skipping the lines that say it waited
@@ -289,7 +277,7 @@ fn no_complete_checkpoint_is_said_within_a_second_and_a_single_file_is_published
     // The claim's note, as `reshard status` shows it (written right after the line).
     let deadline = Instant::now() + Duration::from_secs(10);
     let (step, ready, note) = loop {
-        if let Some(s @ (_, _, Some(_))) = status_of(&etcd) {
+        if let Some(s @ (_, _, Some(_))) = etcd.rank0() {
             break s;
         }
         assert!(Instant::now() < deadline, "no note in reshard status");

@@ -266,6 +266,18 @@ impl Etcd {
         v[0]["publishers"].as_array().cloned().unwrap_or_default()
     }
 
+    /// `reshard status --json`'s first publisher as (step, ready, note); `None` while model `q`
+    /// has none.
+    pub fn rank0(&self) -> Option<(u64, bool, Option<String>)> {
+        let publishers = self.status();
+        let p = publishers.first()?;
+        Some((
+            p["step"].as_u64()?,
+            p["ready"].as_bool()?,
+            p["note"].as_str().map(str::to_string),
+        ))
+    }
+
     /// The (rank, step) of every publisher `reshard status` shows.
     pub fn steps(&self) -> Vec<(u64, u64)> {
         self.status()
