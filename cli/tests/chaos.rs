@@ -409,20 +409,7 @@ urllib.request.urlopen(req, timeout=10).read()
     /// experts (one per EP rank) rather than `support::checkpoint`'s eight: a step half the
     /// bytes, a dozen of them in the run.
     fn write_aside(&self, step: u64) -> PathBuf {
-        let out = self.dir.join("aside").join(format!("step-{step}"));
-        let run = Command::new(R)
-            .args(["checkpoint", "--preset", "qwen3-30b-a3b", "--layers", "1"])
-            .args(["--experts", "4", "--vocab", "512", "--max-shard-mib", "16"])
-            .args(["--step", &step.to_string(), "--out"])
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(
-            run.status.success(),
-            "{}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        out
+        support::checkpoint_with(&self.dir.join("aside"), step, 4)
     }
 
     /// Moves a step written aside into the checkpoint folder, in one rename.

@@ -303,10 +303,16 @@ impl Drop for Etcd {
 /// Writes step `step` as `dir/step-N` with `reshard checkpoint`: a one-layer, 8-expert
 /// Qwen3-MoE in shards of at most 16 MiB.
 pub fn checkpoint(dir: &Path, step: u64) -> PathBuf {
+    checkpoint_with(dir, step, 8)
+}
+
+/// [`checkpoint`] with `experts` experts.
+pub fn checkpoint_with(dir: &Path, step: u64, experts: u64) -> PathBuf {
     let out = dir.join(format!("step-{step}"));
     let run = Command::new(R)
         .args(["checkpoint", "--preset", "qwen3-30b-a3b", "--layers", "1"])
-        .args(["--experts", "8", "--vocab", "512", "--max-shard-mib", "16"])
+        .args(["--experts", &experts.to_string(), "--vocab", "512"])
+        .args(["--max-shard-mib", "16"])
         .args(["--step", &step.to_string(), "--out"])
         .arg(&out)
         .output()
