@@ -379,14 +379,14 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
         tied_embeddings,
         qk_norm: fam.qk_norm,
         dtype,
-        arch: Arch {
+        arch: Box::new(Arch {
             model_type: model_type.to_string(),
             dense_layers,
             shared_intermediate,
             mla,
             dtypes: Default::default(),
             fp8_block,
-        },
+        }),
     };
     // The bounds first, named by the keys of this file (validate names the model's fields).
     if let Some(b) = model.out_of_bounds() {

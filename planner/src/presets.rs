@@ -70,10 +70,9 @@ fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 
-impl Arch {
-    fn is_default(&self) -> bool {
-        *self == Arch::default()
-    }
+#[allow(clippy::borrowed_box)] // serde passes the field by reference
+fn arch_is_default(a: &Box<Arch>) -> bool {
+    **a == Arch::default()
 }
 
 /// Where a tensor of [`ModelConfig::tensors`] comes from: its rule, layer, expert, and whether
@@ -117,9 +116,10 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Element type of every tensor (but those `arch.dtypes` and `arch.fp8_block` name).
     pub dtype: DType,
-    /// Family (`model_type`), dense layers, shared experts, MLA, per-rule dtypes.
-    #[serde(default, skip_serializing_if = "Arch::is_default")]
-    pub arch: Arch,
+    /// Family (`model_type`), dense layers, shared experts, MLA, per-rule dtypes (boxed: most
+    /// models leave it default, and a `ModelConfig` travels inside messages).
+    #[serde(default, skip_serializing_if = "arch_is_default")]
+    pub arch: Box<Arch>,
 }
 
 /// Most decoder layers a model may have. The deepest published decoders have 126 (Llama-3.1-405B)
@@ -215,10 +215,10 @@ pub fn presets() -> Vec<Preset> {
                 tied_embeddings: false,
                 qk_norm: true,
                 dtype: DType::Bf16,
-                arch: Arch {
+                arch: Box::new(Arch {
                     model_type: "qwen3_moe".into(),
                     ..Arch::default()
-                },
+                }),
             },
         },
         Preset {
@@ -241,10 +241,10 @@ pub fn presets() -> Vec<Preset> {
                 tied_embeddings: false,
                 qk_norm: false,
                 dtype: DType::Bf16,
-                arch: Arch {
+                arch: Box::new(Arch {
                     model_type: "llama".into(),
                     ..Arch::default()
-                },
+                }),
             },
         },
         Preset {
@@ -276,7 +276,7 @@ pub fn presets() -> Vec<Preset> {
                 tied_embeddings: false,
                 qk_norm: false,
                 dtype: DType::Bf16,
-                arch: Arch {
+                arch: Box::new(Arch {
                     model_type: "kimi_k2".into(),
                     dense_layers: vec![0],
                     shared_intermediate: 2048,
@@ -288,7 +288,7 @@ pub fn presets() -> Vec<Preset> {
                         v_head_dim: 128,
                     }),
                     ..Arch::default()
-                },
+                }),
             },
         },
     ]
@@ -793,7 +793,7 @@ mod tests {
             tied_embeddings: false,
             qk_norm: false,
             dtype: DType::Bf16,
-            arch: Arch::default(),
+            arch: Default::default(),
         }
     }
 
@@ -879,7 +879,7 @@ mod tests {
             "head_dim": 16, "intermediate": 96, "moe": {"experts": 4, "expert_intermediate": 32},
             "vocab": 128, "tied_embeddings": false, "qk_norm": true, "dtype": "bf16"}"#;
         let m: ModelConfig = serde_json::from_str(old).unwrap();
-        assert_eq!(m.arch, Arch::default());
+        assert_eq!(*m.arch, Arch::default());
         assert_eq!(m.model_type(), "qwen3_moe");
         m.validate().unwrap();
         // A default arch stays out of the JSON: such announcements are byte-identical.
