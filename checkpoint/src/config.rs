@@ -1,14 +1,16 @@
 //! `config.json` in Hugging Face form, to and from [`ModelConfig`], and dtype names.
 //!
-//! Reading accepts the keys real Hugging Face configs use (Llama, Qwen3, Qwen3-MoE), with their
-//! defaults where a key is optional, so a downloaded checkpoint opens as well as a written one.
+//! Reading accepts the keys real Hugging Face configs use for every family of
+//! `reshard_planner::families` (docs/models.md), with their defaults where a key is optional, so
+//! a downloaded checkpoint opens as well as a written one.
 
 use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use reshard_core::{DType, Error, ErrorKind, Result};
-use reshard_planner::presets::{ModelConfig, MoeConfig};
+use reshard_core::{DType, Error, ErrorKind, Result, TensorSpec};
+use reshard_planner::families::{family, match_tensor, model_types, MoeKeys};
+use reshard_planner::presets::{Arch, MlaConfig, ModelConfig, MoeConfig, MAX_LAYERS};
 
 /// File name of the architecture description inside a checkpoint.
 pub const CONFIG_FILE: &str = "config.json";
@@ -65,19 +67,35 @@ pub fn dtype_from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
         .find(|d| safetensors_dtype(*d) == dtype)
 }
 
-/// `model_type` and `architectures[0]` for a model: Qwen3 names need q/k norms, since that is
-/// what tells a Qwen3 apart from a Llama in Hugging Face's own code.
-fn hf_names(model: &ModelConfig) -> (&'static str, &'static str) {
-    match (model.moe.is_some(), model.qk_norm) {
-        (true, true) => ("qwen3_moe", "Qwen3MoeForCausalLM"),
-        (false, true) => ("qwen3", "Qwen3ForCausalLM"),
-        _ => ("llama", "LlamaForCausalLM"),
-    }
+/// `model_type` and `architectures[0]` of a model's family.
+fn hf_names(model: &ModelConfig) -> (String, &'static str) {
+    let arch = model
+        .family()
+        .map_or("LlamaForCausalLM", |f| f.architecture);
+    (model.model_type().to_string(), arch)
 }
 
-/// The `config.json` object of a model.
+/// `(first_k_dense_replace, moe_layer_freq)` whose dense layers (below `k`, or not a multiple of
+/// the frequency) are exactly `dense`, when there is such a pair.
+fn deepseek_pattern(dense: &[u64], layers: u64) -> (u64, u64) {
+    let lead = dense
+        .iter()
+        .enumerate()
+        .take_while(|(i, &l)| *i as u64 == l)
+        .count() as u64;
+    for f in 1..=layers.max(1) {
+        let want: Vec<u64> = (0..layers).filter(|&l| l < lead || l % f != 0).collect();
+        if want == dense {
+            return (lead, f);
+        }
+    }
+    (lead, 1)
+}
+
+/// The `config.json` object of a model, with the keys of its family.
 pub fn to_hf_config(model: &ModelConfig) -> Value {
     let (model_type, arch) = hf_names(model);
+    let fam = model.family().ok();
     let mut v = json!({
         "architectures": [arch],
         "model_type": model_type,
@@ -85,7 +103,6 @@ pub fn to_hf_config(model: &ModelConfig) -> Value {
         "hidden_size": model.hidden,
         "num_attention_heads": model.heads,
         "num_key_value_heads": model.kv_heads,
-        "head_dim": model.head_dim,
         "intermediate_size": model.intermediate,
         "vocab_size": model.vocab,
         "tie_word_embeddings": model.tied_embeddings,
@@ -93,18 +110,99 @@ pub fn to_hf_config(model: &ModelConfig) -> Value {
         "rms_norm_eps": 1e-6,
         NAME_KEY: model.name,
     });
-    if let (Some(m), Some(obj)) = (&model.moe, v.as_object_mut()) {
-        obj.insert("num_experts".into(), json!(m.experts));
-        obj.insert("moe_intermediate_size".into(), json!(m.expert_intermediate));
-        // Every layer is MoE (what `ModelConfig::tensors` assumes); say so the way Qwen3-MoE does.
-        obj.insert("decoder_sparse_step".into(), json!(1));
-        obj.insert("mlp_only_layers".into(), json!([]));
-        obj.insert("num_experts_per_tok".into(), json!(m.experts.min(8)));
+    let Some(obj) = v.as_object_mut() else {
+        return v;
+    };
+    let mut put = |k: &str, x: Value| {
+        obj.insert(k.into(), x);
+    };
+    if let Some(m) = &model.arch.mla {
+        put("q_lora_rank", json!(m.q_lora_rank));
+        put("kv_lora_rank", json!(m.kv_lora_rank));
+        put("qk_nope_head_dim", json!(m.qk_nope_head_dim));
+        put("qk_rope_head_dim", json!(m.qk_rope_head_dim));
+        put("v_head_dim", json!(m.v_head_dim));
+    } else {
+        put("head_dim", json!(model.head_dim));
+    }
+    if let Some(b) = model.arch.fp8_block {
+        put(
+            "quantization_config",
+            json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": b}),
+        );
+    }
+    let Some(m) = &model.moe else {
+        return v;
+    };
+    let top_k = m.experts.min(8);
+    match fam.map_or(MoeKeys::None, |f| f.moe_keys) {
+        MoeKeys::Qwen { shared } => {
+            put("num_experts", json!(m.experts));
+            put("moe_intermediate_size", json!(m.expert_intermediate));
+            // Dense layers are listed; every other layer is MoE.
+            put("decoder_sparse_step", json!(1));
+            put("mlp_only_layers", json!(model.arch.dense_layers));
+            put("num_experts_per_tok", json!(top_k));
+            if shared {
+                put(
+                    "shared_expert_intermediate_size",
+                    json!(model.arch.shared_intermediate),
+                );
+            }
+        }
+        MoeKeys::Mixtral => {
+            put("num_local_experts", json!(m.experts));
+            put("intermediate_size", json!(m.expert_intermediate));
+            put("num_experts_per_tok", json!(top_k));
+        }
+        MoeKeys::DeepSeek => {
+            let (k, f) = deepseek_pattern(&model.arch.dense_layers, model.layers);
+            put("n_routed_experts", json!(m.experts));
+            put("moe_intermediate_size", json!(m.expert_intermediate));
+            let shared = model.arch.shared_intermediate / m.expert_intermediate.max(1);
+            put("n_shared_experts", json!(shared));
+            put("first_k_dense_replace", json!(k));
+            put("moe_layer_freq", json!(f));
+            put("num_experts_per_tok", json!(top_k));
+            put("topk_method", json!("noaux_tc"));
+        }
+        MoeKeys::None => {}
     }
     v
 }
 
-/// Parses a `config.json` object into a model; errors are `Config` and name the key.
+/// The element type `config.json` declares: `dtype` (recent transformers) or `torch_dtype`;
+/// `None` when it has neither (then the safetensors headers are the truth). Both present and
+/// different, or an unknown name, is a `Config` error naming the key.
+pub fn declared_dtype(v: &Value, label: &str) -> Result<Option<DType>> {
+    let err = |m: String| Error::new(ErrorKind::Config, format!("{label}: {m}"));
+    let mut found: Option<(&str, DType)> = None;
+    for key in ["dtype", "torch_dtype"] {
+        let s = match v.get(key) {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(s)) => s.as_str(),
+            Some(x) => return Err(err(format!("key {key:?} is {x}, expected a dtype name"))),
+        };
+        let d = dtype_from_torch(s.strip_prefix("torch.").unwrap_or(s))
+            .ok_or_else(|| err(format!("unknown {key} {s:?}")))?;
+        if let Some((k, prev)) = found {
+            if prev != d {
+                return Err(err(format!(
+                    "key {k:?} says {} but key {key:?} says {}",
+                    torch_dtype(prev),
+                    torch_dtype(d)
+                )));
+            }
+        }
+        found = Some((key, d));
+    }
+    Ok(found.map(|(_, d)| d))
+}
+
+/// Parses a `config.json` object into a model of a known family (`model_type`); errors are
+/// `Config` and name the key. Without a `dtype`/`torch_dtype` key the dtype is f32 until
+/// [`reconcile_headers`] replaces it with what the tensors' headers say.
 pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
     let err = |m: String| Error::new(ErrorKind::Config, format!("{label}: {m}"));
     let obj: &Map<String, Value> = v
@@ -125,42 +223,113 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
         .get("model_type")
         .and_then(Value::as_str)
         .ok_or_else(|| err("required key \"model_type\" is missing or not a string".into()))?;
+    let fam = family(model_type).ok_or_else(|| {
+        err(format!(
+            "unknown model_type {model_type:?}; reshard has rules for: {}",
+            model_types().join(", ")
+        ))
+    })?;
+    let layers = req_u64("num_hidden_layers")?;
     let hidden = req_u64("hidden_size")?;
     let heads = req_u64("num_attention_heads")?;
     // Hugging Face defaults: KV heads to query heads (no GQA), head size to hidden / heads.
     let kv_heads = opt_u64("num_key_value_heads")?.unwrap_or(heads);
-    let head_dim = match opt_u64("head_dim")? {
-        Some(h) => h,
-        None if heads > 0 => hidden / heads,
-        None => 0,
+    let mla = if fam.mla {
+        Some(MlaConfig {
+            q_lora_rank: opt_u64("q_lora_rank")?,
+            kv_lora_rank: req_u64("kv_lora_rank")?,
+            qk_nope_head_dim: req_u64("qk_nope_head_dim")?,
+            qk_rope_head_dim: req_u64("qk_rope_head_dim")?,
+            v_head_dim: req_u64("v_head_dim")?,
+        })
+    } else {
+        None
     };
-    let moe = match opt_u64("num_experts")? {
-        Some(e) if e > 0 => {
-            // `tensors()` puts a MoE block in every layer; a config with dense layers in between
-            // would name tensors it does not have, so refuse it here with the reason.
-            if opt_u64("decoder_sparse_step")?.is_some_and(|s| s != 1) {
-                return Err(err(
-                    "decoder_sparse_step other than 1 is not supported".into()
-                ));
-            }
-            if obj
-                .get("mlp_only_layers")
-                .and_then(Value::as_array)
-                .is_some_and(|a| !a.is_empty())
-            {
-                return Err(err("non-empty mlp_only_layers is not supported".into()));
-            }
-            Some(MoeConfig {
-                experts: e,
-                expert_intermediate: req_u64("moe_intermediate_size")?,
-            })
+    let head_dim = match (&mla, opt_u64("head_dim")?) {
+        (Some(m), _) => m.qk_nope_head_dim.saturating_add(m.qk_rope_head_dim),
+        (None, Some(h)) => h,
+        (None, None) if heads > 0 => hidden / heads,
+        (None, None) => 0,
+    };
+    let layer_list = |k: &str| -> Result<Vec<u64>> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64().filter(|&l| l < layers).ok_or_else(|| {
+                        err(format!(
+                            "key {k:?} holds {x}, expected layer indices below {layers}"
+                        ))
+                    })
+                })
+                .collect(),
+            Some(x) => Err(err(format!("key {k:?} is {x}, expected a list of layers"))),
         }
-        _ => None,
     };
-    let intermediate = match &moe {
-        Some(_) => opt_u64("intermediate_size")?.unwrap_or(0),
-        None => req_u64("intermediate_size")?,
+    let step_of = |k: &str| -> Result<u64> {
+        match opt_u64(k)? {
+            None => Ok(1),
+            Some(0) => Err(err(format!("key {k:?} must not be zero"))),
+            Some(s) => Ok(s),
+        }
     };
+    let mut intermediate = opt_u64("intermediate_size")?.unwrap_or(0);
+    let mut shared_intermediate = 0;
+    // Which layers are MoE follows vLLM's model code for each family (docs/models.md).
+    let (moe, dense_layers) = match fam.moe_keys {
+        MoeKeys::None => (None, Vec::new()),
+        MoeKeys::Qwen { shared } => match opt_u64("num_experts")? {
+            Some(e) if e > 0 => {
+                let step = step_of("decoder_sparse_step")?;
+                let only = layer_list("mlp_only_layers")?;
+                let dense: Vec<u64> = (0..layers.min(MAX_LAYERS + 1))
+                    .filter(|l| only.contains(l) || (l + 1) % step != 0)
+                    .collect();
+                if shared {
+                    shared_intermediate = opt_u64("shared_expert_intermediate_size")?.unwrap_or(0);
+                }
+                let m = MoeConfig {
+                    experts: e,
+                    expert_intermediate: req_u64("moe_intermediate_size")?,
+                };
+                (Some(m), dense)
+            }
+            _ => (None, Vec::new()),
+        },
+        MoeKeys::Mixtral => {
+            let m = MoeConfig {
+                experts: req_u64("num_local_experts")?,
+                expert_intermediate: req_u64("intermediate_size")?,
+            };
+            (Some(m), Vec::new())
+        }
+        MoeKeys::DeepSeek => match opt_u64("n_routed_experts")? {
+            Some(e) if e > 0 => {
+                let k = opt_u64("first_k_dense_replace")?.unwrap_or(0);
+                let f = step_of("moe_layer_freq")?;
+                let dense: Vec<u64> = (0..layers.min(MAX_LAYERS + 1))
+                    .filter(|&l| l < k || l % f != 0)
+                    .collect();
+                let ei = req_u64("moe_intermediate_size")?;
+                shared_intermediate = opt_u64("n_shared_experts")?
+                    .unwrap_or(0)
+                    .checked_mul(ei)
+                    .ok_or_else(|| {
+                        err("n_shared_experts x moe_intermediate_size overflows".into())
+                    })?;
+                let m = MoeConfig {
+                    experts: e,
+                    expert_intermediate: ei,
+                };
+                (Some(m), dense)
+            }
+            _ => (None, Vec::new()),
+        },
+    };
+    if moe.is_none() || !dense_layers.is_empty() {
+        intermediate = req_u64("intermediate_size")?;
+    }
     let tied_embeddings = match obj.get("tie_word_embeddings") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -170,10 +339,27 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
             )))
         }
     };
-    let dtype = match obj.get("torch_dtype").and_then(Value::as_str) {
-        // Hugging Face falls back to float32 when the key is absent.
-        None => DType::F32,
-        Some(s) => dtype_from_torch(s).ok_or_else(|| err(format!("unknown torch_dtype {s:?}")))?,
+    // Hugging Face falls back to float32 when neither key is there; a checkpoint's headers
+    // then decide (reconcile_headers).
+    let dtype = declared_dtype(v, label)?.unwrap_or(DType::F32);
+    let fp8_block = match obj.get("quantization_config") {
+        None | Some(Value::Null) => None,
+        Some(q) => {
+            let method = q.get("quant_method").and_then(Value::as_str);
+            let block = q
+                .get("weight_block_size")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_u64).collect::<Vec<_>>());
+            match (method, block.as_deref()) {
+                (Some("fp8"), Some(&[a, b])) => Some([a, b]),
+                _ => {
+                    return Err(err(format!(
+                        "quantization_config {q} is not supported: reshard passes fp8 \
+                         checkpoints with a 2-element weight_block_size through"
+                    )))
+                }
+            }
+        }
     };
     let name = obj
         .get(NAME_KEY)
@@ -182,7 +368,7 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
         .to_string();
     let model = ModelConfig {
         name,
-        layers: req_u64("num_hidden_layers")?,
+        layers,
         hidden,
         heads,
         kv_heads,
@@ -191,8 +377,16 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
         moe,
         vocab: req_u64("vocab_size")?,
         tied_embeddings,
-        qk_norm: model_type.starts_with("qwen3"),
+        qk_norm: fam.qk_norm,
         dtype,
+        arch: Arch {
+            model_type: model_type.to_string(),
+            dense_layers,
+            shared_intermediate,
+            mla,
+            dtypes: Default::default(),
+            fp8_block,
+        },
     };
     // The bounds first, named by the keys of this file (validate names the model's fields).
     if let Some(b) = model.out_of_bounds() {
@@ -216,8 +410,120 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
     Ok(model)
 }
 
+/// Reconciles a model read from `config.json` with its checkpoint's tensors (name, header
+/// dtype, shape): every tensor must fit a rule of the model's family (else a `Config` error
+/// naming it); with a declared dtype (`declared`), a float tensor whose header dtype differs is
+/// a `Config` error naming it (under an fp8 `quantization_config`, linear weights are
+/// `float8_e4m3fn`, their scales f32, and other tensors may be f32); without one, the headers are
+/// the truth: the model's dtype becomes the embedding's, and rules whose tensors differ get
+/// their own. Shapes and the set of tensors are checked by the caller against the result.
+pub fn reconcile_headers(
+    mut model: ModelConfig,
+    declared: Option<DType>,
+    headers: &[(&TensorSpec, &str)],
+) -> Result<ModelConfig> {
+    let fam = model.family()?;
+    let cfg = |m: String, t: &str| Error::new(ErrorKind::Config, m).with_tensor(t);
+    let mut seen: Vec<(usize, bool, DType, &str)> = Vec::new();
+    // In name order, so the tensor an error names does not depend on the caller's order.
+    let mut headers = headers.to_vec();
+    headers.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+    for (h, file) in headers {
+        let Some((rule, _, _, scale)) = match_tensor(fam, &model, &h.name) else {
+            return Err(cfg(
+                format!(
+                    "unexpected tensor {} in shard file {file}: it fits no rule of model_type \
+                     {:?} with the layers and experts of config.json (docs/models.md lists \
+                     the rules)",
+                    h.name,
+                    model.model_type()
+                ),
+                &h.name,
+            ));
+        };
+        let r = &fam.rules[rule];
+        if scale && !model.has_scale(r) {
+            return Err(cfg(
+                format!(
+                    "tensor {} in shard file {file} is an fp8 scale but config.json has no fp8 \
+                     quantization_config",
+                    h.name
+                ),
+                &h.name,
+            ));
+        }
+        if let Some(d) = declared {
+            let fp8 = model.arch.fp8_block.is_some();
+            let ok = if scale {
+                h.dtype == DType::F32
+            } else if fp8 && r.quant {
+                h.dtype == DType::F8E4m3
+            } else {
+                h.dtype == d || (fp8 && h.dtype == DType::F32)
+            };
+            if !ok {
+                let want = match (scale, fp8 && r.quant) {
+                    (true, _) => DType::F32,
+                    (false, true) => DType::F8E4m3,
+                    _ => d,
+                };
+                return Err(cfg(
+                    format!(
+                        "tensor {} in shard file {file} has dtype {} in its safetensors header \
+                         but config.json declares {}",
+                        h.name,
+                        torch_dtype(h.dtype),
+                        torch_dtype(want)
+                    ),
+                    &h.name,
+                ));
+            }
+        }
+        if !scale {
+            match seen.iter().find(|s| s.0 == rule) {
+                Some(&(_, _, d, first)) if d != h.dtype => {
+                    return Err(cfg(
+                        format!(
+                            "tensor {} in shard file {file} has dtype {} but {first} of the same \
+                             rule has {}",
+                            h.name,
+                            torch_dtype(h.dtype),
+                            torch_dtype(d)
+                        ),
+                        &h.name,
+                    ))
+                }
+                Some(_) => {}
+                None => seen.push((rule, scale, h.dtype, &h.name)),
+            }
+        }
+    }
+    model.dtype = match declared {
+        Some(d) => d,
+        // The embedding's dtype, else the first tensor's.
+        None => seen
+            .iter()
+            .find(|s| fam.rules[s.0].name == "model.embed_tokens.weight")
+            .or(seen.first())
+            .map_or(model.dtype, |s| s.2),
+    };
+    model.arch.dtypes.clear();
+    for &(rule, _, d, _) in &seen {
+        let r = &fam.rules[rule];
+        if model.rule_dtype(r, false) != d {
+            model.arch.dtypes.insert(r.name.to_string(), d);
+        }
+    }
+    Ok(model)
+}
+
 /// Reads and parses `dir/config.json`.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    Ok(read_config_declared(dir)?.0)
+}
+
+/// Reads and parses `dir/config.json`, with the dtype it declares ([`declared_dtype`]).
+pub fn read_config_declared(dir: &Path) -> Result<(ModelConfig, Option<DType>)> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read(&path).map_err(|e| {
         Error::new(
@@ -232,7 +538,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             format!("{} is not valid JSON: {e}", path.display()),
         )
     })?;
-    from_hf_config(&v, &path.display().to_string())
+    let label = path.display().to_string();
+    Ok((from_hf_config(&v, &label)?, declared_dtype(&v, &label)?))
 }
 
 #[cfg(test)]

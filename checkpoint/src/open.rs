@@ -10,7 +10,7 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use serde_json::Value;
 
 use crate::config::dtype_from_safetensors as from_st_dtype;
-use crate::config::read_config;
+use crate::config::{read_config_declared, reconcile_headers};
 use crate::file::ShardFile;
 use crate::{INDEX_FILE, STEP_KEY};
 
@@ -202,7 +202,7 @@ impl Checkpoint {
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref();
         let index = read_index(dir)?;
-        let model = read_config(dir)?;
+        let (model, declared) = read_config_declared(dir)?;
         let mut files: Vec<&String> = index.weight_map.values().collect();
         files.sort();
         files.dedup();
@@ -251,6 +251,12 @@ impl Checkpoint {
             }
             shards.push(file);
         }
+        // Every tensor fits a rule of the family; the headers' dtypes are reconciled with config.json.
+        let headers: Vec<(&TensorSpec, &str)> = found
+            .values()
+            .map(|e| (&e.spec, shards[e.shard].name.as_str()))
+            .collect();
+        let model = reconcile_headers(model, declared, &headers)?;
         let specs = model.tensors();
         for want in &specs {
             let file = index.weight_map.get(&want.name);

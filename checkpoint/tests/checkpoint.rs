@@ -266,19 +266,22 @@ fn open_err(dir: &Path) -> reshard_core::Error {
 }
 
 #[test]
-fn a_renamed_tensor_is_a_missing_tensor_naming_it_and_its_file() {
+fn a_renamed_tensor_fits_no_rule_naming_it_and_its_file() {
     let tmp = tempfile::tempdir().unwrap();
     write_checkpoint(&qwen_tiny(), 1, tmp.path(), &small_shards()).unwrap();
     let t = "model.layers.0.mlp.experts.2.up_proj.weight";
     let path = file_of(tmp.path(), t);
     let mut f = raw(&path);
     let info = f.header.remove(t).unwrap();
-    f.header
-        .insert("model.layers.0.mlp.experts.2.upp_proj.weight".into(), info);
+    let renamed = "model.layers.0.mlp.experts.2.upp_proj.weight";
+    f.header.insert(renamed.into(), info);
     f.write(&path);
     let e = open_err(tmp.path());
     assert_eq!(e.kind(), ErrorKind::Config);
+    // The name no rule of the family has is what is wrong (issue 31).
+    let t = renamed;
     assert_eq!(e.context().tensor.as_deref(), Some(t));
+    assert!(e.message().contains("fits no rule"), "{e}");
     let file = path.file_name().unwrap().to_string_lossy().into_owned();
     assert!(
         e.message().contains(t) && e.message().contains(&file),

@@ -368,6 +368,7 @@ pub fn large_dense() -> reshard_planner::presets::ModelConfig {
         tied_embeddings: false,
         qk_norm: false,
         dtype: reshard_core::DType::Bf16,
+        arch: Default::default(),
     }
 }
 

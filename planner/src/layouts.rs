@@ -11,7 +11,8 @@ use reshard_core::{
     Error, ErrorKind, ParamSpec, Result, TensorBox, TensorSpec, WantedCopy, WantedLayout,
 };
 
-use crate::presets::{expert_tensor, layer_norm_suffixes, layer_tensor, ModelConfig};
+use crate::families::{Family, Rule, Scope, Shard, SCALE_SUFFIX};
+use crate::presets::{layer_tensor, ModelConfig, Placement};
 use crate::topology::ReceiverTopology;
 
 /// Part `index` of `parts` equal slices of `shape` along dimension `dim`, whole in every other
@@ -109,94 +110,84 @@ pub fn sliced(spec: &TensorSpec, src_box: TensorBox) -> ParamSpec {
     }
 }
 
-/// Looks tensors of a model up by name, so shapes have one source: [`ModelConfig::tensors`].
+/// The tensors of a model with where each comes from, split into the leading globals, each
+/// layer and the trailing globals, so layouts and geometry walk positions, never names: a
+/// trillion-parameter layout has ~70k expert copies per rank, and formatting plus hashing each
+/// name dominated building it.
 pub(crate) struct TensorIndex {
     specs: Vec<TensorSpec>,
-    by_name: rustc_hash::FxHashMap<String, usize>,
-    /// Position of layer 0's first expert tensor in `specs` (MoE models only).
-    first_expert: usize,
-    /// Tensors per decoder layer.
-    per_layer: usize,
-    /// Experts per layer (0 for a dense model).
-    experts: u64,
+    places: Vec<Placement>,
+    /// `bounds[0]` is where layer 0 starts, `bounds[l + 1]` where layer `l` ends (and the
+    /// trailing globals start after the last).
+    bounds: Vec<usize>,
+    family: Option<&'static Family>,
 }
-
-/// Projections of one expert, in [`ModelConfig::tensors`] order.
-pub(crate) const EXPERT_PROJS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 
 impl TensorIndex {
     pub(crate) fn new(model: &ModelConfig) -> Self {
-        let specs = model.tensors();
-        let by_name = specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), i))
-            .collect();
-        // ModelConfig::tensors order: the embedding, then per layer q, k, v, o, the norms and,
-        // for MoE, the router followed by every expert's gate, up and down projections.
-        let norms = layer_norm_suffixes(model).len();
-        let experts = model.moe.as_ref().map_or(0, |m| m.experts);
-        let mlp = if model.moe.is_some() {
-            1 + 3 * experts as usize
-        } else {
-            3
+        let (specs, places): (Vec<_>, Vec<_>) = model.placed_tensors().into_iter().unzip();
+        let family = model.family().ok();
+        let layered = |p: &Placement| {
+            family.is_some_and(|f| matches!(f.rules[p.rule].scope, Scope::Layer | Scope::Expert))
         };
+        let mut bounds = Vec::with_capacity(model.layers as usize + 1);
+        let first = places.iter().position(layered).unwrap_or_else(|| {
+            places
+                .iter()
+                .position(|p| family.is_some_and(|f| f.rules[p.rule].scope == Scope::Last))
+                .unwrap_or(places.len())
+        });
+        bounds.push(first);
+        let mut at = first;
+        for l in 0..model.layers {
+            while at < places.len() && layered(&places[at]) && places[at].layer == l {
+                at += 1;
+            }
+            bounds.push(at);
+        }
         TensorIndex {
             specs,
-            by_name,
-            first_expert: 1 + 4 + norms + 1,
-            per_layer: 4 + norms + mlp,
-            experts,
+            places,
+            bounds,
+            family,
         }
-    }
-
-    /// Index of a tensor; a missing name is a bug in this crate, reported, not panicked on.
-    pub(crate) fn index(&self, name: &str) -> Result<usize> {
-        self.by_name.get(name).copied().ok_or_else(|| {
-            Error::new(ErrorKind::Internal, "model does not define this tensor").with_tensor(name)
-        })
-    }
-
-    pub(crate) fn spec(&self, name: &str) -> Result<&TensorSpec> {
-        Ok(&self.specs[self.index(name)?])
-    }
-
-    /// Index of projection `proj` (an index into [`EXPERT_PROJS`]) of expert `e` of layer `l`,
-    /// by position rather than by name: a trillion-parameter layout has ~70k expert copies per
-    /// rank, and formatting plus hashing each name dominated building it.
-    pub(crate) fn expert_index(&self, l: u64, e: u64, proj: usize) -> Result<usize> {
-        let i = (e < self.experts && proj < EXPERT_PROJS.len())
-            .then(|| {
-                let layer = usize::try_from(l).ok()?.checked_mul(self.per_layer)?;
-                layer.checked_add(self.first_expert + 3 * e as usize + proj)
-            })
-            .flatten()
-            .filter(|&i| i < self.specs.len());
-        let Some(i) = i else {
-            let proj = EXPERT_PROJS.get(proj).copied().unwrap_or("?");
-            return Err(
-                Error::new(ErrorKind::Internal, "model does not define this tensor")
-                    .with_tensor(expert_tensor(l, e, proj)),
-            );
-        };
-        debug_assert_eq!(self.specs[i].name, expert_tensor(l, e, EXPERT_PROJS[proj]));
-        Ok(i)
-    }
-
-    /// Spec of projection `proj` of expert `e` of layer `l` (see [`TensorIndex::expert_index`]).
-    pub(crate) fn expert(&self, l: u64, e: u64, proj: usize) -> Result<&TensorSpec> {
-        Ok(&self.specs[self.expert_index(l, e, proj)?])
     }
 
     pub(crate) fn specs(&self) -> &[TensorSpec] {
         &self.specs
     }
+
+    /// The rule of tensor `i`.
+    pub(crate) fn rule(&self, i: usize) -> Result<&'static Rule> {
+        self.family
+            .map(|f| &f.rules[self.places[i].rule])
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "model has no family table"))
+    }
+
+    pub(crate) fn place(&self, i: usize) -> Placement {
+        self.places[i]
+    }
+
+    /// Tensor positions of the leading globals.
+    pub(crate) fn first(&self) -> std::ops::Range<usize> {
+        0..self.bounds[0]
+    }
+
+    /// Tensor positions of layer `l`.
+    pub(crate) fn layer(&self, l: u64) -> std::ops::Range<usize> {
+        self.bounds[l as usize]..self.bounds[l as usize + 1]
+    }
+
+    /// Tensor positions of the trailing globals.
+    pub(crate) fn last(&self) -> std::ops::Range<usize> {
+        self.bounds[self.bounds.len() - 1]..self.specs.len()
+    }
 }
 
-/// Rows of `k_proj`/`v_proj` a receiver (or publisher) TP rank holds: `(first row, rows)`.
-/// With at least as many KV heads as ranks they are split; with fewer, each head is replicated
-/// over `tp / kv_heads` consecutive ranks.
-pub fn kv_rows_for_rank(model: &ModelConfig, tp: u32, rank: u32) -> Result<(u64, u64)> {
+/// KV heads a receiver (or publisher) TP rank holds: `(first head, heads)`. With at least as many
+/// KV heads as ranks they are split; with fewer, each head is replicated over `tp / kv_heads`
+/// consecutive ranks.
+fn kv_heads_for_rank(model: &ModelConfig, tp: u32, rank: u32) -> Result<(u64, u64)> {
     let (kv, hd, tp64, t) = (model.kv_heads, model.head_dim, tp as u64, rank as u64);
     let name = layer_tensor(0, "self_attn.k_proj.weight");
     let err = |m: String| Error::new(ErrorKind::Layout, m).with_tensor(&name);
@@ -210,7 +201,7 @@ pub fn kv_rows_for_rank(model: &ModelConfig, tp: u32, rank: u32) -> Result<(u64,
                 kv * hd
             )));
         }
-        let per = kv / tp64 * hd;
+        let per = kv / tp64;
         Ok((t * per, per))
     } else {
         if tp64 % kv != 0 {
@@ -220,8 +211,16 @@ pub fn kv_rows_for_rank(model: &ModelConfig, tp: u32, rank: u32) -> Result<(u64,
                 kv * hd
             )));
         }
-        Ok((t / (tp64 / kv) * hd, hd))
+        Ok((t / (tp64 / kv), 1))
     }
+}
+
+/// Rows of `k_proj`/`v_proj` a receiver (or publisher) TP rank holds: `(first row, rows)`.
+/// With at least as many KV heads as ranks they are split; with fewer, each head is replicated
+/// over `tp / kv_heads` consecutive ranks.
+pub fn kv_rows_for_rank(model: &ModelConfig, tp: u32, rank: u32) -> Result<(u64, u64)> {
+    let (first, n) = kv_heads_for_rank(model, tp, rank)?;
+    Ok((first * model.head_dim, n * model.head_dim))
 }
 
 /// Checks query heads split evenly over `tp`, naming `q_proj` and its extent otherwise.
@@ -240,12 +239,47 @@ pub(crate) fn check_heads(model: &ModelConfig, tp: u32) -> Result<()> {
     Ok(())
 }
 
-/// The wanted layout of vLLM receiver rank `rank` (in `0..recv.world()`) of `recv`: fused
-/// `qkv_proj` (q rows, then k, then v), row-parallel `o_proj`, whole norms and router, stacked
-/// experts `w13_weight` (gate half then up half per expert) and `w2_weight`, or a dense
-/// `gate_up_proj` / `down_proj`, and vocab-parallel embedding and `lm_head`. One copy per source
-/// tensor. Everything but the experts follows the rank's TP rank (the same on every DP replica);
-/// experts are TP-sliced (`ep = 1`) or this rank's block of whole experts (`ep = tp * dp`).
+/// Whether the model's family has `QKVParallelLinear` key/value parts (GQA attention).
+pub(crate) fn has_kv_heads(model: &ModelConfig) -> bool {
+    model
+        .family()
+        .is_ok_and(|f| f.rules.iter().any(|r| r.shard == Shard::KvHeads))
+}
+
+/// The dim-0 rows `rows` (in weight rows) of a tensor that is the fp8 scale of a weight when
+/// `scale` is set: rows divided by the block height, a `Layout` error naming the tensor when
+/// they do not fall on block boundaries.
+pub(crate) fn scaled_rows(
+    model: &ModelConfig,
+    spec: &TensorSpec,
+    (start, len): (u64, u64),
+    scale: bool,
+) -> Result<TensorBox> {
+    if !scale {
+        return Ok(row_block(spec, start, len));
+    }
+    let b = model.arch.fp8_block.map_or(1, |b| b[0]);
+    if start % b != 0 || len % b != 0 {
+        return Err(Error::new(
+            ErrorKind::Layout,
+            format!(
+                "rows {start}..{} do not fall on the fp8 block height {b}",
+                start + len
+            ),
+        )
+        .with_tensor(&spec.name));
+    }
+    Ok(row_block(spec, start / b, len / b))
+}
+
+/// The wanted layout of vLLM receiver rank `rank` (in `0..recv.world()`) of `recv`, as the
+/// model's family table says: each tensor sliced by its rule (vocab-, column- or row-parallel,
+/// replicated, the rank's KV heads) and landing in its engine parameter at its slot (fused
+/// parameters such as `qkv_proj`, `gate_up_proj` or `fused_qkv_a_proj` concatenate their slots
+/// along dim 0; stacked experts `w13_weight` / `w2_weight` hold one such block per expert). One
+/// copy per source tensor. Everything but the experts follows the rank's TP rank (the same on
+/// every DP replica); experts are TP-sliced (`ep = 1`) or this rank's block of whole experts
+/// (`ep = tp * dp`).
 pub fn receiver_layout(
     model: &ModelConfig,
     recv: &ReceiverTopology,
@@ -269,13 +303,25 @@ pub struct ReceiverLayouts<'m> {
     idx: TensorIndex,
 }
 
+/// One engine parameter being filled: its copies, and the rows each slot takes.
+struct Acc {
+    rule: &'static Rule,
+    scale: bool,
+    /// Rows and trailing dims of each slot (from its first tensor).
+    slots: Vec<Option<(u64, Vec<u64>)>>,
+    /// (tensor, box, slot, expert position in the stacked parameter).
+    copies: Vec<(usize, TensorBox, usize, u64)>,
+}
+
 impl<'m> ReceiverLayouts<'m> {
     /// Checks `model` and `recv` (heads, KV split, experts over `ep`) and indexes the tensors.
     pub fn new(model: &'m ModelConfig, recv: &ReceiverTopology) -> Result<Self> {
         model.validate()?;
         recv.validate_for(model)?;
         check_heads(model, recv.tp)?;
-        kv_rows_for_rank(model, recv.tp, 0)?;
+        if has_kv_heads(model) {
+            kv_rows_for_rank(model, recv.tp, 0)?;
+        }
         Ok(ReceiverLayouts {
             model,
             recv: *recv,
@@ -302,74 +348,12 @@ impl<'m> ReceiverLayouts<'m> {
                 format!("receiver rank {rank} does not exist in {recv}"),
             ));
         }
-        let tp = recv.tp;
-        let (tp_rank, _) = recv.coords(rank);
-        let (k_start, kr) = kv_rows_for_rank(model, tp, tp_rank)?;
-        let (h, r64, t) = (model.hidden, tp as u64, tp_rank as u64);
-        let qr = model.q_rows() / r64;
         let mut params = Vec::with_capacity(model.layers as usize * 8 + 3);
-
-        let embed = idx.spec("model.embed_tokens.weight")?;
-        params.push(sliced(embed, column_parallel(embed, tp, tp_rank)?));
-
+        self.fill(rank, 0, idx.first(), &mut params)?;
         for l in 0..model.layers {
-            let spec = |s: &str| idx.spec(&layer_tensor(l, s));
-            let q = spec("self_attn.q_proj.weight")?;
-            let k = spec("self_attn.k_proj.weight")?;
-            let v = spec("self_attn.v_proj.weight")?;
-            let rows = qr + 2 * kr;
-            params.push(ParamSpec {
-                name: layer_tensor(l, "self_attn.qkv_proj.weight"),
-                dtype: model.dtype,
-                shape: vec![rows, h],
-                copies: vec![
-                    copy_at(q, row_block(q, t * qr, qr), 0, vec![h, 1]),
-                    copy_at(k, row_block(k, k_start, kr), qr * h, vec![h, 1]),
-                    copy_at(v, row_block(v, k_start, kr), (qr + kr) * h, vec![h, 1]),
-                ],
-            });
-            let o = spec("self_attn.o_proj.weight")?;
-            params.push(sliced(o, row_parallel(o, tp, tp_rank)?));
-            for n in layer_norm_suffixes(model) {
-                params.push(replicated(spec(n)?));
-            }
-            match &model.moe {
-                Some(moe) => {
-                    params.push(replicated(spec("mlp.gate.weight")?));
-                    let (w13, w2) = if recv.expert_parallel() {
-                        self.whole_experts(l, moe.experts, moe.expert_intermediate, rank)?
-                    } else {
-                        self.sliced_experts(l, moe.experts, moe.expert_intermediate, tp_rank)?
-                    };
-                    params.push(w13);
-                    params.push(w2);
-                }
-                None => {
-                    let gate = spec("mlp.gate_proj.weight")?;
-                    let up = spec("mlp.up_proj.weight")?;
-                    let down = spec("mlp.down_proj.weight")?;
-                    let ip = model.intermediate / r64;
-                    let gate_box = column_parallel(gate, tp, tp_rank)?;
-                    let up_box = column_parallel(up, tp, tp_rank)?;
-                    params.push(ParamSpec {
-                        name: layer_tensor(l, "mlp.gate_up_proj.weight"),
-                        dtype: model.dtype,
-                        shape: vec![2 * ip, h],
-                        copies: vec![
-                            copy_at(gate, gate_box, 0, vec![h, 1]),
-                            copy_at(up, up_box, ip * h, vec![h, 1]),
-                        ],
-                    });
-                    params.push(sliced(down, row_parallel(down, tp, tp_rank)?));
-                }
-            }
+            self.fill(rank, l, idx.layer(l), &mut params)?;
         }
-
-        params.push(replicated(idx.spec("model.norm.weight")?));
-        if !model.tied_embeddings {
-            let head = idx.spec("lm_head.weight")?;
-            params.push(sliced(head, column_parallel(head, tp, tp_rank)?));
-        }
+        self.fill(rank, 0, idx.last(), &mut params)?;
         let layout = WantedLayout {
             receiver_rank: rank,
             params,
@@ -378,142 +362,156 @@ impl<'m> ReceiverLayouts<'m> {
         Ok(layout)
     }
 
-    /// Every expert of layer `l`, TP-sliced for TP rank `tp_rank`: `w13_weight`
-    /// `[E, 2 * I / tp, h]` (column-parallel gate rows, then up rows, per expert) and
-    /// `w2_weight` `[E, h, I / tp]` (row-parallel down columns).
-    fn sliced_experts(
-        &self,
-        l: u64,
-        e_count: u64,
-        i: u64,
-        tp_rank: u32,
-    ) -> Result<(ParamSpec, ParamSpec)> {
+    /// Experts `(first, count)` whose stacked parameters this rank holds.
+    fn local_experts(&self, rank: u32) -> (u64, u64) {
+        let experts = self.model.moe.as_ref().map_or(0, |m| m.experts);
+        if self.recv.expert_parallel() {
+            // validate_for checked that ep divides the experts (vLLM's linear placement).
+            let per = experts / self.recv.ep as u64;
+            (rank as u64 * per, per)
+        } else {
+            (0, experts)
+        }
+    }
+
+    /// The box of tensor `i` that receiver rank `rank` holds, and its expert position in a
+    /// stacked parameter; `None` for an expert this rank does not hold.
+    fn wanted_box(&self, rank: u32, i: usize) -> Result<Option<(TensorBox, u64)>> {
         let (model, idx, tp) = (self.model, &self.idx, self.recv.tp);
-        let h = model.hidden;
-        let ip = i / tp as u64;
-        let mut w13 = Vec::with_capacity(2 * e_count as usize);
-        let mut w2 = Vec::with_capacity(e_count as usize);
-        for e in 0..e_count {
-            let gate = idx.expert(l, e, 0)?;
-            let up = idx.expert(l, e, 1)?;
-            let down = idx.expert(l, e, 2)?;
-            let base = e * 2 * ip * h;
-            w13.push(copy_at(
-                gate,
-                column_parallel(gate, tp, tp_rank)?,
-                base,
-                vec![h, 1],
-            ));
-            w13.push(copy_at(
-                up,
-                column_parallel(up, tp, tp_rank)?,
-                base + ip * h,
-                vec![h, 1],
-            ));
-            w2.push(copy_at(
-                down,
-                row_parallel(down, tp, tp_rank)?,
-                e * h * ip,
-                vec![ip, 1],
-            ));
-        }
-        Ok(stacked_experts(model, l, e_count, ip, w13, w2))
-    }
-
-    /// Receiver rank `rank`'s block of whole experts of layer `l` (vLLM's linear expert
-    /// placement: experts `[rank * E / ep, (rank + 1) * E / ep)`): `w13_weight`
-    /// `[E / ep, 2 * I, h]` (gate rows, then up rows, per expert) and `w2_weight` `[E / ep, h, I]`.
-    fn whole_experts(
-        &self,
-        l: u64,
-        e_count: u64,
-        i: u64,
-        rank: u32,
-    ) -> Result<(ParamSpec, ParamSpec)> {
-        let (model, idx) = (self.model, &self.idx);
-        let h = model.hidden;
-        // validate_for checked that ep divides the experts.
-        let per = e_count / self.recv.ep as u64;
-        let first = rank as u64 * per;
-        let mut w13 = Vec::with_capacity(2 * per as usize);
-        let mut w2 = Vec::with_capacity(per as usize);
-        for j in 0..per {
-            let e = first + j;
-            let gate = idx.expert(l, e, 0)?;
-            let up = idx.expert(l, e, 1)?;
-            let down = idx.expert(l, e, 2)?;
-            let base = j * 2 * i * h;
-            w13.push(copy_at(gate, gate.full_box(), base, vec![h, 1]));
-            w13.push(copy_at(up, up.full_box(), base + i * h, vec![h, 1]));
-            w2.push(copy_at(down, down.full_box(), j * h * i, vec![i, 1]));
-        }
-        Ok(stacked_experts(model, l, per, i, w13, w2))
-    }
-}
-
-/// The stacked expert parameters of layer `l`: `w13_weight` `[experts, 2 * ip, h]` and
-/// `w2_weight` `[experts, h, ip]` filled by the given copies.
-fn stacked_experts(
-    model: &ModelConfig,
-    l: u64,
-    experts: u64,
-    ip: u64,
-    w13: Vec<WantedCopy>,
-    w2: Vec<WantedCopy>,
-) -> (ParamSpec, ParamSpec) {
-    let h = model.hidden;
-    (
-        ParamSpec {
-            name: layer_tensor(l, "mlp.experts.w13_weight"),
-            dtype: model.dtype,
-            shape: vec![experts, 2 * ip, h],
-            copies: w13,
-        },
-        ParamSpec {
-            name: layer_tensor(l, "mlp.experts.w2_weight"),
-            dtype: model.dtype,
-            shape: vec![experts, h, ip],
-            copies: w2,
-        },
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::presets::{preset, MoeConfig};
-
-    #[test]
-    fn expert_positions_match_names_for_every_expert() {
-        let mut models = vec![preset("qwen3-30b-a3b").unwrap(), preset("kimi-k2").unwrap()];
-        let mut m = preset("qwen3-30b-a3b").unwrap();
-        m.qk_norm = false;
-        m.tied_embeddings = true;
-        m.moe = Some(MoeConfig {
-            experts: 3,
-            expert_intermediate: 8,
-        });
-        models.push(m);
-        for m in models {
-            let idx = TensorIndex::new(&m);
-            let experts = m.moe.as_ref().unwrap().experts;
-            for l in 0..m.layers {
-                for e in 0..experts {
-                    for (p, proj) in EXPERT_PROJS.iter().enumerate() {
-                        let name = expert_tensor(l, e, proj);
-                        assert_eq!(
-                            idx.expert_index(l, e, p).unwrap(),
-                            idx.index(&name).unwrap()
-                        );
-                    }
+        let (tp_rank, _) = self.recv.coords(rank);
+        let spec = &idx.specs()[i];
+        let place = idx.place(i);
+        let b = match idx.rule(i)?.shard {
+            Shard::Replicated => spec.full_box(),
+            Shard::Vocab | Shard::Column | Shard::QHeads => column_parallel(spec, tp, tp_rank)?,
+            Shard::Row => row_parallel(spec, tp, tp_rank)?,
+            Shard::KvHeads => {
+                let (first, n) = kv_heads_for_rank(model, tp, tp_rank)?;
+                let hd = model.head_dim;
+                scaled_rows(model, spec, (first * hd, n * hd), place.scale)?
+            }
+            Shard::ExpertColumn | Shard::ExpertRow => {
+                let (first, count) = self.local_experts(rank);
+                let e = place.expert;
+                if e < first || e >= first + count {
+                    return Ok(None);
                 }
+                let b = if self.recv.expert_parallel() {
+                    spec.full_box()
+                } else if idx.rule(i)?.shard == Shard::ExpertColumn {
+                    column_parallel(spec, tp, tp_rank)?
+                } else {
+                    row_parallel(spec, tp, tp_rank)?
+                };
+                return Ok(Some((b, e - first)));
             }
-            for (l, e, p) in [(m.layers, 0, 0), (0, experts, 0), (0, 0, 3)] {
-                let err = idx.expert_index(l, e, p).unwrap_err();
-                assert_eq!(err.kind(), ErrorKind::Internal);
+        };
+        Ok(Some((b, 0)))
+    }
+
+    /// Appends the parameters filled by tensors `range` (one layer, or the globals) of rank
+    /// `rank`, in the order their first tensor appears.
+    fn fill(
+        &self,
+        rank: u32,
+        layer: u64,
+        range: std::ops::Range<usize>,
+        params: &mut Vec<ParamSpec>,
+    ) -> Result<()> {
+        let idx = &self.idx;
+        let mut accs: Vec<Acc> = Vec::new();
+        for i in range {
+            let Some((b, j)) = self.wanted_box(rank, i)? else {
+                continue;
+            };
+            let rule = idx.rule(i)?;
+            let scale = idx.place(i).scale;
+            let at = match accs
+                .iter()
+                .position(|a| a.rule.engine == rule.engine && a.scale == scale)
+            {
+                Some(at) => at,
+                None => {
+                    accs.push(Acc {
+                        rule,
+                        scale,
+                        slots: Vec::new(),
+                        copies: Vec::new(),
+                    });
+                    accs.len() - 1
+                }
+            };
+            let acc = &mut accs[at];
+            let slot = rule.slot as usize;
+            if acc.slots.len() <= slot {
+                acc.slots.resize(slot + 1, None);
             }
+            if acc.slots[slot].is_none() {
+                acc.slots[slot] = Some((b.extent[0], b.extent[1..].to_vec()));
+            }
+            acc.copies.push((i, b, slot, j));
         }
-        let dense = TensorIndex::new(&preset("llama-3-8b").unwrap());
-        assert!(dense.expert_index(0, 0, 0).is_err());
+        let experts = self.local_experts(rank).1;
+        for acc in accs {
+            params.push(self.param(acc, layer, experts)?);
+        }
+        Ok(())
+    }
+
+    /// The parameter an accumulated engine parameter becomes: slots concatenated along dim 0,
+    /// experts stacked in front for an expert rule.
+    fn param(&self, acc: Acc, layer: u64, experts: u64) -> Result<ParamSpec> {
+        let idx = &self.idx;
+        let mut name = acc.rule.engine_name(layer);
+        if acc.scale {
+            name = format!("{}{}", &name[..name.len() - "weight".len()], SCALE_SUFFIX);
+        }
+        let internal = |m: String| Error::new(ErrorKind::Internal, m).with_tensor(&name);
+        let mut offsets = Vec::with_capacity(acc.slots.len());
+        let mut rows = 0u64;
+        let mut rest: Option<&Vec<u64>> = None;
+        for (s, slot) in acc.slots.iter().enumerate() {
+            let Some((r, tail)) = slot else {
+                return Err(internal(format!(
+                    "slot {s} of the fused parameter has no tensor"
+                )));
+            };
+            if rest.is_some_and(|x| x != tail) {
+                return Err(internal(
+                    "fused slots disagree in their trailing dims".into(),
+                ));
+            }
+            rest = Some(tail);
+            offsets.push(rows);
+            rows += r;
+        }
+        let rest = rest.cloned().unwrap_or_default();
+        let inner: u64 = rest.iter().product();
+        let mut block = vec![rows];
+        block.extend_from_slice(&rest);
+        let strides = row_major_strides(&block);
+        let stacked = acc.rule.scope == Scope::Expert;
+        let shape = if stacked {
+            let mut s = vec![experts];
+            s.extend_from_slice(&block);
+            s
+        } else {
+            block
+        };
+        let dtype = idx.specs()[acc.copies[0].0].dtype;
+        let copies = acc
+            .copies
+            .into_iter()
+            .map(|(i, b, slot, j)| {
+                let at = (j * rows + offsets[slot]) * inner;
+                copy_at(&idx.specs()[i], b, at, strides.clone())
+            })
+            .collect();
+        Ok(ParamSpec {
+            name,
+            dtype,
+            shape,
+            copies,
+        })
     }
 }

@@ -4,9 +4,13 @@
 //! and `reshard plan` needs nothing else. Overrides scale a preset down so a byte-moving refit fits
 //! on one machine.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use reshard_core::{DType, Error, ErrorKind, Result, TensorSpec};
+
+use crate::families::{family, model_types, Family, Rule, Scope, SCALE_SUFFIX};
 
 /// Mixture-of-experts shape of every MLP block.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -15,6 +19,75 @@ pub struct MoeConfig {
     pub experts: u64,
     /// Intermediate size of one expert's MLP.
     pub expert_intermediate: u64,
+}
+
+/// Multi-head latent attention (DeepSeek-V3, Kimi-K2) sizes, as `config.json` names them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MlaConfig {
+    /// `q_lora_rank`; `None` (null) when queries are projected directly (`q_proj`).
+    pub q_lora_rank: Option<u64>,
+    /// `kv_lora_rank`.
+    pub kv_lora_rank: u64,
+    /// `qk_nope_head_dim`.
+    pub qk_nope_head_dim: u64,
+    /// `qk_rope_head_dim`.
+    pub qk_rope_head_dim: u64,
+    /// `v_head_dim`.
+    pub v_head_dim: u64,
+}
+
+/// Architecture facts beyond the GQA / all-MoE shape of the first presets. Every field has a
+/// default that is left out of the JSON, so announcements of those models are unchanged and
+/// older ones still decode.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arch {
+    /// Hugging Face `model_type`, the key of the family table (`crate::families`). Empty:
+    /// `qwen3_moe`, `qwen3` or `llama`, told apart by `moe` and `qk_norm`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model_type: String,
+    /// Layers of an MoE model whose MLP is dense (`mlp_only_layers`, `decoder_sparse_step`,
+    /// `first_k_dense_replace`, `moe_layer_freq`), ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<u64>,
+    /// Intermediate size of the shared expert(s) of every MoE layer; 0 for none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared_intermediate: u64,
+    /// MLA sizes, for a family with MLA attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
+    /// Element type of a rule's tensors where it differs from `dtype`, keyed by the rule's
+    /// name (`mlp.gate.e_score_correction_bias`), as the checkpoint's headers say.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dtypes: BTreeMap<String, DType>,
+    /// fp8 block quantization (`quantization_config.weight_block_size`): every linear weight is
+    /// `float8_e4m3fn` (unless `dtypes` says otherwise) with an f32 `weight_scale_inv` of one
+    /// element per block beside it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8_block: Option<[u64; 2]>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+impl Arch {
+    fn is_default(&self) -> bool {
+        *self == Arch::default()
+    }
+}
+
+/// Where a tensor of [`ModelConfig::tensors`] comes from: its rule, layer, expert, and whether
+/// it is the rule's fp8 scale tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Index into the family's rules.
+    pub rule: usize,
+    /// Decoder layer (0 for globals).
+    pub layer: u64,
+    /// Expert (0 unless an expert rule).
+    pub expert: u64,
+    /// The rule's `weight_scale_inv` rather than its weight.
+    pub scale: bool,
 }
 
 /// The architecture facts reshard needs: enough to name and shape every tensor.
@@ -42,8 +115,11 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Whether attention has per-head `q_norm` / `k_norm` (Qwen3).
     pub qk_norm: bool,
-    /// Element type of every tensor.
+    /// Element type of every tensor (but those `arch.dtypes` and `arch.fp8_block` name).
     pub dtype: DType,
+    /// Family (`model_type`), dense layers, shared experts, MLA, per-rule dtypes.
+    #[serde(default, skip_serializing_if = "Arch::is_default")]
+    pub arch: Arch,
 }
 
 /// Most decoder layers a model may have. The deepest published decoders have 126 (Llama-3.1-405B)
@@ -139,6 +215,10 @@ pub fn presets() -> Vec<Preset> {
                 tied_embeddings: false,
                 qk_norm: true,
                 dtype: DType::Bf16,
+                arch: Arch {
+                    model_type: "qwen3_moe".into(),
+                    ..Arch::default()
+                },
             },
         },
         Preset {
@@ -161,26 +241,32 @@ pub fn presets() -> Vec<Preset> {
                 tied_embeddings: false,
                 qk_norm: false,
                 dtype: DType::Bf16,
+                arch: Arch {
+                    model_type: "llama".into(),
+                    ..Arch::default()
+                },
             },
         },
         Preset {
             name: "kimi-k2",
-            description: "Kimi-K2-like 1T MoE: 61 MoE layers, 384 experts, hidden 7168, BF16 \
-                          (attention modelled as GQA, no shared expert; for plan-scale tests)",
+            description: "Kimi-K2 1T MoE (DeepSeek-V3 architecture): 61 layers, MLA, first layer \
+                          dense, 384 routed experts and 1 shared expert, hidden 7168, BF16",
             source: "config.json of moonshotai/Kimi-K2-Instruct on its Hugging Face model card \
-                     (hidden_size 7168, num_hidden_layers 61, n_routed_experts 384, \
-                     moe_intermediate_size 2048, num_attention_heads 64, vocab_size 163840). \
-                     Simplified: K2's MLA attention (q/kv LoRA projections) is modelled as GQA \
-                     with 64 query heads of 128 and 8 KV heads, its one shared expert and its \
-                     first dense layer are left out, and embeddings are untied; the routed \
-                     experts, which are 97% of the bytes and tensors, are exact.",
+                     (model_type kimi_k2, architectures DeepseekV3ForCausalLM, hidden_size 7168, \
+                     num_hidden_layers 61, first_k_dense_replace 1, moe_layer_freq 1, \
+                     n_routed_experts 384, n_shared_experts 1, moe_intermediate_size 2048, \
+                     intermediate_size 18432, num_attention_heads 64, q_lora_rank 1536, \
+                     kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, \
+                     vocab_size 163840, tie_word_embeddings false). Its published weights are \
+                     fp8 blocks of 128x128 with scales; a trainer holds them in BF16, as here.",
             config: ModelConfig {
                 name: "kimi-k2".into(),
                 layers: 61,
                 hidden: 7168,
                 heads: 64,
-                kv_heads: 8,
-                head_dim: 128,
+                kv_heads: 64,
+                // qk_nope_head_dim + qk_rope_head_dim: what one MLA query head is wide.
+                head_dim: 192,
                 intermediate: 18_432,
                 moe: Some(MoeConfig {
                     experts: 384,
@@ -190,6 +276,19 @@ pub fn presets() -> Vec<Preset> {
                 tied_embeddings: false,
                 qk_norm: false,
                 dtype: DType::Bf16,
+                arch: Arch {
+                    model_type: "kimi_k2".into(),
+                    dense_layers: vec![0],
+                    shared_intermediate: 2048,
+                    mla: Some(MlaConfig {
+                        q_lora_rank: Some(1536),
+                        kv_lora_rank: 512,
+                        qk_nope_head_dim: 128,
+                        qk_rope_head_dim: 64,
+                        v_head_dim: 128,
+                    }),
+                    ..Arch::default()
+                },
             },
         },
     ]
@@ -218,21 +317,6 @@ pub fn expert_tensor(layer: u64, expert: u64, proj: &str) -> String {
     format!("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight")
 }
 
-/// Suffixes of a layer's whole (never split) norm tensors: q/k norms when present, then the two
-/// layer norms.
-pub(crate) fn layer_norm_suffixes(model: &ModelConfig) -> &'static [&'static str] {
-    if model.qk_norm {
-        &[
-            "self_attn.q_norm.weight",
-            "self_attn.k_norm.weight",
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-        ]
-    } else {
-        &["input_layernorm.weight", "post_attention_layernorm.weight"]
-    }
-}
-
 impl ModelConfig {
     /// Scales the model down: fewer layers, fewer experts or a smaller vocabulary. Overrides only
     /// shrink (a larger model than the preset is not the preset any more); zero, growth, or
@@ -257,6 +341,8 @@ impl ModelConfig {
         };
         if let Some(l) = layers {
             self.layers = shrink("layers", l, self.layers)?;
+            let kept = self.layers;
+            self.arch.dense_layers.retain(|&d| d < kept);
         }
         if let Some(e) = experts {
             let have = match &self.moe {
@@ -280,20 +366,133 @@ impl ModelConfig {
         Ok(self)
     }
 
-    /// Checks the architecture is self-consistent and bounded: no zero sizes, query heads a
-    /// multiple of KV heads, layers, experts, tensor count and total bytes within
-    /// [`MAX_LAYERS`], [`MAX_EXPERTS`], [`MAX_TENSORS`] and [`MAX_TOTAL_BYTES`]. A `Config` error
-    /// names the field. Every configuration from outside (a `config.json`, a publisher's
-    /// announcement, a Python argument) passes here before anything is sized from it.
+    /// The `model_type` whose family table describes this model: `arch.model_type`, or for a
+    /// configuration without one, `qwen3_moe` / `qwen3` / `llama` by `moe` and `qk_norm`.
+    pub fn model_type(&self) -> &str {
+        if !self.arch.model_type.is_empty() {
+            return &self.arch.model_type;
+        }
+        match (self.moe.is_some(), self.qk_norm) {
+            (true, true) => "qwen3_moe",
+            (false, true) => "qwen3",
+            (false, false) => "llama",
+            (true, false) => "",
+        }
+    }
+
+    /// The family table of this model; an unknown `model_type` is a `Config` error naming it.
+    pub fn family(&self) -> Result<&'static Family> {
+        let mt = self.model_type();
+        family(mt).ok_or_else(|| {
+            let what = if mt.is_empty() {
+                "an MoE model without q/k norms and without model_type has no family".to_string()
+            } else {
+                format!("unknown model_type {mt:?}")
+            };
+            Error::new(
+                ErrorKind::Config,
+                format!(
+                    "model {}: {what}; reshard has rules for: {}",
+                    self.name,
+                    model_types().join(", ")
+                ),
+            )
+        })
+    }
+
+    /// Whether layer `l`'s MLP is mixture-of-experts.
+    pub fn is_moe_layer(&self, l: u64) -> bool {
+        self.moe.is_some() && self.arch.dense_layers.binary_search(&l).is_err()
+    }
+
+    /// Number of MoE layers.
+    fn moe_layers(&self) -> u64 {
+        match self.moe {
+            Some(_) => self.layers - self.arch.dense_layers.len() as u64,
+            None => 0,
+        }
+    }
+
+    /// Element type of rule `r`'s weight (or, with `scale`, of its fp8 scale tensor).
+    pub fn rule_dtype(&self, r: &Rule, scale: bool) -> DType {
+        if scale {
+            return DType::F32;
+        }
+        if let Some(d) = self.arch.dtypes.get(r.name) {
+            return *d;
+        }
+        if r.quant && self.arch.fp8_block.is_some() {
+            return DType::F8E4m3;
+        }
+        self.dtype
+    }
+
+    /// Whether rule `r` has an fp8 scale tensor in this model.
+    pub fn has_scale(&self, r: &Rule) -> bool {
+        r.quant && r.shape.len() == 2 && self.arch.fp8_block.is_some()
+    }
+
+    /// Shape of rule `r`'s fp8 scale tensor, given its weight's shape: one element per block.
+    pub fn scale_shape(&self, weight: &[u64]) -> Vec<u64> {
+        let b = self.arch.fp8_block.unwrap_or([1, 1]);
+        weight
+            .iter()
+            .zip(b)
+            .map(|(&d, b)| d.div_ceil(b.max(1)))
+            .collect()
+    }
+
+    /// Layers of the model having rule `r` (1 for an applying global, 0 otherwise).
+    fn rule_layers(&self, r: &Rule) -> u64 {
+        use crate::families::When;
+        let q_lora = self
+            .arch
+            .mla
+            .as_ref()
+            .is_some_and(|x| x.q_lora_rank.is_some());
+        let global = matches!(r.scope, Scope::First | Scope::Last);
+        let n = if global { 1 } else { self.layers };
+        match r.when {
+            When::Always => n,
+            When::Untied => u64::from(!self.tied_embeddings) * n,
+            When::Dense => n - self.moe_layers().min(n),
+            When::Moe => self.moe_layers(),
+            When::Shared if self.arch.shared_intermediate > 0 => self.moe_layers(),
+            When::Shared => 0,
+            When::QLora => u64::from(q_lora) * n,
+            When::NoQLora => u64::from(!q_lora) * n,
+        }
+    }
+
+    /// How many tensors rule `r` has: its layers, times the experts for an expert rule, `None`
+    /// on overflow.
+    fn rule_count(&self, r: &Rule) -> Option<u64> {
+        let n = self.rule_layers(r);
+        match r.scope {
+            Scope::Expert => n.checked_mul(self.moe.as_ref().map_or(0, |m| m.experts)),
+            _ => Some(n),
+        }
+    }
+
+    /// Checks the architecture is self-consistent and bounded: a known family whose features
+    /// agree with the fields, no zero size any of its tensors uses, query heads a multiple of
+    /// KV heads, dense layers inside the model, and layers, experts, tensor count and total bytes
+    /// within [`MAX_LAYERS`], [`MAX_EXPERTS`], [`MAX_TENSORS`] and [`MAX_TOTAL_BYTES`]. A
+    /// `Config` error names the field. Every configuration from outside (a `config.json`, a
+    /// publisher's announcement, a Python argument) passes here before anything is sized from it.
     pub fn validate(&self) -> Result<()> {
+        let cfg = |m: String| Error::new(ErrorKind::Config, format!("model {}: {m}", self.name));
+        let fam = self.family()?;
         let mut fields = vec![
             ("layers", self.layers),
             ("hidden", self.hidden),
             ("heads", self.heads),
-            ("kv_heads", self.kv_heads),
-            ("head_dim", self.head_dim),
             ("vocab", self.vocab),
         ];
+        if !fam.mla {
+            fields.push(("kv_heads", self.kv_heads));
+            fields.push(("head_dim", self.head_dim));
+        }
         match &self.moe {
             Some(m) => {
                 fields.push(("experts", m.experts));
@@ -302,27 +501,71 @@ impl ModelConfig {
             None => fields.push(("intermediate", self.intermediate)),
         }
         if let Some((f, _)) = fields.iter().find(|(_, v)| *v == 0) {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!("model {}: {f} must not be zero", self.name),
-            ));
+            return Err(cfg(format!("{f} must not be zero")));
         }
-        if self.heads % self.kv_heads != 0 {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!(
-                    "model {}: {} query heads are not a multiple of {} KV heads",
-                    self.name, self.heads, self.kv_heads
-                ),
-            ));
+        if !self.arch.model_type.is_empty() && fam.qk_norm != self.qk_norm {
+            return Err(cfg(format!(
+                "qk_norm is {} but model_type {:?} has it {}",
+                self.qk_norm, self.arch.model_type, fam.qk_norm
+            )));
+        }
+        if fam.mla != self.arch.mla.is_some() {
+            return Err(cfg(format!(
+                "model_type {:?} {} MLA attention but the configuration {} MLA sizes",
+                self.model_type(),
+                if fam.mla { "has" } else { "has no" },
+                if self.arch.mla.is_some() {
+                    "gives"
+                } else {
+                    "gives no"
+                }
+            )));
+        }
+        if !self.arch.dense_layers.is_empty() && self.moe.is_none() {
+            return Err(cfg("dense_layers given for a dense model".into()));
+        }
+        if let Some(w) = self.arch.dense_layers.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(cfg(format!(
+                "dense_layers must be ascending without repeats ({} then {})",
+                w[0], w[1]
+            )));
+        }
+        if let Some(&l) = self.arch.dense_layers.last() {
+            if l >= self.layers {
+                return Err(cfg(format!(
+                    "dense layer {l} is not below the {} layers",
+                    self.layers
+                )));
+            }
+        }
+        if self.arch.fp8_block.is_some_and(|b| b.contains(&0)) {
+            return Err(cfg("fp8 weight_block_size must not be zero".into()));
+        }
+        if !fam.mla && self.heads % self.kv_heads != 0 {
+            return Err(cfg(format!(
+                "{} query heads are not a multiple of {} KV heads",
+                self.heads, self.kv_heads
+            )));
+        }
+        // Every size a tensor of this model uses is non-zero.
+        for r in fam.rules {
+            if self.rule_count(r) == Some(0) {
+                continue;
+            }
+            for d in r.shape {
+                if d.size(self) == Some(0) {
+                    return Err(cfg(format!(
+                        "{} must not be zero (tensor {})",
+                        d.field(),
+                        r.name
+                    )));
+                }
+            }
         }
         // Every tensor and fused parameter is at most the model's size, so one checked total
         // keeps all later unchecked shape arithmetic in range.
         if let Some(b) = self.out_of_bounds() {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!("model {}: {b}", self.name),
-            ));
+            return Err(cfg(b.to_string()));
         }
         Ok(())
     }
@@ -348,41 +591,37 @@ impl ModelConfig {
             .or_else(|| over("total_bytes", self.checked_total_bytes(), MAX_TOTAL_BYTES))
     }
 
-    /// Tensor count from the architecture formula, `None` on overflow.
+    /// Tensor count from the family's rules, `None` on overflow (or an unknown family).
     fn checked_tensor_count(&self) -> Option<u64> {
-        let attn = if self.qk_norm { 6 } else { 4 };
-        let mlp = match &self.moe {
-            Some(m) => m.experts.checked_mul(3)?.checked_add(1)?,
-            None => 3,
-        };
-        let per_layer = mlp.checked_add(attn + 2)?;
-        let globals = if self.tied_embeddings { 2 } else { 3 };
-        self.layers.checked_mul(per_layer)?.checked_add(globals)
+        let fam = self.family().ok()?;
+        fam.rules.iter().try_fold(0u64, |a, r| {
+            let n = self.rule_count(r)?;
+            let n = if self.has_scale(r) {
+                n.checked_mul(2)?
+            } else {
+                n
+            };
+            a.checked_add(n)
+        })
     }
 
-    /// Total bytes from the architecture formula, `None` on overflow.
+    /// Total bytes from the family's rules, `None` on overflow (or an unknown family).
     fn checked_total_bytes(&self) -> Option<u64> {
-        let mul = |v: &[u64]| v.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
-        let add = |v: &[Option<u64>]| v.iter().try_fold(0u64, |a, x| a.checked_add((*x)?));
-        let h = self.hidden;
-        let q = mul(&[self.heads, self.head_dim, h]);
-        let kv = mul(&[2, self.kv_heads, self.head_dim, h]);
-        let norms = mul(&[if self.qk_norm { 2 } else { 0 }, self.head_dim]);
-        let mlp = match &self.moe {
-            Some(m) => add(&[
-                mul(&[m.experts, h]),
-                mul(&[m.experts, 3, m.expert_intermediate, h]),
-            ]),
-            None => mul(&[3, self.intermediate, h]),
-        };
-        let layer = add(&[q, q, kv, norms, mul(&[2, h]), mlp]);
-        let heads = if self.tied_embeddings { 1 } else { 2 };
-        let elements = add(&[
-            mul(&[self.layers, layer?]),
-            mul(&[heads, self.vocab, h]),
-            Some(h),
-        ]);
-        elements?.checked_mul(self.dtype.size())
+        let fam = self.family().ok()?;
+        let bytes =
+            |shape: &[u64], dt: DType| shape.iter().try_fold(dt.size(), |a, &x| a.checked_mul(x));
+        fam.rules.iter().try_fold(0u64, |a, r| {
+            let n = self.rule_count(r)?;
+            if n == 0 {
+                return Some(a);
+            }
+            let dims = r.dims(self)?;
+            let mut one = bytes(&dims, self.rule_dtype(r, false))?;
+            if self.has_scale(r) {
+                one = one.checked_add(bytes(&self.scale_shape(&dims), DType::F32)?)?;
+            }
+            a.checked_add(n.checked_mul(one)?)
+        })
     }
 
     /// Rows of `q_proj` (query heads x head size).
@@ -395,57 +634,97 @@ impl ModelConfig {
         self.kv_heads * self.head_dim
     }
 
-    /// Every tensor, HF-canonical names, in a deterministic order: embedding, then per layer
-    /// attention, norms and MLP (router, then experts in order), then the final norm and `lm_head`.
-    pub fn tensors(&self) -> Vec<TensorSpec> {
-        let dt = self.dtype;
-        let h = self.hidden;
+    /// Every tensor, HF-canonical names, with where each comes from, in the family table's
+    /// order: leading globals, then per layer its rules in order (the experts of an expert block
+    /// one after another, each with all the block's rules), then trailing globals. An fp8 scale
+    /// tensor follows its weight. Empty for a model without a family (`validate` refuses it).
+    pub fn placed_tensors(&self) -> Vec<(TensorSpec, Placement)> {
+        let Ok(fam) = self.family() else {
+            return Vec::new();
+        };
         // Bounded even for a model `validate` would refuse, so a caller that skipped it cannot
         // abort on the reservation.
         let mut out = Vec::with_capacity(self.tensor_count().min(MAX_TENSORS as usize));
-        out.push(TensorSpec::new(
-            "model.embed_tokens.weight",
-            dt,
-            vec![self.vocab, h],
-        ));
-        for l in 0..self.layers {
-            let t = |s: &str, shape: Vec<u64>| TensorSpec::new(layer_tensor(l, s), dt, shape);
-            out.push(t("self_attn.q_proj.weight", vec![self.q_rows(), h]));
-            out.push(t("self_attn.k_proj.weight", vec![self.kv_rows(), h]));
-            out.push(t("self_attn.v_proj.weight", vec![self.kv_rows(), h]));
-            out.push(t("self_attn.o_proj.weight", vec![h, self.q_rows()]));
-            for n in layer_norm_suffixes(self) {
-                let len = if n.starts_with("self_attn.") {
-                    self.head_dim
-                } else {
-                    h
-                };
-                out.push(t(n, vec![len]));
+        let mut push = |r: &Rule, i: usize, l: u64, e: u64| {
+            let Some(shape) = r.dims(self) else {
+                return;
+            };
+            let name = r.tensor_name(l, e);
+            let place = Placement {
+                rule: i,
+                layer: l,
+                expert: e,
+                scale: false,
+            };
+            if self.has_scale(r) {
+                let scale = self.scale_shape(&shape);
+                let sname = format!("{}{SCALE_SUFFIX}", &name[..name.len() - "weight".len()]);
+                out.push((
+                    TensorSpec::new(name, self.rule_dtype(r, false), shape),
+                    place,
+                ));
+                out.push((
+                    TensorSpec::new(sname, DType::F32, scale),
+                    Placement {
+                        scale: true,
+                        ..place
+                    },
+                ));
+            } else {
+                out.push((
+                    TensorSpec::new(name, self.rule_dtype(r, false), shape),
+                    place,
+                ));
             }
-            match &self.moe {
-                Some(m) => {
-                    out.push(t("mlp.gate.weight", vec![m.experts, h]));
-                    let i = m.expert_intermediate;
-                    for e in 0..m.experts {
-                        let x = |p: &str, shape| TensorSpec::new(expert_tensor(l, e, p), dt, shape);
-                        out.push(x("gate_proj", vec![i, h]));
-                        out.push(x("up_proj", vec![i, h]));
-                        out.push(x("down_proj", vec![h, i]));
+        };
+        let rules = fam.rules;
+        for (i, r) in rules.iter().enumerate() {
+            if r.scope == Scope::First && r.applies(self, 0) {
+                push(r, i, 0, 0);
+            }
+        }
+        let experts = self.moe.as_ref().map_or(0, |m| m.experts);
+        for l in 0..self.layers {
+            let mut i = 0;
+            while i < rules.len() {
+                let r = &rules[i];
+                match r.scope {
+                    Scope::Layer => {
+                        if r.applies(self, l) {
+                            push(r, i, l, 0);
+                        }
+                        i += 1;
                     }
-                }
-                None => {
-                    let i = self.intermediate;
-                    out.push(t("mlp.gate_proj.weight", vec![i, h]));
-                    out.push(t("mlp.up_proj.weight", vec![i, h]));
-                    out.push(t("mlp.down_proj.weight", vec![h, i]));
+                    Scope::Expert => {
+                        let end = (i..rules.len())
+                            .find(|&j| rules[j].scope != Scope::Expert)
+                            .unwrap_or(rules.len());
+                        if r.applies(self, l) {
+                            for e in 0..experts {
+                                for (j, x) in rules.iter().enumerate().take(end).skip(i) {
+                                    push(x, j, l, e);
+                                }
+                            }
+                        }
+                        i = end;
+                    }
+                    _ => i += 1,
                 }
             }
         }
-        out.push(TensorSpec::new("model.norm.weight", dt, vec![h]));
-        if !self.tied_embeddings {
-            out.push(TensorSpec::new("lm_head.weight", dt, vec![self.vocab, h]));
+        for (i, r) in rules.iter().enumerate() {
+            if r.scope == Scope::Last && r.applies(self, 0) {
+                push(r, i, 0, 0);
+            }
         }
         out
+    }
+
+    /// Every tensor, HF-canonical names, in a deterministic order ([`ModelConfig::placed_tensors`]):
+    /// for the first families the embedding, then per layer attention, norms and MLP (router, then
+    /// experts in order), then the final norm and `lm_head`.
+    pub fn tensors(&self) -> Vec<TensorSpec> {
+        self.placed_tensors().into_iter().map(|(s, _)| s).collect()
     }
 
     /// Number of tensors [`ModelConfig::tensors`] returns, without building them (saturates at
@@ -512,6 +791,7 @@ mod tests {
             tied_embeddings: false,
             qk_norm: false,
             dtype: DType::Bf16,
+            arch: Arch::default(),
         }
     }
 
@@ -566,7 +846,9 @@ mod tests {
             assert!(m.tensor_count() as u64 * 14 <= MAX_TENSORS, "{}", p.name);
             assert!(m.total_bytes() * 500 <= MAX_TOTAL_BYTES, "{}", p.name);
         }
-        assert_eq!(preset("kimi-k2").unwrap().tensor_count(), 70_702);
+        // 1 embedding, 12 in the dense first layer, 60 MoE layers of 1,166 (7 MLA, 2 norms, router
+        // and its bias, 3 x 384 experts, 3 shared), the final norm and lm_head.
+        assert_eq!(preset("kimi-k2").unwrap().tensor_count(), 69_975);
     }
 
     #[test]

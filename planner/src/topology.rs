@@ -12,13 +12,14 @@ use serde::Serialize;
 
 use reshard_core::{
     Error, ErrorKind, MemoryKind, OfferLocation, Result, ShardOffer, ShardTable, TensorBox,
-    TensorSpec,
 };
 
+use crate::families::Shard;
 use crate::layouts::{
-    check_heads, column_parallel, kv_rows_for_rank, row_block, row_parallel, TensorIndex,
+    check_heads, column_parallel, has_kv_heads, kv_rows_for_rank, row_block, row_parallel,
+    TensorIndex,
 };
-use crate::presets::{layer_norm_suffixes, layer_tensor, ModelConfig};
+use crate::presets::{layer_tensor, ModelConfig};
 
 /// How the trainer shards the model: tensor, expert, data and pipeline parallel degrees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -408,7 +409,9 @@ impl StagePlan {
         }
         check_heads(model, topo.tp)?;
         // Validates the KV split once, naming k_proj, before any rank is built.
-        kv_rows_for_rank(model, topo.tp, 0)?;
+        if has_kv_heads(model) {
+            kv_rows_for_rank(model, topo.tp, 0)?;
+        }
         let experts_per_rank = match &model.moe {
             Some(m) => {
                 let (ep, dp) = (topo.ep as u64, topo.dp as u64);
@@ -449,84 +452,130 @@ fn rank_shards(
     rank: u32,
 ) -> Result<Vec<ShardGeometry>> {
     let (t, dp_rank, pp_rank) = topo.coords(rank);
-    let tp = topo.tp;
     let mut out = Vec::new();
+    if pp_rank == 0 {
+        stage_shards(model, topo, plan, idx, (t, dp_rank), idx.first(), &mut out)?;
+    }
+    let first = pp_rank as u64 * plan.layers_per_stage;
+    for l in first..first + plan.layers_per_stage {
+        stage_shards(model, topo, plan, idx, (t, dp_rank), idx.layer(l), &mut out)?;
+    }
+    if pp_rank + 1 == topo.pp {
+        stage_shards(model, topo, plan, idx, (t, dp_rank), idx.last(), &mut out)?;
+    }
+    Ok(out)
+}
+
+/// The boxes TP rank `t` of DP rank `dp_rank` offers of tensors `range` (one layer or the
+/// globals), by each tensor's rule: vocab- and column-parallel tensors a dim-0 slice,
+/// row-parallel a dim-1 slice, replicated whole, routed experts of this rank's EP group TP-sliced,
+/// and the parts of the fused QKV per KV group (see [`publisher_geometry`]).
+fn stage_shards(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+    plan: &StagePlan,
+    idx: &TensorIndex,
+    (t, dp_rank): (u32, u32),
+    range: std::ops::Range<usize>,
+    out: &mut Vec<ShardGeometry>,
+) -> Result<()> {
+    let tp = topo.tp;
     // Tensors are pushed by index: a trillion-parameter job has ~1M offers, and looking each
     // one's name up again cost more than building it.
     let mut push = |tensor: usize, tensor_box: TensorBox| {
         out.push(ShardGeometry { tensor, tensor_box });
     };
-    let lookup = |name: &str| -> Result<(usize, &TensorSpec)> {
-        let i = idx.index(name)?;
-        Ok((i, &idx.specs()[i]))
-    };
-
-    if pp_rank == 0 {
-        let (i, spec) = lookup("model.embed_tokens.weight")?;
-        push(i, column_parallel(spec, tp, t)?);
-    }
-    let first = pp_rank as u64 * plan.layers_per_stage;
-    let (tp64, t64) = (tp as u64, t as u64);
-    let (hd, kv) = (model.head_dim, model.kv_heads);
-    let qpg = model.heads / kv * hd;
-    for l in first..first + plan.layers_per_stage {
-        let (qi, q) = lookup(&layer_tensor(l, "self_attn.q_proj.weight"))?;
-        let (ki, k) = lookup(&layer_tensor(l, "self_attn.k_proj.weight"))?;
-        let (vi, v) = lookup(&layer_tensor(l, "self_attn.v_proj.weight"))?;
-        if tp64 <= kv {
-            let per = kv / tp64;
-            for g in t64 * per..(t64 + 1) * per {
-                push(qi, row_block(q, g * qpg, qpg));
-                push(ki, row_block(k, g * hd, hd));
-                push(vi, row_block(v, g * hd, hd));
-            }
-        } else {
-            let r = tp64 / kv;
-            let g = t64 / r;
-            let sub = qpg / r;
-            push(qi, row_block(q, g * qpg + (t64 % r) * sub, sub));
-            if t64 % r == 0 {
-                push(ki, row_block(k, g * hd, hd));
-                push(vi, row_block(v, g * hd, hd));
-            }
-        }
-        let (oi, o) = lookup(&layer_tensor(l, "self_attn.o_proj.weight"))?;
-        push(oi, row_parallel(o, tp, t)?);
-        for n in layer_norm_suffixes(model) {
-            let (i, spec) = lookup(&layer_tensor(l, n))?;
-            push(i, spec.full_box());
-        }
-        if model.moe.is_some() {
-            let (i, router) = lookup(&layer_tensor(l, "mlp.gate.weight"))?;
-            push(i, router.full_box());
-            let ep_rank = (dp_rank % topo.ep) as u64;
-            let per = plan.experts_per_rank;
-            for e in ep_rank * per..(ep_rank + 1) * per {
-                for proj in 0..2 {
-                    let i = idx.expert_index(l, e, proj)?;
-                    push(i, column_parallel(&idx.specs()[i], tp, t)?);
+    let specs = idx.specs();
+    let ep_rank = (dp_rank % topo.ep) as u64;
+    let per = plan.experts_per_rank;
+    let mut qkv_done: Vec<(&str, bool)> = Vec::new();
+    for i in range.clone() {
+        let rule = idx.rule(i)?;
+        let place = idx.place(i);
+        let spec = &specs[i];
+        match rule.shard {
+            Shard::Replicated => push(i, spec.full_box()),
+            Shard::Vocab | Shard::Column => push(i, column_parallel(spec, tp, t)?),
+            Shard::Row => push(i, row_parallel(spec, tp, t)?),
+            Shard::ExpertColumn | Shard::ExpertRow => {
+                if place.expert / per.max(1) == ep_rank && per > 0 {
+                    let b = if rule.shard == Shard::ExpertColumn {
+                        column_parallel(spec, tp, t)?
+                    } else {
+                        row_parallel(spec, tp, t)?
+                    };
+                    push(i, b);
                 }
-                let i = idx.expert_index(l, e, 2)?;
-                push(i, row_parallel(&idx.specs()[i], tp, t)?);
             }
-        } else {
-            for proj in ["mlp.gate_proj.weight", "mlp.up_proj.weight"] {
-                let (i, spec) = lookup(&layer_tensor(l, proj))?;
-                push(i, column_parallel(spec, tp, t)?);
+            Shard::QHeads | Shard::KvHeads => {
+                let key = (rule.engine, place.scale);
+                if qkv_done.contains(&key) {
+                    continue;
+                }
+                qkv_done.push(key);
+                // Megatron's fused QKV is stored group by group: every part of this fused
+                // parameter, one KV group after another.
+                let parts: Vec<usize> = range
+                    .clone()
+                    .filter(|&j| {
+                        idx.rule(j).is_ok_and(|r| r.engine == rule.engine)
+                            && idx.place(j).scale == place.scale
+                    })
+                    .collect();
+                qkv_groups(model, topo, idx, t, &parts, &mut push)?;
             }
-            let (i, down) = lookup(&layer_tensor(l, "mlp.down_proj.weight"))?;
-            push(i, row_parallel(down, tp, t)?);
         }
     }
-    if pp_rank + 1 == topo.pp {
-        let (i, norm) = lookup("model.norm.weight")?;
-        push(i, norm.full_box());
-        if !model.tied_embeddings {
-            let (i, spec) = lookup("lm_head.weight")?;
-            push(i, column_parallel(spec, tp, t)?);
+    Ok(())
+}
+
+/// The per-KV-group boxes of the parts (`q`, `k`, `v`, in slot order) of one fused QKV
+/// parameter that TP rank `t` offers. With more TP ranks than KV heads, the ranks sharing a
+/// group each hold a slice of its q rows and only the first of them offers the group's k and v.
+fn qkv_groups(
+    model: &ModelConfig,
+    topo: &PublisherTopology,
+    idx: &TensorIndex,
+    t: u32,
+    parts: &[usize],
+    push: &mut impl FnMut(usize, TensorBox),
+) -> Result<()> {
+    let (tp64, t64, kv) = (topo.tp as u64, t as u64, model.kv_heads);
+    let rows = |j: usize| -> Result<u64> {
+        let spec = &idx.specs()[j];
+        let rows = spec.shape[0];
+        if rows % kv != 0 {
+            return Err(Error::new(
+                ErrorKind::Layout,
+                format!("{rows} rows are not divisible by {kv} KV groups"),
+            )
+            .with_tensor(&spec.name));
+        }
+        Ok(rows / kv)
+    };
+    if tp64 <= kv {
+        let per = kv / tp64;
+        for g in t64 * per..(t64 + 1) * per {
+            for &j in parts {
+                let r = rows(j)?;
+                push(j, row_block(&idx.specs()[j], g * r, r));
+            }
+        }
+    } else {
+        let r = tp64 / kv;
+        let g = t64 / r;
+        for &j in parts {
+            let spec = &idx.specs()[j];
+            let n = rows(j)?;
+            if idx.rule(j)?.shard == Shard::QHeads {
+                let sub = n / r;
+                push(j, row_block(spec, g * n + (t64 % r) * sub, sub));
+            } else if t64 % r == 0 {
+                push(j, row_block(spec, g * n, n));
+            }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Gives every offer of `tables` the digests a production publisher sends (a whole digest and

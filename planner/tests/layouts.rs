@@ -39,6 +39,7 @@ fn tiny_dense() -> ModelConfig {
         tied_embeddings: true,
         qk_norm: false,
         dtype: DType::F32,
+        arch: Default::default(),
     }
 }
 
@@ -578,8 +579,42 @@ fn presets_are_listed_and_unknown_names_are_config_errors() {
 fn kimi_k2_is_a_trillion_parameter_moe() {
     let m = preset("kimi-k2").unwrap();
     let t = m.tensors();
-    // 61 layers x (384 experts x 3 + q/k/v/o + router + 2 norms) + embed, head, final norm.
-    assert_eq!(t.len(), 61 * (384 * 3 + 4 + 1 + 2) + 3);
+    // The real architecture (DeepSeek-V3): per layer MLA (q_a_proj, q_a_layernorm, q_b_proj,
+    // kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj) and 2 norms; layer 0 a dense MLP
+    // (3), the 60 others a router, its bias, 384 x 3 experts and a shared expert (3); embed,
+    // final norm, head.
+    assert_eq!(t.len(), 9 + 3 + 60 * (9 + 2 + 384 * 3 + 3) + 3);
+    let shape = |n: &str| t.iter().find(|s| s.name == n).unwrap().shape.clone();
+    assert_eq!(
+        shape("model.layers.0.self_attn.q_a_proj.weight"),
+        [1536, 7168]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.q_b_proj.weight"),
+        [64 * 192, 1536]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
+        [576, 7168]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.kv_b_proj.weight"),
+        [64 * 256, 512]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.o_proj.weight"),
+        [7168, 64 * 128]
+    );
+    assert_eq!(shape("model.layers.0.mlp.down_proj.weight"), [7168, 18_432]);
+    assert_eq!(
+        shape("model.layers.1.mlp.shared_experts.up_proj.weight"),
+        [2048, 7168]
+    );
+    assert_eq!(
+        shape("model.layers.60.mlp.gate.e_score_correction_bias"),
+        [384]
+    );
+    assert!(!t.iter().any(|s| s.name == "model.layers.0.mlp.gate.weight"));
     let params = m.total_bytes() / 2;
     assert!(
         (1_000_000_000_000..1_100_000_000_000).contains(&params),

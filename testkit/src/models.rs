@@ -20,6 +20,7 @@ pub fn tiny_dense(kv_heads: u64) -> ModelConfig {
         tied_embeddings: false,
         qk_norm: false,
         dtype: DType::Bf16,
+        arch: Default::default(),
     }
 }
 
@@ -42,5 +43,6 @@ pub fn tiny_moe(experts: u64) -> ModelConfig {
         tied_embeddings: false,
         qk_norm: true,
         dtype: DType::Bf16,
+        arch: Default::default(),
     }
 }

@@ -33,6 +33,7 @@ fn model() -> ModelConfig {
         tied_embeddings: true,
         qk_norm: false,
         dtype: DType::Bf16,
+        arch: Default::default(),
     }
 }
 

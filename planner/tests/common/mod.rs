@@ -22,5 +22,6 @@ pub fn tiny_moe(experts: u64) -> ModelConfig {
         tied_embeddings: false,
         qk_norm: true,
         dtype: DType::Bf16,
+        arch: Default::default(),
     }
 }
