@@ -282,19 +282,20 @@ def mixtral(label, dtype="bfloat16", dtype_key="torch_dtype", layers=2):
     return Checkpoint(c, t)
 
 
-def deepseek_v3(label, dtype="bfloat16", dtype_key="torch_dtype", layers=3):
+def deepseek_v3(label, dtype="bfloat16", dtype_key="torch_dtype", layers=3,
+                model_type="deepseek_v3"):
     """DeepSeek-V3 / Kimi-K2 (`deepseek_v3`; Kimi-K2's `n_group` 1 and no MTP layer): MLA
     attention (`q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`/`kv_a_layernorm`/
     `kv_b_proj`), `first_k_dense_replace` dense layers, then 4 routed experts, one shared
     expert, and the router bias `e_score_correction_bias` (float32 in the real checkpoints,
-    whatever the weights' dtype)."""
+    whatever the weights' dtype). Kimi-K2's own config says `model_type` "kimi_k2"."""
     h, heads, q_rank, kv_rank, nope, rope, vd = 64, 4, 32, 16, 16, 8, 16
     c = _dtype_keys({
         "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
         "attention_dropout": 0.0, "bos_token_id": 163584, "eos_token_id": 163585,
         "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": h,
         "initializer_range": 0.02, "intermediate_size": 96, "kv_lora_rank": kv_rank,
-        "max_position_embeddings": 131072, "model_type": "deepseek_v3",
+        "max_position_embeddings": 131072, "model_type": model_type,
         "moe_intermediate_size": 32, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 4,
         "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": heads,
         "num_experts_per_tok": 2, "num_hidden_layers": layers, "num_key_value_heads": heads,

@@ -41,10 +41,12 @@ from vllm_reference import engine_tensors
 ROOT = Path(__file__).resolve().parents[2]
 TRANSPORT = os.environ.get("HFCKPT_TRANSPORT", "cma")
 
-# What this branch implements: the families main reads today (Llama, Qwen3, Qwen3-MoE with
-# every layer MoE, tied embeddings), sharded checkpoints with their index, and `torch_dtype`.
-# The rest is issue 31 work on branch h31-families: add each here as it lands.
-SUPPORTED = {"llama", "qwen3", "qwen3_moe", "tied", "sharded", "torch_dtype"}
+# What this branch implements: every family of h31-families (merged) and both dtype keys, with
+# sharded checkpoints. Not yet: single-file checkpoints (issue 31 item 1), vLLM's padded
+# vocabulary, and DeepSeek's router bias stored as float32 in a bf16 model (as DeepSeek-V3 and
+# Kimi-K2 store it; h31-families refuses the header dtype that differs from config.json's).
+SUPPORTED = {"llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_moe_dense_layers",
+             "mixtral", "deepseek_v3", "kimi_k2", "tied", "sharded", "torch_dtype", "dtype_key"}
 if os.environ.get("HFCKPT_FEATURES") == "all":
     SUPPORTED = None
 
@@ -64,54 +66,60 @@ class Case:
     features: set = field(default_factory=set)
 
 
-def case(id, make, sharded, publishers, moe, features):
+def case(id, make, sharded, key, publishers, moe, features):
+    """A case; `key` is the config's dtype key, which `make` must be given too."""
     form = "sharded" if sharded else "single_file"
-    key = "torch_dtype" if sharded else "dtype_key"
     return Case(id, make, sharded, publishers, MOE_LAYOUTS if moe else DENSE_LAYOUTS,
-                set(features) | {form, key})
+                set(features) | {form, "dtype_key" if key == "dtype" else key})
 
 
-# Sharded checkpoints carry `torch_dtype` (transformers before 4.56), single files `dtype`
-# (4.56 and later). Each family's two cases use different publisher topologies.
+T, D = "torch_dtype", "dtype"  # transformers before 4.56 write the first, later ones the second
+
+# Each family: a sharded and a single-file case, with different publisher topologies and
+# dtype keys.
 CASES = [
-    case("llama-sharded", lambda n: hf_models.llama(n), True, "tp=2,pp=2", False, {"llama"}),
-    case("llama-single", lambda n: hf_models.llama(n, dtype_key="dtype"), False, "dp=2", False,
+    case("llama-sharded", lambda n: hf_models.llama(n), True, T, "tp=2,pp=2", False, {"llama"}),
+    case("llama-single", lambda n: hf_models.llama(n, dtype_key=D), False, D, "dp=2", False,
          {"llama"}),
-    case("llama-tied-sharded-f16", lambda n: hf_models.llama(n, "float16", tied=True), True,
-         "tp=2,dp=2", False, {"llama", "tied"}),
-    case("llama-tied-single", lambda n: hf_models.llama(n, dtype_key="dtype", tied=True), False,
-         "pp=2", False, {"llama", "tied"}),
-    case("qwen3-sharded", lambda n: hf_models.qwen3(n), True, "dp=2,pp=2", False, {"qwen3"}),
-    case("qwen3-single", lambda n: hf_models.qwen3(n, dtype_key="dtype"), False, "tp=2", False,
+    case("llama-tied-sharded-f16", lambda n: hf_models.llama(n, "float16", D, tied=True), True,
+         D, "tp=2,dp=2", False, {"llama", "tied"}),
+    case("llama-tied-single", lambda n: hf_models.llama(n, tied=True), False, T, "pp=2", False,
+         {"llama", "tied"}),
+    case("qwen3-sharded", lambda n: hf_models.qwen3(n, dtype_key=D), True, D, "dp=2,pp=2", False,
          {"qwen3"}),
-    case("qwen3_moe-sharded", lambda n: hf_models.qwen3_moe(n), True, "ep=2,dp=2,pp=2", True,
+    case("qwen3-single", lambda n: hf_models.qwen3(n), False, T, "tp=2", False, {"qwen3"}),
+    case("qwen3_moe-sharded", lambda n: hf_models.qwen3_moe(n), True, T, "ep=2,dp=2,pp=2", True,
          {"qwen3_moe"}),
-    case("qwen3_moe-single", lambda n: hf_models.qwen3_moe(n, dtype_key="dtype"), False,
+    case("qwen3_moe-single", lambda n: hf_models.qwen3_moe(n, dtype_key=D), False, D,
          "tp=2,ep=2,dp=2", True, {"qwen3_moe"}),
     case("qwen3_moe-dense-layers-sharded",
-         lambda n: hf_models.qwen3_moe(n, layers=4, mlp_only_layers=[3], decoder_sparse_step=2),
-         True, "ep=2,dp=2,pp=2", True, {"qwen3_moe", "qwen3_moe_dense_layers"}),
+         lambda n: hf_models.qwen3_moe(n, "bfloat16", D, layers=4, mlp_only_layers=[3],
+                                       decoder_sparse_step=2),
+         True, D, "ep=2,dp=2,pp=2", True, {"qwen3_moe", "qwen3_moe_dense_layers"}),
     case("qwen3_moe-dense-layers-single",
-         lambda n: hf_models.qwen3_moe(n, "bfloat16", "dtype", layers=3, mlp_only_layers=[1]),
-         False, "tp=2,ep=2,dp=2", True, {"qwen3_moe", "qwen3_moe_dense_layers"}),
-    case("qwen2-sharded-f32", lambda n: hf_models.qwen2(n, "float32"), True, "tp=2,pp=2", False,
-         {"qwen2"}),
-    case("qwen2-tied-single", lambda n: hf_models.qwen2(n, dtype_key="dtype", tied=True), False,
+         lambda n: hf_models.qwen3_moe(n, layers=3, mlp_only_layers=[1]),
+         False, T, "tp=2,ep=2,dp=2", True, {"qwen3_moe", "qwen3_moe_dense_layers"}),
+    case("qwen2-sharded-f32", lambda n: hf_models.qwen2(n, "float32"), True, T, "tp=2,pp=2",
+         False, {"qwen2"}),
+    case("qwen2-tied-single", lambda n: hf_models.qwen2(n, dtype_key=D, tied=True), False, D,
          "dp=2", False, {"qwen2", "tied"}),
-    case("qwen2_moe-sharded", lambda n: hf_models.qwen2_moe(n), True, "ep=2,dp=2,pp=2", True,
+    case("qwen2_moe-sharded", lambda n: hf_models.qwen2_moe(n, dtype_key=D), True, D,
+         "ep=2,dp=2,pp=2", True, {"qwen2_moe"}),
+    case("qwen2_moe-single", lambda n: hf_models.qwen2_moe(n), False, T, "tp=2,ep=2,dp=2", True,
          {"qwen2_moe"}),
-    case("qwen2_moe-single", lambda n: hf_models.qwen2_moe(n, dtype_key="dtype"), False,
-         "tp=2,ep=2,dp=2", True, {"qwen2_moe"}),
-    case("mixtral-sharded-f16", lambda n: hf_models.mixtral(n, "float16"), True, "ep=2,dp=2",
+    case("mixtral-sharded-f16", lambda n: hf_models.mixtral(n, "float16"), True, T, "ep=2,dp=2",
          True, {"mixtral"}),
-    case("mixtral-single", lambda n: hf_models.mixtral(n, dtype_key="dtype"), False, "tp=2,pp=2",
+    case("mixtral-single", lambda n: hf_models.mixtral(n, dtype_key=D), False, D, "tp=2,pp=2",
          True, {"mixtral"}),
-    case("deepseek_v3-sharded", lambda n: hf_models.deepseek_v3(n, layers=4), True,
-         "ep=2,dp=2,pp=2", True, {"deepseek_v3"}),
-    case("deepseek_v3-single", lambda n: hf_models.deepseek_v3(n, dtype_key="dtype"), False,
-         "tp=2,ep=2,dp=2", True, {"deepseek_v3"}),
+    case("deepseek_v3-sharded", lambda n: hf_models.deepseek_v3(n, dtype_key=D, layers=4), True,
+         D, "ep=2,dp=2,pp=2", True, {"deepseek_v3", "router_bias_f32"}),
+    case("deepseek_v3-single", lambda n: hf_models.deepseek_v3(n), False, T, "tp=2,ep=2,dp=2",
+         True, {"deepseek_v3", "router_bias_f32"}),
+    # Kimi-K2 publishes the DeepSeek-V3 architecture under model_type "kimi_k2".
+    case("kimi_k2-sharded", lambda n: hf_models.deepseek_v3(n, model_type="kimi_k2"), True, T,
+         "tp=2,ep=2,dp=2", True, {"deepseek_v3", "kimi_k2", "router_bias_f32"}),
     # A vocabulary that is not a multiple of 64: vLLM pads it (VocabParallelEmbedding).
-    case("llama-vocab-1000-sharded", lambda n: hf_models.llama(n, vocab=1000), True, "tp=2",
+    case("llama-vocab-1000-sharded", lambda n: hf_models.llama(n, vocab=1000), True, T, "tp=2",
          False, {"llama", "vocab_padding"}),
 ]
 
@@ -127,7 +135,7 @@ def params():
                        "(issue 31 item 1) waits for an index in silence"))
         elif missing:
             marks.append(pytest.mark.xfail(
-                strict=False, reason=f"needs {sorted(missing)} (issue 31, branch h31-families)"))
+                strict=False, reason=f"needs {sorted(missing)} (issue 31)"))
         out.append(pytest.param(c, id=c.id, marks=marks))
     return out
 
@@ -237,6 +245,7 @@ def compare(want, got, where):
 def test_hf_checkpoint_refits_into_vllm_layouts(etcd, c, tmp_path):
     model = f"hf-{c.id}-{uuid.uuid4().hex[:6]}"
     ckpt = c.make(model)
+    assert ("dtype" in ckpt.config) == ("dtype_key" in c.features), "the case names its key"
     hf_models.write(ckpt, tmp_path / "ckpts" / "step-1", sharded=c.sharded)
     pubs = Publishers(etcd, model, tmp_path / "ckpts", c.publishers)
     receivers = []

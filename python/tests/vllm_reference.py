@@ -220,6 +220,7 @@ FAMILIES = {
     "qwen3_moe": lambda x: _qwen_moe(x, bias=False, qk_norm=True, shared=False),
     "mixtral": _mixtral,
     "deepseek_v3": _deepseek_v3,
+    "kimi_k2": _deepseek_v3,  # Kimi-K2's model_type; vLLM loads it as DeepseekV3ForCausalLM
 }
 
 
