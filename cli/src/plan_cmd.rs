@@ -275,7 +275,7 @@ fn print_summary(title: &str, rows: &[RankRow]) {
 }
 
 /// Above this many published offers the text output does not add the no-dedup comparison:
-/// at trillion-parameter scale (kimi-k2 with 256 publishers: 719k offers) its plans take tens
+/// at trillion-parameter scale (kimi-k2 with 256 publishers: 495k offers) its plans take tens
 /// of GiB. `--no-dedup` still plans that arm alone.
 const COUNTERFACTUAL_MAX_OFFERS: u64 = 250_000;
 

@@ -420,9 +420,44 @@ impl<'m> ReceiverLayouts<'m> {
     ) -> Result<()> {
         let idx = &self.idx;
         let mut accs: Vec<Acc> = Vec::new();
-        for i in range {
-            let Some((b, j)) = self.wanted_box(rank, i)? else {
+        let (first, count) = self.local_experts(rank);
+        let mut i = range.start;
+        while i < range.end {
+            // An expert block is every expert's tensors in expert order, `per` each: jump
+            // straight to this rank's experts (a trillion-parameter layer has 1,152 expert
+            // tensors, and an EP rank holds 9 of them).
+            if idx.rule(i)?.scope == Scope::Expert && idx.place(i).expert == 0 {
+                let per = (i..range.end)
+                    .take_while(|&k| {
+                        idx.place(k).expert == 0
+                            && idx.rule(k).is_ok_and(|r| r.scope == Scope::Expert)
+                    })
+                    .count();
+                let experts = self.model.moe.as_ref().map_or(0, |m| m.experts) as usize;
+                let block_end = i + per * experts;
+                let mine = i + per * first as usize..i + per * (first + count) as usize;
+                for k in mine {
+                    self.push_copy(rank, k, &mut accs)?;
+                }
+                i = block_end;
                 continue;
+            }
+            self.push_copy(rank, i, &mut accs)?;
+            i += 1;
+        }
+        let experts = self.local_experts(rank).1;
+        for acc in accs {
+            params.push(self.param(acc, layer, experts)?);
+        }
+        Ok(())
+    }
+
+    /// Adds tensor `i`'s copy (if rank `rank` wants any of it) to its engine parameter.
+    fn push_copy(&self, rank: u32, i: usize, accs: &mut Vec<Acc>) -> Result<()> {
+        let idx = &self.idx;
+        {
+            let Some((b, j)) = self.wanted_box(rank, i)? else {
+                return Ok(());
             };
             let rule = idx.rule(i)?;
             let scale = idx.place(i).scale;
@@ -450,10 +485,6 @@ impl<'m> ReceiverLayouts<'m> {
                 acc.slots[slot] = Some((b.extent[0], b.extent[1..].to_vec()));
             }
             acc.copies.push((i, b, slot, j));
-        }
-        let experts = self.local_experts(rank).1;
-        for acc in accs {
-            params.push(self.param(acc, layer, experts)?);
         }
         Ok(())
     }

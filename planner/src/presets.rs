@@ -132,7 +132,7 @@ pub const MAX_LAYERS: u64 = 4096;
 pub const MAX_EXPERTS: u64 = 16_384;
 
 /// Most tensors a model may have ([`ModelConfig::tensor_count`]). Kimi-K2, the largest preset,
-/// has 70,702; 2^20 is 15x that, and [`ModelConfig::tensors`] of a model this size is about
+/// has 69,975; 2^20 is 15x that, and [`ModelConfig::tensors`] of a model this size is about
 /// 150 MB of names and shapes, which every publisher and receiver builds once: an allocation a
 /// host survives, where a count taken from outside unchecked (10^12 layers) aborts the process.
 pub const MAX_TENSORS: u64 = 1 << 20;
@@ -408,7 +408,9 @@ impl ModelConfig {
     /// Number of MoE layers.
     fn moe_layers(&self) -> u64 {
         match self.moe {
-            Some(_) => self.layers - self.arch.dense_layers.len() as u64,
+            Some(_) => self
+                .layers
+                .saturating_sub(self.arch.dense_layers.len() as u64),
             None => 0,
         }
     }
@@ -868,5 +870,55 @@ mod tests {
             t.iter().map(TensorSpec::bytes).sum::<u64>(),
             m.total_bytes()
         );
+    }
+
+    #[test]
+    fn announced_json_decodes_with_or_without_arch_and_names_a_bad_family() {
+        // An announcement from before families: no "arch", decoded as its qwen3_moe family.
+        let old = r#"{"name": "q", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2,
+            "head_dim": 16, "intermediate": 96, "moe": {"experts": 4, "expert_intermediate": 32},
+            "vocab": 128, "tied_embeddings": false, "qk_norm": true, "dtype": "bf16"}"#;
+        let m: ModelConfig = serde_json::from_str(old).unwrap();
+        assert_eq!(m.arch, Arch::default());
+        assert_eq!(m.model_type(), "qwen3_moe");
+        m.validate().unwrap();
+        // A default arch stays out of the JSON: such announcements are byte-identical.
+        assert!(!serde_json::to_string(&m).unwrap().contains("arch"));
+        for p in presets() {
+            let json = serde_json::to_string(&p.config).unwrap();
+            assert_eq!(
+                serde_json::from_str::<ModelConfig>(&json).unwrap(),
+                p.config
+            );
+        }
+        let mut bad = m.clone();
+        bad.arch.model_type = "gpt_oss".into();
+        let e = bad.validate().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("\"gpt_oss\""), "{e}");
+        let mut no_family = m.clone();
+        no_family.qk_norm = false;
+        let e = no_family.validate().unwrap_err();
+        assert!(e.message().contains("model_type"), "{e}");
+        let mut dense = m.clone();
+        dense.arch.dense_layers = vec![1, 2];
+        let e = dense.validate().unwrap_err();
+        assert!(e.message().contains("dense layer 2"), "{e}");
+        dense.arch.dense_layers = vec![1, 0];
+        assert!(dense
+            .validate()
+            .unwrap_err()
+            .message()
+            .contains("ascending"));
+        // More dense layers than layers (unvalidated) is counted without overflow.
+        dense.arch.dense_layers = vec![0, 1, 2, 3];
+        let _ = dense.tensor_count();
+        let mut mla = preset("kimi-k2").unwrap();
+        mla.arch.mla = None;
+        assert!(mla.validate().unwrap_err().message().contains("MLA"));
+        let mut zero = preset("kimi-k2").unwrap();
+        zero.arch.mla.as_mut().unwrap().kv_lora_rank = 0;
+        let e = zero.validate().unwrap_err();
+        assert!(e.message().contains("kv_lora_rank must not be zero"), "{e}");
     }
 }
