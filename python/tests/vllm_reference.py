@@ -1,11 +1,12 @@
 """What each vLLM rank holds after loading a Hugging Face checkpoint: the independent reference
 of the HF-checkpoint tests (docs/hf-checkpoint-tests.md).
 
-Written from vLLM's model code and parallel layers (vLLM v0.30.0: `layers/linear.py`,
-`layers/vocab_parallel_embedding.py`, `layers/fused_moe/layer.py` and the model files
-`llama.py`, `qwen2.py`, `qwen2_moe.py`, `qwen3.py`, `qwen3_moe.py`, `mixtral.py`,
-`deepseek_v2.py`), never from reshard's planner: given the full HF tensors of a checkpoint
-(hf_models.Checkpoint), `engine_tensors` gives every parameter a receiver rank holds, by
+Written from vLLM's model code and parallel layers (`QKVParallelLinear`'s weight loader in
+`layers/linear.py`, `layers/vocab_parallel_embedding.py`, the `FusedMoE` expert mapping as
+`mixtral.py`, `qwen2_moe.py` and `deepseek_v2.py` use it, those files being the stored main
+branch docs/models.md names; v0.30.0 is the newest release found, see
+docs/hf-checkpoint-tests.md), never from reshard's planner: given the full HF tensors of a
+checkpoint (hf_models.Checkpoint), `engine_tensors` gives every parameter a receiver rank holds, by
 vLLM's parameter name, with its bytes. The rules, as vLLM's weight loaders apply them:
 
 - rank `r` of a layout `tp`, `dp`, `ep` is `dp_rank * tp + tp_rank` (reshard's receiver order);
