@@ -410,11 +410,17 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
     Ok(model)
 }
 
+/// Tensors models keep in float32 whatever dtype config.json declares: DeepSeek-V3's (and
+/// Kimi-K2's) router score-correction bias, which its checkpoints store and vLLM holds in
+/// float32 (docs/models.md).
+const KEPT_IN_F32: &[&str] = &["mlp.gate.e_score_correction_bias"];
+
 /// Reconciles a model read from `config.json` with its checkpoint's tensors (name, header
 /// dtype, shape): every tensor must fit a rule of the model's family (else a `Config` error
 /// naming it); with a declared dtype (`declared`), a float tensor whose header dtype differs is
 /// a `Config` error naming it (under an fp8 `quantization_config`, linear weights are
-/// `float8_e4m3fn`, their scales f32, and other tensors may be f32); without one, the headers are
+/// `float8_e4m3fn`, their scales f32, and other tensors may be f32; [`KEPT_IN_F32`] tensors may
+/// be f32 in any model); without one, the headers are
 /// the truth: the model's dtype becomes the embedding's, and rules whose tensors differ get
 /// their own. Shapes and the set of tensors are checked by the caller against the result.
 pub fn reconcile_headers(
@@ -459,7 +465,8 @@ pub fn reconcile_headers(
             } else if fp8 && r.quant {
                 h.dtype == DType::F8E4m3
             } else {
-                h.dtype == d || (fp8 && h.dtype == DType::F32)
+                let kept_f32 = KEPT_IN_F32.iter().any(|k| h.name.ends_with(k));
+                h.dtype == d || ((fp8 || kept_f32) && h.dtype == DType::F32)
             };
             if !ok {
                 let want = match (scale, fp8 && r.quant) {

@@ -41,12 +41,12 @@ from vllm_reference import engine_tensors
 ROOT = Path(__file__).resolve().parents[2]
 TRANSPORT = os.environ.get("HFCKPT_TRANSPORT", "cma")
 
-# What this branch implements: every family of h31-families (merged) and both dtype keys, with
-# sharded checkpoints. Not yet: single-file checkpoints (issue 31 item 1), vLLM's padded
-# vocabulary, and DeepSeek's router bias stored as float32 in a bf16 model (as DeepSeek-V3 and
-# Kimi-K2 store it; h31-families refuses the header dtype that differs from config.json's).
+# What reshard implements: every family, both dtype keys, sharded and single-file checkpoints,
+# DeepSeek's router bias stored as float32 in a bf16 model (as DeepSeek-V3 and Kimi-K2 store
+# it). Not yet: vLLM's padded vocabulary (a vocabulary TP does not divide into multiples of 64).
 SUPPORTED = {"llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_moe_dense_layers",
-             "mixtral", "deepseek_v3", "kimi_k2", "tied", "sharded", "torch_dtype", "dtype_key"}
+             "mixtral", "deepseek_v3", "kimi_k2", "tied", "sharded", "single_file",
+             "torch_dtype", "dtype_key", "router_bias_f32"}
 if os.environ.get("HFCKPT_FEATURES") == "all":
     SUPPORTED = None
 
