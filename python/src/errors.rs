@@ -12,7 +12,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use reshard_core::{Error, ErrorKind};
+use reshard_core::{Error, ErrorDetail, ErrorKind};
 
 pyo3::create_exception!(
     reshard,
@@ -40,6 +40,8 @@ macro_rules! kinds {
             m.add("ReshardError", py.get_type::<ReshardError>())?;
             $(m.add(stringify!($class), py.get_type::<$class>())?;)*
             m.add("Panic", py.get_type::<Panic>())?;
+            m.add("NotApplicable", py.get_type::<NotApplicable>())?;
+            m.add("NoRollback", py.get_type::<NoRollback>())?;
             Ok(())
         }
     };
@@ -74,11 +76,37 @@ pyo3::create_exception!(
     "reshard panicked: a bug, raised as an Internal error rather than PyO3's PanicException."
 );
 
+pyo3::create_exception!(
+    reshard,
+    NotApplicable,
+    InvalidInput,
+    "A staged step cannot be applied (`reason`: other_receiver, applied, replaced, discarded); nothing changed."
+);
+
+pyo3::create_exception!(
+    reshard,
+    NoRollback,
+    InvalidInput,
+    "No previous step to roll back to (`reason`: no_previous, overwritten, discarded); nothing changed."
+);
+
 /// The Python exception for `e`: its kind's class, the message, and the context as attributes.
 pub fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| {
-        let class = class_of(py, e.kind());
-        raise_as(py, class, e)
+        let (class, reason) = match e.detail() {
+            Some(ErrorDetail::NotApplicable { reason, .. }) => {
+                (py.get_type::<NotApplicable>(), Some(reason.as_str()))
+            }
+            Some(ErrorDetail::NoRollback { reason, .. }) => {
+                (py.get_type::<NoRollback>(), Some(reason.as_str()))
+            }
+            _ => (class_of(py, e.kind()), None),
+        };
+        let err = raise_as(py, class, e);
+        if let Some(reason) = reason {
+            let _ = err.value(py).setattr("reason", reason);
+        }
+        err
     })
 }
 
