@@ -7,6 +7,10 @@
 //! `copy_s`; the swap copies nothing, and refuses to refit into a bank the engine still holds
 //! arrays of (bank.rs counts them).
 //!
+//! A refit is a stage (moved and verified into the bank that is not live; nothing the engine
+//! sees changes) and an apply (the swap or the copy); `stage`, `apply` and `rollback` make
+//! them apart (docs/python.md, "Stage, apply, roll back"), each under the same guards.
+//!
 //! The engine's arrays must be its own, one per parameter: arrays sharing bytes are refused when
 //! the receiver is made (the copy writes every parameter in parallel), and each is checked to be
 //! where it was registered before every refit and again before the copy (memory.rs). A refit is
