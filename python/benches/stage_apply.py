@@ -3,7 +3,8 @@ rig of refit_overhead.py (publishers and receiver rank 0 in this process, in-pro
 rendezvous), a copy-install and a swap-install receiver side by side. Each round the publishers
 advance; each receiver stages the new step (timed, not the subject), applies it, re-points (swap:
 weights(), dropping the previous step's arrays first, as an engine does), then rolls back to the
-step before and re-points again; the next round stages over the bank rolled back from.
+step it served before (step 0, the warm-up's) and re-points again; the next round stages over
+the bank rolled back from.
 
 Per round and receiver:
 - apply_rust_s:    the receiver's own apply (stages["install"]: a pointer swap in Rust);
@@ -73,8 +74,9 @@ def main():
         for p in pubs:
             p.publish(step)
         for install, rx in rxs.items():
+            before = rx.live_step
             staged = rx.stage(timeout=60)
-            assert staged.step == step and rx.live_step == step - 1
+            assert staged.step == step and rx.live_step == before
             served.pop(install, None)
             a = rx.apply(staged)
             served[install] = rx.weights()
@@ -82,7 +84,7 @@ def main():
             served.pop(install, None)
             b = rx.rollback()
             served[install] = rx.weights()
-            assert b.step == step - 1 and rx.live_step == step - 1
+            assert b.step == before and rx.live_step == before
             served.pop(install, None)  # the next stage lands in the bank of `step`
             rows[install].append((a, b))
     med = statistics.median
