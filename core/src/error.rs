@@ -185,6 +185,72 @@ pub enum ErrorDetail {
         /// The limit that was exceeded, in milliseconds.
         limit_ms: u64,
     },
+    /// A staged step cannot be applied (kind [`ErrorKind::InvalidInput`]); nothing changed.
+    NotApplicable {
+        /// The step the handle staged.
+        step: u64,
+        /// Why.
+        reason: NotApplicable,
+    },
+    /// A rollback found no earlier step to make live (kind [`ErrorKind::InvalidInput`]);
+    /// nothing changed.
+    NoRollback {
+        /// The live step, which stays live.
+        live_step: Option<u64>,
+        /// Why.
+        reason: NoRollback,
+    },
+}
+
+/// Why a staged step cannot be applied ([`ErrorDetail::NotApplicable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NotApplicable {
+    /// The handle was staged by another receiver.
+    OtherReceiver,
+    /// The handle was applied already.
+    Applied,
+    /// A later stage (or refit) landed in the bank this step was staged in.
+    Replaced,
+    /// The receiver discarded its buffers since (new plan, options, transport, a wire leg cut
+    /// short), or was closed.
+    Discarded,
+}
+
+impl NotApplicable {
+    /// A stable name (`other_receiver`, `applied`, `replaced`, `discarded`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotApplicable::OtherReceiver => "other_receiver",
+            NotApplicable::Applied => "applied",
+            NotApplicable::Replaced => "replaced",
+            NotApplicable::Discarded => "discarded",
+        }
+    }
+}
+
+/// Why there is no step to roll back to ([`ErrorDetail::NoRollback`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NoRollback {
+    /// No step was live before the live one (the first step, or a rollback already went back).
+    NoPrevious,
+    /// A stage (or refit) landed in the bank that held the previous step.
+    Overwritten,
+    /// The receiver discarded its buffers since (new plan, options, transport, a wire leg cut
+    /// short).
+    Discarded,
+}
+
+impl NoRollback {
+    /// A stable name (`no_previous`, `overwritten`, `discarded`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NoRollback::NoPrevious => "no_previous",
+            NoRollback::Overwritten => "overwritten",
+            NoRollback::Discarded => "discarded",
+        }
+    }
 }
 
 /// The public error of every reshard crate (boxed, so `Result`s stay one pointer wide).

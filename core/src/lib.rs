@@ -27,7 +27,7 @@ pub mod stats;
 pub mod transport;
 
 pub use digest::{Digest, SegmentFold};
-pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, Result};
+pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, NoRollback, NotApplicable, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};
 pub use memory::{memory_check, BytesMut, BytesRef, HostBuffer, HostMemory, MemoryBlock};
 pub use merge::{

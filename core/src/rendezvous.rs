@@ -272,13 +272,34 @@ enum Look {
 /// are waited through with backoff until `want.timeout`; they are listed in
 /// [`Discovered::waited_through`], and in the `Timeout` error when no set came in time.
 pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discovered> {
+    discover_at(rendezvous, want, None).await
+}
+
+/// [`discover`] of exactly step `step` (`want.after_step` is not consulted): waits until every
+/// publisher rank is ready at that step. Publishers at another step, or not ready, are waited
+/// for until `want.timeout`, counted from the call (an overall bound, never per look); the
+/// `Timeout` error then names each rank that lacks the step and the step it has.
+pub async fn discover_exact(
+    rendezvous: &dyn Rendezvous,
+    want: &Want,
+    step: u64,
+) -> Result<Discovered> {
+    discover_at(rendezvous, want, Some(step)).await
+}
+
+/// [`discover`], or [`discover_exact`] when `exact` is set.
+async fn discover_at(
+    rendezvous: &dyn Rendezvous,
+    want: &Want,
+    exact: Option<u64>,
+) -> Result<Discovered> {
     let start = Instant::now();
     let deadline = start + want.timeout;
     let mut waited = Waited::default();
     let mut pause = RETRY_FIRST;
     let mut seen: Vec<Member> = Vec::new();
     loop {
-        match bounded(deadline, look(rendezvous, want, start)).await {
+        match bounded(deadline, look(rendezvous, want, exact, start)).await {
             Some(Ok(Look::Found(mut found))) => {
                 found.waited_through = waited.lines();
                 return Ok(found);
@@ -316,12 +337,13 @@ pub async fn discover(rendezvous: &dyn Rendezvous, want: &Want) -> Result<Discov
             None => {}
         }
         if Instant::now() >= deadline {
+            let target = exact.map_or_else(String::new, |s| format!(" at step {s}"));
             let mut msg = format!(
-                "discovery of model {:?} at {} timed out after {:.1} s: {}",
+                "discovery of model {:?}{target} at {} timed out after {:.1} s: {}",
                 want.model,
                 rendezvous.endpoint(),
                 want.timeout.as_secs_f64(),
-                describe(&seen, want)
+                describe_at(&seen, want, exact)
             );
             let lines = waited.lines();
             if !lines.is_empty() {
@@ -346,9 +368,14 @@ async fn backoff(pause: &mut Duration, deadline: Instant) {
 }
 
 /// One look: the member list, and when it is a complete set, their announcements.
-async fn look(rendezvous: &dyn Rendezvous, want: &Want, start: Instant) -> Result<Look> {
+async fn look(
+    rendezvous: &dyn Rendezvous,
+    want: &Want,
+    exact: Option<u64>,
+    start: Instant,
+) -> Result<Look> {
     let (members, revision) = rendezvous.members(&want.model).await?;
-    let Some(step) = complete_step(&members, want)? else {
+    let Some(step) = complete_step_at(&members, want, exact)? else {
         return Ok(Look::Incomplete(members, revision));
     };
     let world = members[0].world;
@@ -388,7 +415,13 @@ async fn look(rendezvous: &dyn Rendezvous, want: &Want, start: Instant) -> Resul
 
 /// The step at which `members` are a complete, ready set, if they are. Members that disagree
 /// on the world size or the transport are an error: no step can make them one set.
+#[cfg(test)]
 fn complete_step(members: &[Member], want: &Want) -> Result<Option<u64>> {
+    complete_step_at(members, want, None)
+}
+
+/// [`complete_step`], of exactly step `exact` when set.
+fn complete_step_at(members: &[Member], want: &Want, exact: Option<u64>) -> Result<Option<u64>> {
     let Some(first) = members.first() else {
         return Ok(None);
     };
@@ -432,7 +465,11 @@ fn complete_step(members: &[Member], want: &Want) -> Result<Option<u64>> {
             .with_owner(m.rank));
         }
     }
-    let Some(step) = target_step(members, want) else {
+    let target = match exact {
+        Some(step) => Some(step),
+        None => target_step(members, want),
+    };
+    let Some(step) = target else {
         return Ok(None);
     };
     let ready_at_step = members.iter().filter(|m| m.ready && m.step == step).count();
@@ -450,6 +487,12 @@ fn target_step(members: &[Member], want: &Want) -> Option<u64> {
 
 /// Says who was seen, at which steps, who is missing and who did not advance.
 pub fn describe(members: &[Member], want: &Want) -> String {
+    describe_at(members, want, None)
+}
+
+/// [`describe`]; when waiting for exactly step `exact`, it names every rank that lacks that
+/// step and the step it has instead.
+fn describe_at(members: &[Member], want: &Want, exact: Option<u64>) -> String {
     if members.is_empty() {
         return "no publisher seen".into();
     }
@@ -470,7 +513,19 @@ pub fn describe(members: &[Member], want: &Want) -> String {
     if !missing.is_empty() {
         let _ = write!(out, "; missing ranks {}", ranges(&missing));
     }
-    if let Some(step) = target_step(members, want) {
+    if let Some(step) = exact {
+        let lacking: Vec<String> = members
+            .iter()
+            .filter(|m| !(m.ready && m.step == step))
+            .map(|m| {
+                let state = if m.ready { "ready" } else { "updating" };
+                format!("rank {} has step {} ({state})", m.rank, m.step)
+            })
+            .collect();
+        if !lacking.is_empty() {
+            let _ = write!(out, "; lacking step {step}: {}", lacking.join(", "));
+        }
+    } else if let Some(step) = target_step(members, want) {
         let behind: Vec<OwnerId> = members
             .iter()
             .filter(|m| m.step < step)

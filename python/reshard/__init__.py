@@ -73,12 +73,15 @@ from ._reshard import (
     InvalidTable,
     Layout,
     MissingCoverage,
+    NoRollback,
+    NotApplicable,
     OutOfBounds,
     OverlappingOffers,
     Panic,
     PeerUnknown,
     ReplicaDivergence,
     ReshardError,
+    Staged,
     Timeout,
     Transport,
     Unavailable,
@@ -90,6 +93,8 @@ __all__ = [
     "Publisher",
     "Receiver",
     "RefitReport",
+    "RollbackReport",
+    "Staged",
     "InProcessHub",
     "model_config",
     "receiver_params",
@@ -108,6 +113,8 @@ __all__ = [
     "InvalidTable",
     "Layout",
     "MissingCoverage",
+    "NoRollback",
+    "NotApplicable",
     "OutOfBounds",
     "OverlappingOffers",
     "Panic",
@@ -394,6 +401,27 @@ class RefitReport:
     install: str = "copy"
     python_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    newer_step: Optional[int] = None
+    """A step newer than this one that a publisher stood ready at right after staging, when one
+    was seen (the engine applied a step that is not the newest)."""
+    apply_s: float = 0.0
+    """Seconds the apply took: the receiver's pointer swap, plus the copy with ``install == "copy"``."""
+
+
+@dataclass
+class RollbackReport:
+    """What :meth:`Receiver.rollback` did: ``step`` is live now, ``rolled_back_from`` was;
+    ``install_s`` is the receiver's swap back, ``copy_s`` the copy into the engine's arrays (0
+    with ``install == "swap"``), ``native_s`` the whole native call and ``python_s`` the call as
+    Python saw it."""
+
+    step: int
+    rolled_back_from: int
+    install: str
+    install_s: float
+    copy_s: float
+    native_s: float
+    python_s: float = 0.0
 
 
 class Receiver:
@@ -495,44 +523,93 @@ class Receiver:
         """The step of the live weights (None before the first refit)."""
         return self._native.live_step
 
-    def refit(self, timeout: float = 300.0) -> RefitReport:
-        """Installs the next step (into the engine's arrays, or as the buffer :meth:`weights`
-        lends), waiting up to ``timeout`` seconds (``inf``: no limit) for the publishers to be
-        ready at it. Raises a :class:`ReshardError` subclass on failure, with the live weights
-        untouched."""
-        return self._refit(timeout, None)
+    @property
+    def staged_step(self) -> Optional[int]:
+        """The step staged by :meth:`stage` and not applied yet (None when there is none)."""
+        return self._native.staged_step
 
-    def _refit(self, timeout: float, cancel: Optional[Any]) -> RefitReport:
+    def refit(self, timeout: float = 300.0, *, step: Optional[int] = None,
+              allow_older: bool = False) -> RefitReport:
+        """Installs the next step (into the engine's arrays, or as the buffer :meth:`weights`
+        lends): :meth:`stage`, then :meth:`apply`, in one call. ``timeout`` seconds (``inf``: no
+        limit) bound the whole call: waiting for the publishers, moving and verifying.
+        ``step`` and ``allow_older`` are :meth:`stage`'s. Raises a :class:`ReshardError`
+        subclass on failure, with the live weights untouched."""
+        return self._refit(timeout, None, step, allow_older)
+
+    def _refit(self, timeout: float, cancel: Optional[Any], step: Optional[int] = None,
+               allow_older: bool = False) -> RefitReport:
         import time
 
         t0 = time.perf_counter()
-        d = self._native.refit(timeout, cancel)
+        d = self._native.refit(timeout, cancel, step, allow_older)
         report = RefitReport(**d)
         report.python_s = time.perf_counter() - t0
         return report
 
-    async def refit_async(self, timeout: float = 300.0) -> RefitReport:
-        """:meth:`refit` on a worker thread. Cancelling the task cancels the refit: one that has
-        not started yet never starts, one that is running stops with the weights untouched, and
-        the task raises :class:`asyncio.CancelledError`. A refit that had already installed when
-        the cancel reached it returns its report instead: the weights changed, so the caller
-        learns which step they hold."""
+    def stage(self, step: Optional[int] = None, timeout: float = 60.0, *,
+              allow_older: bool = False) -> Staged:
+        """Moves and verifies a step into reshard's bank that is not live, while the engine keeps
+        serving the live weights untouched; :meth:`apply` makes it live when the engine chooses.
+        ``step=None`` stages the newest step above the live one every publisher is ready at;
+        ``step=n`` waits for exactly step ``n`` across all publishers (a :class:`Timeout` names
+        each publisher rank that lacks it and the step it has) and refuses a step older than the
+        live one (:class:`InvalidInput`) unless ``allow_older``. ``timeout`` bounds the whole
+        call. A stage replaces a step staged before and not applied (its handle is then refused
+        by :meth:`apply`), and overwrites the step :meth:`rollback` would return to."""
+        return self._native.stage(timeout, step, allow_older, None)
+
+    def _stage(self, step: Optional[int], timeout: float, allow_older: bool,
+               cancel: Optional[Any]) -> Staged:
+        return self._native.stage(timeout, step, allow_older, cancel)
+
+    def apply(self, staged: Staged) -> RefitReport:
+        """Makes a staged step live: with ``install="swap"`` a pointer swap (:meth:`weights`
+        then lends the new step), with ``install="copy"`` the copy into the engine's arrays.
+        Returns the refit's report (``apply_s``: this call's swap and copy; ``newer_step``: a
+        newer step seen right after staging, if any; applying it anyway is allowed). Raises
+        :class:`NotApplicable`, changing nothing, for a handle of another receiver, one applied
+        already, one a later :meth:`stage` or :meth:`refit` replaced, or one whose buffers were
+        discarded."""
+        import time
+
+        t0 = time.perf_counter()
+        report = RefitReport(**self._native.apply(staged))
+        report.python_s = time.perf_counter() - t0
+        return report
+
+    def rollback(self) -> RollbackReport:
+        """Makes the previous step live again from reshard's bank that still holds it: no wire,
+        no publisher needed (they may be gone); with ``install="copy"`` it is copied into the
+        engine's arrays. Raises :class:`NoRollback`, changing nothing, when there is none: the
+        first step, a rollback already went back, or a :meth:`stage` or :meth:`refit` has landed
+        in that bank since (``reason`` says which)."""
+        import time
+
+        t0 = time.perf_counter()
+        report = RollbackReport(**self._native.rollback())
+        report.python_s = time.perf_counter() - t0
+        return report
+
+    async def _cancellable(self, call: Any, *args: Any) -> Any:
+        """Runs ``call(*args, token)`` on a worker thread, cancelled through its own token (see
+        :meth:`refit_async`)."""
         loop = asyncio.get_running_loop()
-        # One token per call, made before the refit is queued: a cancel that comes before the
-        # worker thread starts the refit is seen by it (the refit then does nothing), and a
-        # cancel of this call never reaches another.
+        # One token per call, made before the call is queued: a cancel that comes before the
+        # worker thread starts it is seen by it (it then does nothing), and a cancel of this
+        # call never reaches another.
         token = _reshard.CancelToken()
-        future = loop.run_in_executor(None, self._refit, timeout, token)
+        future = loop.run_in_executor(None, call, *args, token)
         swallowed = 0
         while True:
             try:
-                report = await asyncio.shield(future)
+                result = await asyncio.shield(future)
                 break
             except asyncio.CancelledError:
                 if future.cancelled():
                     raise
-                # The refit's outcome decides (awaited again: at once if it is over, else once
-                # the worker has stopped, within ~10 ms, or finished installing).
+                # The call's outcome decides (awaited again: at once if it is over, else once
+                # the worker has stopped, within ~10 ms, or finished).
                 token.cancel()
                 swallowed += 1
             except ReshardError:
@@ -543,10 +620,36 @@ class Receiver:
                 raise
         task = asyncio.current_task()
         for _ in range(swallowed):
-            # The cancellations were answered with the install's report, not honoured: say so
-            # to asyncio (timeouts and task groups count them).
+            # The cancellations were answered with the result, not honoured: say so to asyncio
+            # (timeouts and task groups count them).
             task.uncancel()
-        return report
+        return result
+
+    async def refit_async(self, timeout: float = 300.0, *, step: Optional[int] = None,
+                          allow_older: bool = False) -> RefitReport:
+        """:meth:`refit` on a worker thread. Cancelling the task cancels the refit: one that has
+        not started yet never starts, one that is running stops with the weights untouched, and
+        the task raises :class:`asyncio.CancelledError`. A refit that had already installed when
+        the cancel reached it returns its report instead: the weights changed, so the caller
+        learns which step they hold."""
+        return await self._cancellable(
+            lambda token: self._refit(timeout, token, step, allow_older))
+
+    async def stage_async(self, step: Optional[int] = None, timeout: float = 60.0, *,
+                          allow_older: bool = False) -> Staged:
+        """:meth:`stage` on a worker thread, next to generation. Cancelling the task stops the
+        stage (the live weights are untouched either way); a stage that had finished when the
+        cancel reached it returns its handle."""
+        return await self._cancellable(
+            lambda token: self._stage(step, timeout, allow_older, token))
+
+    async def apply_async(self, staged: Staged) -> RefitReport:
+        """:meth:`apply` on a worker thread (a copy install's copy takes milliseconds)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.apply, staged)
+
+    async def rollback_async(self) -> RollbackReport:
+        """:meth:`rollback` on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.rollback)
 
     def wait_for_step(self, step: int, timeout: float = 300.0) -> Optional[RefitReport]:
         """Refits until the live step is at least ``step``; returns the last report (None when

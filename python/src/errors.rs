@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use reshard_core::{Error, ErrorKind};
+use reshard_core::{Error, ErrorDetail, ErrorKind};
 
 pyo3::create_exception!(
     reshard,
@@ -66,8 +66,15 @@ const CLASSES: &[(&str, Option<ErrorKind>, Std, &str)] = &[
     ("Closed", None, Std::None, "The object was closed: make a new one."),
 ];
 
-/// The classes of [`CLASSES`], then `Panic`, made on first use: `type(name, (ReshardError,
-/// std), ...)` (pyo3's declared exceptions take one base; these need two).
+/// Classes made after [`CLASSES`], from one of them: name, base, doc.
+const DERIVED: &[(&str, &str, &str)] = &[
+    ("Panic", "Internal", "reshard panicked: a bug, raised as an Internal error rather than PyO3's PanicException."),
+    ("NotApplicable", "InvalidInput", "A staged step cannot be applied (`reason`: other_receiver, applied, replaced, discarded); nothing changed."),
+    ("NoRollback", "InvalidInput", "No previous step to roll back to (`reason`: no_previous, overwritten, discarded); nothing changed."),
+];
+
+/// The classes of [`CLASSES`], then those of [`DERIVED`], made on first use: `type(name,
+/// (ReshardError, std), ...)` (pyo3's declared exceptions take one base; these need two).
 fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
     TYPES.get_or_try_init(py, || {
         let base = py.get_type::<ReshardError>();
@@ -81,7 +88,7 @@ fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
                 .downcast_into::<PyType>()?;
             Ok(t.unbind())
         };
-        let mut out = Vec::with_capacity(CLASSES.len() + 1);
+        let mut out = Vec::with_capacity(CLASSES.len() + DERIVED.len());
         for &(name, _, std, doc) in CLASSES {
             let bases = match std {
                 Std::None => PyTuple::new(py, [base.clone()])?,
@@ -93,28 +100,26 @@ fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
             };
             out.push(make(name, bases, doc)?);
         }
-        // `Panic` derives from `Internal`.
-        let at = CLASSES.iter().position(|c| c.0 == "Internal").unwrap_or(0);
-        let internal = out[at].bind(py).clone();
-        out.push(make(
-            "Panic",
-            PyTuple::new(py, [internal])?,
-            "reshard panicked: a bug, raised as an Internal error rather than PyO3's PanicException.",
-        )?);
+        for &(name, base, doc) in DERIVED {
+            let at = CLASSES.iter().position(|c| c.0 == base).unwrap_or(0);
+            let base = out[at].bind(py).clone();
+            out.push(make(name, PyTuple::new(py, [base])?, doc)?);
+        }
         Ok(out)
     })
 }
 
-/// The class named `name` ([`CLASSES`] or `Panic`); `ReshardError` if the classes could not be
-/// made (out of memory at import: then the base class is still the right answer).
+/// The class named `name` ([`CLASSES`] or [`DERIVED`]); `ReshardError` if the classes could
+/// not be made (out of memory at import: then the base class is still the right answer).
 fn class_named<'py>(py: Python<'py>, name: &str) -> Bound<'py, PyType> {
     let at = CLASSES
         .iter()
-        .position(|c| c.0 == name)
-        .unwrap_or(CLASSES.len());
-    match classes(py) {
-        Ok(all) => all[at.min(all.len() - 1)].bind(py).clone(),
-        Err(_) => py.get_type::<ReshardError>(),
+        .map(|c| c.0)
+        .chain(DERIVED.iter().map(|d| d.0))
+        .position(|n| n == name);
+    match (classes(py), at) {
+        (Ok(all), Some(at)) => all[at].bind(py).clone(),
+        _ => py.get_type::<ReshardError>(),
     }
 }
 
@@ -131,18 +136,34 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("ReshardError", py.get_type::<ReshardError>())?;
     let all = classes(py)?;
-    for (i, &(name, ..)) in CLASSES.iter().enumerate() {
+    let names = CLASSES
+        .iter()
+        .map(|c| c.0)
+        .chain(DERIVED.iter().map(|d| d.0));
+    for (i, name) in names.enumerate() {
         m.add(name, all[i].bind(py))?;
     }
-    m.add("Panic", all[CLASSES.len()].bind(py))?;
     Ok(())
 }
 
 /// The Python exception for `e`: its kind's class, the message, and the context as attributes.
 pub fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| {
-        let class = class_of(py, e.kind());
-        raise_as(py, class, e)
+        // A refused apply or rollback has a class of its own, with the `reason` attribute.
+        let (class, reason) = match e.detail() {
+            Some(ErrorDetail::NotApplicable { reason, .. }) => {
+                (class_named(py, "NotApplicable"), Some(reason.as_str()))
+            }
+            Some(ErrorDetail::NoRollback { reason, .. }) => {
+                (class_named(py, "NoRollback"), Some(reason.as_str()))
+            }
+            _ => (class_of(py, e.kind()), None),
+        };
+        let err = raise_as(py, class, e);
+        if let Some(reason) = reason {
+            let _ = err.value(py).setattr("reason", reason);
+        }
+        err
     })
 }
 

@@ -370,6 +370,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_class::<publisher::TransportBuffer>()?;
         m.add_class::<receiver::NativeReceiver>()?;
         m.add_class::<receiver::CancelToken>()?;
+        m.add_class::<receiver::Staged>()?;
         m.add_class::<bank::BankView>()?;
         m.add_function(wrap_pyfunction!(model_config, m)?)?;
         m.add_function(wrap_pyfunction!(receiver_params, m)?)?;

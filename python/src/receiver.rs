@@ -7,6 +7,10 @@
 //! `copy_s`; the swap copies nothing, and refuses to refit into a bank the engine still holds
 //! arrays of (bank.rs counts them).
 //!
+//! A refit is a stage (moved and verified into the bank that is not live; nothing the engine
+//! sees changes) and an apply (the swap or the copy); `stage`, `apply` and `rollback` make
+//! them apart (docs/python.md, "Stage, apply, roll back"), each under the same guards.
+//!
 //! The engine's arrays must be its own, one per parameter: arrays sharing bytes are refused when
 //! the receiver is made (the copy writes every parameter in parallel), and each is checked to be
 //! where it was registered before every refit and again before the copy (memory.rs). A refit is
@@ -23,7 +27,7 @@ use pyo3::types::{PyDict, PyList};
 
 use reshard_core::{ErrorKind, HostBuffer, HostMemory, MemoryBlock, ParamSpec};
 use reshard_planner::topology::ReceiverTopology;
-use reshard_runtime::{ReceiverOptions, StageTimes, StepReport, Subscriber};
+use reshard_runtime::{ReceiverOptions, StageTimes, StagedStep, StepReport, Subscriber};
 
 use crate::bank::{BankView, Lent};
 use crate::errors::{self, boundary, invalid, IntoPy};
@@ -34,7 +38,8 @@ use crate::{load_config, registry, rendezvous, runtime, timeout_arg, wait};
 struct State {
     subscriber: Subscriber,
     params: Vec<ArrayMemory>,
-    /// The step installed before the live one: what the landing bank holds.
+    /// The step the landing bank holds (the one installed before the live one, a staged one, or
+    /// the one a rollback went back from), for messages.
     previous_step: Option<u64>,
 }
 
@@ -84,6 +89,50 @@ impl CancelToken {
     }
 }
 
+/// A verified step staged in the receiver's bank that is not live, waiting for
+/// `Receiver.apply` (use `reshard.Receiver.stage`).
+#[pyclass(module = "reshard._reshard", frozen)]
+pub struct Staged {
+    staged: StagedStep,
+    /// Seconds the stage's Rust future took (the refit report's `rust_s`).
+    rust_s: f64,
+}
+
+#[pymethods]
+impl Staged {
+    /// The training step staged.
+    #[getter]
+    fn step(&self) -> PyResult<u64> {
+        boundary("Staged.step", || Ok(self.staged.step()))
+    }
+
+    /// The receiver rank that staged it.
+    #[getter]
+    fn rank(&self) -> PyResult<u32> {
+        boundary("Staged.rank", || {
+            Ok(self.staged.staged.report().receiver_rank)
+        })
+    }
+
+    /// The newest step a publisher stood ready at right after staging, if newer than this one.
+    #[getter]
+    fn newer_step(&self) -> PyResult<Option<u64>> {
+        boundary("Staged.newer_step", || {
+            Ok(self.staged.newest_seen.filter(|&n| n > self.staged.step()))
+        })
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        boundary("Staged.__repr__", || {
+            Ok(format!(
+                "Staged(step={}, rank={})",
+                self.staged.step(),
+                self.staged.staged.report().receiver_rank
+            ))
+        })
+    }
+}
+
 /// One receiver rank (use `reshard.Receiver`).
 #[pyclass(module = "reshard._reshard", frozen)]
 pub struct NativeReceiver {
@@ -99,6 +148,8 @@ pub struct NativeReceiver {
     lent: Arc<Lent>,
     /// The step the engine's weights hold, readable while a refit runs in another thread.
     installed: Mutex<Option<u64>>,
+    /// The step staged and not applied, readable while a refit runs in another thread.
+    staged: Mutex<Option<u64>>,
 }
 
 impl NativeReceiver {
@@ -218,17 +269,70 @@ impl NativeReceiver {
     /// Installs the next step (waiting up to `timeout_s` for it) into the engine's arrays and
     /// returns the report as a dict. On any error the arrays and the live step are untouched.
     /// `cancel`, when given, stops the refit (see [`CancelToken`]).
-    #[pyo3(signature = (timeout_s=300.0, cancel=None))]
+    #[pyo3(signature = (timeout_s=300.0, cancel=None, step=None, allow_older=false))]
     fn refit<'py>(
         &self,
         py: Python<'py>,
         timeout_s: f64,
         cancel: Option<&Bound<'py, CancelToken>>,
+        step: Option<u64>,
+        allow_older: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         boundary("Receiver.refit", || {
+            let t0 = Instant::now();
             let cancel = cancel.map(|c| c.get().flag.clone());
-            self.refit_step(py, timeout_s, cancel.as_deref())
+            let mut guard = self.state()?;
+            let s = guard.as_mut().ok_or_else(|| self.closed())?;
+            let staged = self.stage_step(py, s, timeout_s, step, allow_older, cancel.as_deref())?;
+            self.apply_staged(py, s, &staged, t0)
         })
+    }
+
+    /// Moves and verifies a step (the newest above the live one, or exactly `step`) into the
+    /// bank that is not live, waiting up to `timeout_s` overall; the engine's weights and the
+    /// live step stay as they are. Returns the handle `apply` takes.
+    #[pyo3(signature = (timeout_s=60.0, step=None, allow_older=false, cancel=None))]
+    fn stage<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: f64,
+        step: Option<u64>,
+        allow_older: bool,
+        cancel: Option<&Bound<'py, CancelToken>>,
+    ) -> PyResult<Staged> {
+        boundary("Receiver.stage", || {
+            let cancel = cancel.map(|c| c.get().flag.clone());
+            let mut guard = self.state()?;
+            let s = guard.as_mut().ok_or_else(|| self.closed())?;
+            self.stage_step(py, s, timeout_s, step, allow_older, cancel.as_deref())
+        })
+    }
+
+    /// Makes a staged step live (swap install: a pointer swap; copy install: the copy into
+    /// the engine's arrays) and returns the report as a dict.
+    fn apply<'py>(
+        &self,
+        py: Python<'py>,
+        staged: &Bound<'py, Staged>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        boundary("Receiver.apply", || {
+            let t0 = Instant::now();
+            let mut guard = self.state()?;
+            let s = guard.as_mut().ok_or_else(|| self.closed())?;
+            self.apply_staged(py, s, staged.get(), t0)
+        })
+    }
+
+    /// Makes the previous step live again from the bank that still holds it: no wire, no
+    /// publisher. Returns `{step, rolled_back_from, install, install_s, copy_s, native_s}`.
+    fn rollback<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        boundary("Receiver.rollback", || self.roll_back(py))
+    }
+
+    /// The step staged and not applied yet, or None.
+    #[getter]
+    fn staged_step(&self) -> PyResult<Option<u64>> {
+        boundary("Receiver.staged_step", || Ok(*self.staged.lock()))
     }
 
     /// Swap install: `[(name, view, dtype, shape)]` of the live bank, each view a read-only
@@ -367,22 +471,26 @@ impl NativeReceiver {
             live: Mutex::new(None),
             lent: Arc::new(Lent::default()),
             installed: Mutex::new(None),
+            staged: Mutex::new(None),
         })
     }
 
-    /// [`NativeReceiver::refit`]'s body.
-    fn refit_step<'py>(
+    fn closed(&self) -> PyErr {
+        errors::closed(format!("receiver rank {} is closed", self.rank))
+    }
+
+    /// Stages a step (the body of `stage` and the first half of `refit`): nothing the engine
+    /// can see changes.
+    fn stage_step(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
+        s: &mut State,
         timeout_s: f64,
+        step: Option<u64>,
+        allow_older: bool,
         cancel: Option<&AtomicBool>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let t0 = Instant::now();
+    ) -> PyResult<Staged> {
         let timeout = timeout_arg("timeout", timeout_s)?;
-        let mut guard = self.state()?;
-        let s = guard
-            .as_mut()
-            .ok_or_else(|| errors::closed("receiver is closed".into()))?;
         if cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
             return Err(invalid(
                 ErrorKind::Aborted,
@@ -398,38 +506,50 @@ impl NativeReceiver {
             Install::Swap => self.check_landing(s)?,
             Install::Copy => self.check_params(py, s, "written")?,
         }
-        let before = s.subscriber.receiver().live_step();
         // The Rust path's own time is taken inside the future: what `reshard receive` spends
         // per step, without this binding's GIL release and polling around it.
         let subscriber = &mut s.subscriber;
-        let (report, rust_s): (StepReport, f64) = wait(py, cancel, async move {
+        let staged = wait(py, cancel, async move {
             let t = Instant::now();
-            let r = subscriber.next_step(timeout).await?;
+            let r = subscriber.stage(step, allow_older, timeout).await;
+            // Whatever the outcome, a step staged before is gone once a stage posted.
             Ok((r, t.elapsed().as_secs_f64()))
-        })?;
+        });
+        *self.staged.lock() = s.subscriber.receiver().staged_step();
+        let (staged, rust_s) = staged?;
+        let staged = staged.py_err()?;
+        s.previous_step = Some(staged.step());
+        Ok(Staged { staged, rust_s })
+    }
+
+    /// Applies `staged` (the body of `apply` and the second half of `refit`); `t0` is when the
+    /// native call began.
+    fn apply_staged<'py>(
+        &self,
+        py: Python<'py>,
+        s: &mut State,
+        staged: &Staged,
+        t0: Instant,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if self.install == Install::Copy {
+            // Again, with the GIL held: the engine ran while the stage did. Checked before the
+            // receiver's own apply, so a refusal changes nothing.
+            let installed = self
+                .installed
+                .lock()
+                .map_or_else(|| "no step".to_string(), |n| format!("step {n}"));
+            let done = format!(
+                "written: step {} was received and verified but not copied (it stays staged), \
+                 the engine's arrays hold {installed}",
+                staged.staged.step()
+            );
+            self.check_params(py, s, &done)?;
+        }
+        let before = s.subscriber.receiver().live_step();
+        let report: StepReport = s.subscriber.apply(&staged.staged).py_err()?;
+        *self.staged.lock() = None;
         s.previous_step = before;
-        let live = s.subscriber.receiver().live_params().unwrap_or(&[]);
-        let copy_s = match self.install {
-            Install::Copy => {
-                // Again, with the GIL held: the engine ran while the refit did.
-                let installed = self
-                    .installed
-                    .lock()
-                    .map_or_else(|| "no step".to_string(), |n| format!("step {n}"));
-                let done = format!(
-                    "written: step {} was received and verified but not copied, the engine's \
-                     arrays hold {installed}",
-                    report.step
-                );
-                self.check_params(py, s, &done)?;
-                let params = &s.params;
-                py.allow_threads(|| copy_into(live, params))
-            }
-            Install::Swap => {
-                *self.live.lock() = Some(live.to_vec());
-                0.0
-            }
-        };
+        let copy_s = self.install_live(py, s);
         *self.installed.lock() = Some(report.step);
         let u = &report.update;
         let d = PyDict::new(py);
@@ -445,15 +565,61 @@ impl NativeReceiver {
         d.set_item("peers_loaded", report.peers_loaded)?;
         d.set_item("plan_rebuilt", u.plan_rebuilt)?;
         d.set_item("checked_bytes", u.checked_bytes)?;
-        d.set_item("rust_s", rust_s)?;
+        d.set_item("rust_s", staged.rust_s)?;
         d.set_item("copy_s", copy_s)?;
-        d.set_item(
-            "install",
-            match self.install {
-                Install::Copy => "copy",
-                Install::Swap => "swap",
-            },
-        )?;
+        d.set_item("install", self.install_name())?;
+        d.set_item("native_s", t0.elapsed().as_secs_f64())?;
+        d.set_item("newer_step", report.newer_step)?;
+        d.set_item("apply_s", u.stages.install + copy_s)?;
+        Ok(d)
+    }
+
+    /// Hands the receiver's live bank to the engine: copied into its arrays (copy install;
+    /// returns the seconds the copy took) or lent as is (swap install; 0).
+    fn install_live(&self, py: Python<'_>, s: &State) -> f64 {
+        let live = s.subscriber.receiver().live_params().unwrap_or(&[]);
+        match self.install {
+            Install::Copy => {
+                let params = &s.params;
+                py.allow_threads(|| copy_into(live, params))
+            }
+            Install::Swap => {
+                *self.live.lock() = Some(live.to_vec());
+                0.0
+            }
+        }
+    }
+
+    fn install_name(&self) -> &'static str {
+        match self.install {
+            Install::Copy => "copy",
+            Install::Swap => "swap",
+        }
+    }
+
+    /// [`NativeReceiver::rollback`]'s body.
+    fn roll_back<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t0 = Instant::now();
+        let mut guard = self.state()?;
+        let s = guard.as_mut().ok_or_else(|| self.closed())?;
+        if self.install == Install::Copy {
+            let installed = self
+                .installed
+                .lock()
+                .map_or_else(|| "no step".to_string(), |n| format!("step {n}"));
+            let done = format!("rolled back: the engine's arrays hold {installed}");
+            self.check_params(py, s, &done)?;
+        }
+        let r = s.subscriber.rollback().py_err()?;
+        s.previous_step = Some(r.rolled_back_from);
+        let copy_s = self.install_live(py, s);
+        *self.installed.lock() = Some(r.step);
+        let d = PyDict::new(py);
+        d.set_item("step", r.step)?;
+        d.set_item("rolled_back_from", r.rolled_back_from)?;
+        d.set_item("install", self.install_name())?;
+        d.set_item("install_s", r.install_s)?;
+        d.set_item("copy_s", copy_s)?;
         d.set_item("native_s", t0.elapsed().as_secs_f64())?;
         Ok(d)
     }

@@ -10,6 +10,6 @@ pub mod tensor_publisher;
 
 pub use layers::{Layer, PostLimitLayer, RetryLayer, TimeoutLayer, WavesLayer};
 pub use publisher::ShardPublisher;
-pub use receiver::{Receiver, ReceiverOptions, StageTimes, UpdateReport};
-pub use subscriber::{StepReport, Subscriber};
+pub use receiver::{Receiver, ReceiverOptions, RollbackReport, StageTimes, Staged, UpdateReport};
+pub use subscriber::{StagedStep, StepReport, Subscriber};
 pub use tensor_publisher::{HeldTensor, TensorPublisher};

@@ -1,20 +1,22 @@
 //! A receiver rank fed by a rendezvous (docs/deployment.md): it learns the model's architecture
 //! from the publishers' announcements, loads each publisher's transport metadata (again when a
 //! publisher restarts with a new incarnation), and installs every new step through the
-//! [`Receiver`], which keeps the previous weights on any failure.
+//! [`Receiver`], which keeps the previous weights on any failure: in one call
+//! ([`Subscriber::next_step`]), or staged (the newest step, or exactly step n) and applied when
+//! the engine chooses, with a rollback to the previous step that needs no publisher.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use reshard_core::encoding::decode_table;
-use reshard_core::rendezvous::{discover, Discovered, Rendezvous, Want};
+use reshard_core::rendezvous::{discover, discover_exact, Discovered, Rendezvous, Want};
 use reshard_core::{Error, ErrorKind, OwnerId, Result, ShardTable, Transport};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::ReceiverTopology;
 
-use crate::{Receiver, ReceiverOptions, UpdateReport};
+use crate::{Receiver, ReceiverOptions, RollbackReport, Staged, UpdateReport};
 
 /// One step installed through a rendezvous.
 #[derive(Debug, Clone)]
@@ -30,6 +32,34 @@ pub struct StepReport {
     /// Rendezvous failures discovery waited through before it found this step
     /// ([`Discovered::waited_through`]).
     pub waited_through: Vec<String>,
+    /// A step newer than the one installed that a publisher stood ready at when this
+    /// subscriber last looked (right after staging), if it saw one: the engine applied an older
+    /// step than the newest.
+    pub newer_step: Option<u64>,
+}
+
+/// A step staged through a rendezvous ([`Subscriber::stage`]), waiting for
+/// [`Subscriber::apply`].
+#[derive(Debug, Clone)]
+pub struct StagedStep {
+    /// The receiver's handle.
+    pub staged: Staged,
+    /// Seconds spent waiting for and fetching the publishers' announcements.
+    pub discovery_s: f64,
+    /// Publishers whose metadata was (re)loaded for this step.
+    pub peers_loaded: u32,
+    /// Rendezvous failures discovery waited through ([`Discovered::waited_through`]).
+    pub waited_through: Vec<String>,
+    /// The newest step any publisher stood ready at right after [`Subscriber::stage`] (one
+    /// member list read; None when that read failed, and from [`Subscriber::stage_found`]).
+    pub newest_seen: Option<u64>,
+}
+
+impl StagedStep {
+    /// The step staged.
+    pub fn step(&self) -> u64 {
+        self.staged.step()
+    }
 }
 
 /// A receiver rank that refits from whatever the rendezvous announces.
@@ -133,6 +163,107 @@ impl Subscriber {
     /// Loads the metadata of publishers not loaded yet (or restarted) and installs the step
     /// `found` describes. On an error the live weights and step are untouched.
     pub async fn install(&mut self, found: Discovered) -> Result<StepReport> {
+        let staged = self.stage_found(found, false).await?;
+        self.apply(&staged)
+    }
+
+    /// Stages a step (see [`Receiver::stage`]): the newest the publishers are all ready at
+    /// above the live one (`step` None), or exactly `step` across all publishers. The live
+    /// weights stay as they are. `timeout` bounds the whole call, discovery, metadata loads and
+    /// the wire leg together; a pinned step not reached in time is `Timeout` naming each
+    /// publisher rank that lacks it and the step it has. A pinned step older than the live one
+    /// is refused (`InvalidInput`, nothing waited for) unless `allow_older`.
+    pub async fn stage(
+        &mut self,
+        step: Option<u64>,
+        allow_older: bool,
+        timeout: Duration,
+    ) -> Result<StagedStep> {
+        let start = Instant::now();
+        let live = self.receiver.live_step();
+        if let (Some(n), Some(live)) = (step, live) {
+            if n < live && !allow_older {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "receiver rank {}: step {n} is older than the live step {live}; pass \
+                         allow_older to go back to it (or roll back, which needs no wire)",
+                        self.receiver.layout().receiver_rank
+                    ),
+                ));
+            }
+        }
+        let found = match step {
+            None => self.discover_next(timeout).await?,
+            Some(n) => self.discover_exact(n, timeout).await?,
+        };
+        let left = timeout.saturating_sub(start.elapsed());
+        let found_step = found.step;
+        match tokio::time::timeout(left, self.stage_found(found, allow_older)).await {
+            Ok(staged) => {
+                let mut staged = staged?;
+                // What the engine chooses between: one member list read (not on `install`'s
+                // path, whose step is the newest by construction).
+                staged.newest_seen = match self.rendezvous.members(&self.model_name).await {
+                    Ok((members, _)) => members.iter().filter(|m| m.ready).map(|m| m.step).max(),
+                    Err(_) => None,
+                };
+                Ok(staged)
+            }
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "receiver rank {}: staging step {found_step} ran past its timeout of {:.1} s \
+                     (discovery, metadata loads and the wire leg together) and was cut short; \
+                     the live weights are untouched",
+                    self.receiver.layout().receiver_rank,
+                    timeout.as_secs_f64()
+                ),
+            )),
+        }
+    }
+
+    /// Waits up to `timeout` for every publisher to be ready at exactly step `step`.
+    async fn discover_exact(&mut self, step: u64, timeout: Duration) -> Result<Discovered> {
+        if let Some(found) = self.pending.take() {
+            if found.step == step && matches!(self.still_ready(&found).await, Ok(true)) {
+                return Ok(found);
+            }
+        }
+        let want = Want {
+            model: self.model_name.clone(),
+            after_step: None,
+            timeout,
+        };
+        discover_exact(self.rendezvous.as_ref(), &want, step).await
+    }
+
+    /// Makes a staged step live (see [`Receiver::apply`]); no wire, no rendezvous.
+    pub fn apply(&mut self, staged: &StagedStep) -> Result<StepReport> {
+        let update = self.receiver.apply(&staged.staged)?;
+        Ok(StepReport {
+            step: staged.step(),
+            discovery_s: staged.discovery_s,
+            peers_loaded: staged.peers_loaded,
+            update,
+            waited_through: staged.waited_through.clone(),
+            newer_step: staged.newest_seen.filter(|&n| n > staged.step()),
+        })
+    }
+
+    /// Makes the previous step live again (see [`Receiver::rollback`]): no wire, no rendezvous,
+    /// no publisher needed.
+    pub fn rollback(&mut self) -> Result<RollbackReport> {
+        self.receiver.rollback()
+    }
+
+    /// Loads the metadata of publishers not loaded yet (or restarted) and stages the step
+    /// `found` describes (see [`Receiver::stage`]).
+    pub async fn stage_found(
+        &mut self,
+        found: Discovered,
+        allow_older: bool,
+    ) -> Result<StagedStep> {
         let discovery_s = found.elapsed.as_secs_f64();
         let waited_through = found.waited_through.clone();
         let transport = self.receiver.transport().clone();
@@ -172,13 +303,13 @@ impl Subscriber {
             }
             tables.push(table);
         }
-        let update = self.receiver.update(&tables).await?;
-        Ok(StepReport {
-            step: found.step,
+        let staged = self.receiver.stage(&tables, allow_older).await?;
+        Ok(StagedStep {
+            staged,
             discovery_s,
             peers_loaded,
-            update,
             waited_through,
+            newest_seen: None,
         })
     }
 

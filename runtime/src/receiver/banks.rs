@@ -34,6 +34,9 @@ pub(super) struct Prepared {
     pub(super) descriptors: [Option<Cached>; 2],
     /// Bank that receives the next update.
     pub(super) next: usize,
+    /// Which allocation of banks this is (a stage, the live step and a rollback target name
+    /// their bank by generation and index, valid only while these banks are the receiver's).
+    pub(super) generation: u64,
 }
 
 impl Receiver {
@@ -57,6 +60,7 @@ impl Receiver {
         plan: Arc<Plan>,
         geometry: u64,
         arm: Arm,
+        generation: u64,
     ) -> Result<Prepared> {
         let params: u64 = plan.params.iter().map(|p| p.bytes).sum();
         let staging: u64 = plan.staging.iter().map(|s| s.bytes).sum();
@@ -86,6 +90,7 @@ impl Receiver {
             staging_ids,
             descriptors: [None, None],
             next: 0,
+            generation,
         })
     }
 }

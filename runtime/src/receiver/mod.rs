@@ -4,8 +4,15 @@
 //! re-sliced and verified there, and only a fully successful update swaps it in. A failed update
 //! therefore never touches the live weights.
 //!
+//! An update is two moves, which a caller may make apart (docs/python.md, "Stage, apply,
+//! roll back"): [`Receiver::stage`] lands and verifies a step in the bank that is not live
+//! while the live weights stay as they are, and [`Receiver::apply`] makes it live (a pointer
+//! swap); [`Receiver::update`] is both. The bank that was live keeps its step until the next
+//! stage lands in it, which is what [`Receiver::rollback`] goes back to, without any wire.
+//!
 //! Split by concern: `options` ([`ReceiverOptions`] and the wire-leg layers it
-//! composes), `report` ([`UpdateReport`], [`StageTimes`]), `banks` (buffers, registration,
+//! composes), `report` ([`UpdateReport`], [`StageTimes`]), `stage` ([`Staged`],
+//! [`RollbackReport`], apply and rollback), `banks` (buffers, registration,
 //! staging, read batches), `checks` (steps, incarnations, coverage), `reslice`, and `verify`
 //! (wire guards, digests). This file holds the [`Receiver`] and its pipeline.
 
@@ -26,15 +33,18 @@ mod checks;
 mod options;
 mod report;
 mod reslice;
+mod stage;
 mod verify;
 
 pub use options::ReceiverOptions;
 pub use report::{StageTimes, UpdateReport};
+pub use stage::{RollbackReport, Staged};
 
 use banks::{build_batch, Cached, Prepared};
 use checks::{check_incarnations, check_steps};
 use options::Arm;
 use reslice::run_reslices;
+use stage::{Previous, Slot};
 use verify::Verdict;
 
 /// One receiver rank: its transport endpoint, wanted layout, cached plan and live weights.
@@ -57,6 +67,18 @@ pub struct Receiver {
     /// so bytes may still land in the bank and staging that leg targeted: the next update
     /// discards them and lands in freshly allocated buffers.
     wire_leg_open: bool,
+    /// This receiver among all in the process: a [`Staged`] handle names it.
+    id: u64,
+    /// Stages begun so far (each [`Staged`] handle carries its number).
+    tickets: u64,
+    /// Bank allocations made so far ([`Prepared::generation`]).
+    generations: u64,
+    /// The step staged and not applied yet, in the landing bank.
+    staged: Option<Slot>,
+    /// The bank of the live weights, when it is one of the current banks: `(generation, bank)`.
+    live_at: Option<(u64, usize)>,
+    /// The step a rollback makes live again (in the landing bank), or why there is none.
+    previous: std::result::Result<Previous, reshard_core::NoRollback>,
 }
 
 impl Receiver {
@@ -79,6 +101,12 @@ impl Receiver {
             plan_builds: 0,
             descriptor_builds: 0,
             wire_leg_open: false,
+            id: stage::next_receiver_id(),
+            tickets: 0,
+            generations: 0,
+            staged: None,
+            live_at: None,
+            previous: Err(reshard_core::NoRollback::NoPrevious),
         })
     }
 
@@ -101,7 +129,7 @@ impl Receiver {
     /// descriptors. Live weights stay.
     pub fn set_options(&mut self, opts: ReceiverOptions) {
         if opts.arm() != self.opts.arm() {
-            self.prepared = None;
+            self.discard_banks();
         }
         self.opts = opts;
         self.stack = self.opts.wire_stack(self.transport.clone());
@@ -109,7 +137,7 @@ impl Receiver {
 
     /// Switches transport: every registration and descriptor is rebuilt. Live weights stay.
     pub fn set_transport(&mut self, transport: Arc<dyn Transport>) {
-        self.prepared = None;
+        self.discard_banks();
         self.stack = self.opts.wire_stack(transport.clone());
         self.transport = transport;
     }
@@ -163,37 +191,57 @@ impl Receiver {
             .iter()
             .map(|b| reshard_core::encoding::decode_table(b.as_ref()))
             .collect::<Result<Vec<_>>>()?;
-        self.run(&tables, t0).await
+        let staged = self.run(&tables, t0, false).await?;
+        self.apply(&staged)
     }
 
-    /// Refits from decoded shard tables.
+    /// Refits from decoded shard tables: [`Receiver::stage`], then [`Receiver::apply`].
     ///
     /// Every table must be at one training step, and not older than [`Receiver::live_step`]
     /// (the same step again is a valid re-refit): otherwise `InvalidInput` with
     /// [`ErrorDetail::MixedSteps`](reshard_core::ErrorDetail::MixedSteps) or
     /// [`ErrorDetail::StaleStep`](reshard_core::ErrorDetail::StaleStep) naming the publisher.
     pub async fn update(&mut self, tables: &[ShardTable]) -> Result<UpdateReport> {
-        self.run(tables, Instant::now()).await
+        let staged = self.run(tables, Instant::now(), false).await?;
+        self.apply(&staged)
+    }
+
+    /// Moves and verifies the step of `tables` into the bank that is not live, leaving the live
+    /// weights and step as they are; [`Receiver::apply`] makes it live. The steps are checked
+    /// as in [`Receiver::update`], except that `allow_older` admits a step older than the live
+    /// one (going back on purpose).
+    ///
+    /// Staging lands in the bank that holds the step a rollback would return to, and in the
+    /// bank of a step staged before and not applied: from its wire leg on, that rollback is
+    /// gone and that earlier handle is refused by `apply` ([`reshard_core::NotApplicable::Replaced`]).
+    /// A stage that fails before its wire leg changes nothing.
+    pub async fn stage(&mut self, tables: &[ShardTable], allow_older: bool) -> Result<Staged> {
+        self.run(tables, Instant::now(), allow_older).await
     }
 
     /// Prepares without moving any bytes: merge, dedup, plan, allocate and register buffers,
     /// build descriptors. Later updates with the same geometry reuse all of it; calling this is
     /// optional (the first update prepares too) but keeps set-up out of the first refit.
     pub async fn prepare(&mut self, tables: &[ShardTable]) -> Result<StageTimes> {
-        Ok(self.front(tables, Instant::now()).await?.stages)
+        Ok(self.front(tables, Instant::now(), false).await?.stages)
     }
 
     /// Every stage up to and including `descriptor_build`.
-    async fn front(&mut self, tables: &[ShardTable], t0: Instant) -> Result<Front> {
+    async fn front(
+        &mut self,
+        tables: &[ShardTable],
+        t0: Instant,
+        allow_older: bool,
+    ) -> Result<Front> {
         if std::mem::take(&mut self.wire_leg_open) {
             // The last wire leg was dropped part-way: never post into its buffers again.
-            self.prepared = None;
+            self.discard_banks();
         }
         let mut st = StageTimes::default();
         // Time spent before this call (decoding) belongs to discover too.
         let mut watch = Stopwatch(t0);
 
-        let step = check_steps(tables, self.step)?;
+        let step = check_steps(tables, if allow_older { None } else { self.step })?;
         st.discover = watch.lap();
 
         // Stable geometry (the normal case, step after step): the previous merge and dedup hold;
@@ -268,8 +316,10 @@ impl Receiver {
         if let Some(p) = new_plan {
             self.coverage_gate(&p)?;
             // Drop the old buffers' registrations first; live weights keep their own Arcs.
-            self.prepared = None;
-            self.prepared = Some(self.allocate(p, geometry, arm).await?);
+            self.discard_banks();
+            self.generations += 1;
+            let generation = self.generations;
+            self.prepared = Some(self.allocate(p, geometry, arm, generation).await?);
         }
         st.register = watch.lap();
 
@@ -306,7 +356,13 @@ impl Receiver {
         })
     }
 
-    async fn run(&mut self, tables: &[ShardTable], t0: Instant) -> Result<UpdateReport> {
+    /// Stages `tables` (see [`Receiver::stage`]): every stage but `install`.
+    async fn run(
+        &mut self,
+        tables: &[ShardTable],
+        t0: Instant,
+        allow_older: bool,
+    ) -> Result<Staged> {
         let Front {
             stages: mut st,
             mut watch,
@@ -314,7 +370,10 @@ impl Receiver {
             dedup_report,
             plan_rebuilt,
             descriptors_rebuilt,
-        } = self.front(tables, t0).await?;
+        } = self.front(tables, t0, allow_older).await?;
+        // The landing bank is written from here on: the step it held (a rollback target, or a
+        // step staged before) is gone.
+        self.forget_landing();
         let mut tick = |slot: &mut f64| *slot = watch.lap();
         let transport = self.stack.clone();
         let prep = self
@@ -342,7 +401,7 @@ impl Receiver {
                     // release while reads run); the live weights keep their own Arcs, and the
                     // next update allocates fresh buffers.
                     tracing::warn!(error = %e, "discarding receive buffers after a wire leg that may still write");
-                    self.prepared = None;
+                    self.discard_banks();
                 }
                 return Err(e);
             }
@@ -371,14 +430,10 @@ impl Receiver {
         };
         tick(&mut st.verify);
 
-        prep.next = 1 - bank;
-        self.live = Some(prep.banks[bank].params.clone());
-        self.step = Some(step);
-        tick(&mut st.install);
-
         let e2e = t0.elapsed().as_secs_f64();
         let plan = &prep.plan;
-        Ok(UpdateReport {
+        let generation = prep.generation;
+        let report = UpdateReport {
             receiver_rank: self.layout.receiver_rank,
             step,
             stages: st,
@@ -400,7 +455,8 @@ impl Receiver {
                 .iter()
                 .map(|r| r.extent.iter().product::<u64>() * r.elem)
                 .sum(),
-        })
+        };
+        Ok(self.hold_staged(bank, generation, step, report))
     }
 }
 
