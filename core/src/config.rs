@@ -281,17 +281,20 @@ mod tests {
             "[transport]\nkind = \"ucx\"\nworkers = 3\n[planner]\nfull_pull_threshold = 8\n",
         )
         .unwrap();
-        let c = Config::load(Some(&p), None).unwrap();
+        // This process's environment is cargo's, which sets a backend's own variable
+        // (RESHARD_NIXL_HOME, .cargo/config.toml): passed as the registry passes its backends'.
+        let load = |file: &Path, cli| Config::load_ignoring(Some(file), cli, &["NIXL_HOME"]);
+        let c = load(&p, None).unwrap();
         assert_eq!(
             (c.transport.kind.as_str(), c.transport.workers),
             ("ucx", Some(3))
         );
         let cli = serde_json::json!({"transport": {"kind": "nixl"}});
-        let c = Config::load(Some(&p), Some(cli)).unwrap();
+        let c = load(&p, Some(cli)).unwrap();
         assert_eq!(c.transport.kind, "nixl");
         assert_eq!(c.planner.full_pull_threshold, 8);
         assert_eq!(
-            Config::load(Some(&dir.join("missing.toml")), None)
+            load(&dir.join("missing.toml"), None)
                 .unwrap_err()
                 .kind(),
             ErrorKind::Config
