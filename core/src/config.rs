@@ -294,9 +294,7 @@ mod tests {
         assert_eq!(c.transport.kind, "nixl");
         assert_eq!(c.planner.full_pull_threshold, 8);
         assert_eq!(
-            load(&dir.join("missing.toml"), None)
-                .unwrap_err()
-                .kind(),
+            load(&dir.join("missing.toml"), None).unwrap_err().kind(),
             ErrorKind::Config
         );
         std::fs::remove_dir_all(&dir).ok();
