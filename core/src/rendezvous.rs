@@ -14,6 +14,9 @@ use bytes::Bytes;
 
 use crate::{Error, ErrorKind, OwnerId, Result};
 
+mod fence;
+pub use fence::{wait_released, ReadClaim, Reading, Released, MAX_CLAIM_RANKS};
+
 /// What one publisher rank announces: everything a receiver needs to read from it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Announcement {
@@ -177,6 +180,16 @@ pub trait Rendezvous: Send + Sync {
     async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64>;
     /// Every model with at least one member.
     async fn models(&self) -> Result<Vec<String>>;
+    /// Claims, under a lease of this reader's own (so it expires with a dead reader), that
+    /// `claim.reader` reads the memory `claim` names until the returned handle is released
+    /// (the reader fence: [`wait_released`]).
+    async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>>;
+    /// Every live reading claim of `model` and the revision they were read at (a claim that
+    /// does not decode is left out and logged).
+    async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)>;
+    /// Waits until a reading claim of `model` appears or goes after `revision`, or until
+    /// `timeout` passes; returns the revision then.
+    async fn readers_changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64>;
 }
 
 /// What [`discover`] waits for.

@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use reshard_core::rendezvous::{
-    clip_note, Announced, Announcement, Fetched, Holder, Member, Rendezvous,
+    clip_note, Announced, Announcement, Fetched, Holder, Member, ReadClaim, Reading, Rendezvous,
 };
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
@@ -39,7 +39,15 @@ struct State {
     revision: u64,
     /// Per model: its members by rank, and the revision it last changed at.
     models: BTreeMap<String, Model>,
+    /// Per model: the reading claims by id, and the revision they last changed at.
+    readers: BTreeMap<String, Readers>,
     next_lease: u64,
+}
+
+#[derive(Default)]
+struct Readers {
+    claims: BTreeMap<u64, ReadClaim>,
+    changed_at: u64,
 }
 
 #[derive(Default)]
@@ -91,6 +99,48 @@ impl Hub {
             state.models.insert(model.to_string(), entry);
         }
         out
+    }
+
+    /// Applies `change` to `model`'s reading claims under the lock, bumps the revision and wakes
+    /// every waiter.
+    fn change_readers<T>(&self, model: &str, change: impl FnOnce(&mut Readers) -> T) -> T {
+        let mut state = self.state.lock();
+        let mut entry = state.readers.remove(model).unwrap_or_default();
+        let out = change(&mut entry);
+        state.revision += 1;
+        entry.changed_at = state.revision;
+        self.revision.send_replace(state.revision);
+        if !entry.claims.is_empty() {
+            state.readers.insert(model.to_string(), entry);
+        }
+        out
+    }
+
+    /// Waits until `at(state)` (a model's last change) is above `revision` or `timeout` passes.
+    async fn changed(
+        &self,
+        revision: u64,
+        timeout: Duration,
+        at: impl Fn(&State) -> u64,
+    ) -> Result<u64> {
+        // Subscribed before looking, so a change after the look still wakes the wait.
+        let mut rx = self.revision.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let now = {
+                let state = self.state.lock();
+                if at(&state) > revision {
+                    return Ok(state.revision);
+                }
+                state.revision
+            };
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return Ok(now);
+            }
+        }
     }
 
     fn lease_lost(model: &str, rank: OwnerId) -> Error {
@@ -277,33 +327,80 @@ impl Rendezvous for InProcess {
     }
 
     async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
-        // Subscribed before looking, so a change after the look still wakes the wait.
-        let mut rx = self.hub.revision.subscribe();
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let now = {
-                let state = self.hub.state.lock();
-                // A model without members may have lost its last one after `revision`: any hub
-                // change then counts (a spurious wake-up costs the caller one `members` call).
-                let at = state
+        // A model without members may have lost its last one after `revision`: any hub change
+        // then counts (a spurious wake-up costs the caller one `members` call).
+        self.hub
+            .changed(revision, timeout, |state| {
+                state
                     .models
                     .get(model)
-                    .map_or(state.revision, |m| m.changed_at);
-                if at > revision {
-                    return Ok(state.revision);
-                }
-                state.revision
-            };
-            if tokio::time::timeout_at(deadline, rx.changed())
-                .await
-                .is_err()
-            {
-                return Ok(now);
-            }
-        }
+                    .map_or(state.revision, |m| m.changed_at)
+            })
+            .await
     }
 
     async fn models(&self) -> Result<Vec<String>> {
         Ok(self.hub.state.lock().models.keys().cloned().collect())
+    }
+
+    async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>> {
+        let id = {
+            let mut state = self.hub.state.lock();
+            state.next_lease += 1;
+            state.next_lease
+        };
+        let model = claim.model.clone();
+        self.hub
+            .change_readers(&model, |r| r.claims.insert(id, claim));
+        Ok(Box::new(Claimed {
+            hub: self.hub.clone(),
+            model,
+            id,
+        }))
+    }
+
+    async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
+        let state = self.hub.state.lock();
+        let claims = state
+            .readers
+            .get(model)
+            .map(|r| r.claims.values().cloned().collect())
+            .unwrap_or_default();
+        Ok((claims, state.revision))
+    }
+
+    async fn readers_changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        // As in `changed`: a model whose last claim went counts any hub change.
+        self.hub
+            .changed(revision, timeout, |state| {
+                state
+                    .readers
+                    .get(model)
+                    .map_or(state.revision, |r| r.changed_at)
+            })
+            .await
+    }
+}
+
+/// A receiver's hold on an in-process reading claim; dropping it removes the claim.
+struct Claimed {
+    hub: Arc<Hub>,
+    model: String,
+    id: u64,
+}
+
+#[async_trait]
+impl Reading for Claimed {
+    async fn release(self: Box<Self>) -> Result<()> {
+        // Drop does the removal.
+        Ok(())
+    }
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.hub
+            .change_readers(&self.model, |r| r.claims.remove(&id));
     }
 }

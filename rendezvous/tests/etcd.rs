@@ -204,3 +204,51 @@ async fn bad_member_records_are_skipped_and_refused_naming_the_field() {
         .unwrap();
     assert_eq!(left.count(), 0);
 }
+
+/// A receiver that dies mid-read (its connection gone without releasing, as a killed process's
+/// would be) holds a publisher only until its lease expires; a garbage key under `readers/`
+/// never holds one (it is skipped, not an error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_readers_claim_expires_and_garbage_claims_are_skipped() {
+    use etcd_client::Client;
+    use reshard_core::rendezvous::{wait_released, ReadClaim};
+
+    let Some(url) = endpoint() else { return };
+    let model = "dead_reader";
+    let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    raw.put(
+        format!("/reshard/v1/{model}/readers/zz-1"),
+        "{garbage",
+        None,
+    )
+    .await
+    .unwrap();
+    let publisher = Etcd::connect(&url, options()).await.unwrap();
+    let quick = wait_released(&publisher, model, 0, 100, Duration::from_secs(5)).await;
+    assert_eq!(quick.unwrap().readers, Vec::<String>::new());
+
+    let reader = Etcd::connect(&url, options()).await.unwrap();
+    let claim = reader
+        .claim_reading(ReadClaim {
+            model: model.into(),
+            step: 2,
+            reader: "receiver rank 0, about to die".into(),
+            ranks: vec![(0, 100)],
+        })
+        .await
+        .unwrap();
+    // Dies: no release, no delete, its keep-alive stops with the connection.
+    std::mem::forget(claim);
+    drop(reader);
+    let released = wait_released(&publisher, model, 0, 100, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        released.readers,
+        ["receiver rank 0, about to die reading step 2"]
+    );
+    // The 1 s lease, etcd's half-second expiry tick and slack; far below the 20 s allowed.
+    assert!(released.waited < Duration::from_secs(10), "{released:?}");
+}

@@ -13,7 +13,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
 use reshard_core::encoding::encode_table;
-use reshard_core::rendezvous::{Announced, Announcement, Fetched, Member, Rendezvous};
+use reshard_core::rendezvous::{
+    Announced, Announcement, Fetched, Member, ReadClaim, Reading, Rendezvous,
+};
 use reshard_core::{OwnerId, Result, Transport};
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
@@ -66,6 +68,15 @@ impl Rendezvous for Interposed {
     }
     async fn models(&self) -> Result<Vec<String>> {
         self.hub.models().await
+    }
+    async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>> {
+        self.hub.claim_reading(claim).await
+    }
+    async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
+        self.hub.readers(model).await
+    }
+    async fn readers_changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        self.hub.readers_changed(model, revision, timeout).await
     }
 }
 

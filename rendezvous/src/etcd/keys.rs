@@ -40,6 +40,16 @@ pub(super) fn member_rank(model: &str, key: &[u8]) -> Option<OwnerId> {
     std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
+/// The reading claims of one model (the reader fence).
+pub(super) fn readers_prefix(model: &str) -> String {
+    format!("{}readers/", model_prefix(model))
+}
+
+/// One reading claim: the `n`th under the reader's `lease`.
+pub(super) fn reader_key(model: &str, lease: i64, n: u64) -> String {
+    format!("{}{lease:x}-{n}", readers_prefix(model))
+}
+
 /// Every blob of one rank lies below this prefix, whatever its lease.
 pub(super) fn blob_root(model: &str, rank: OwnerId) -> String {
     format!("{}blobs/{rank:08}/", model_prefix(model))

@@ -52,7 +52,7 @@ const WRITE_RETRY_FOR: Duration = Duration::from_secs(2);
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Whether `e` (a failed request) says the lease it named does not exist (any more).
-fn lease_not_found(e: &Error) -> bool {
+pub(super) fn lease_not_found(e: &Error) -> bool {
     e.message().contains("lease not found")
 }
 

@@ -10,7 +10,9 @@
 //! - `blobs/<rank>/<lease>/metadata/<chunk>`, `blobs/<rank>/<lease>/config/<chunk>` and
 //!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata, the model's
 //!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's
-//!   request limit (1.5 MiB by default), since tables of large models are megabytes.
+//!   request limit (1.5 MiB by default), since tables of large models are megabytes;
+//! - `readers/<lease>-<n>`: a receiver's reading claim (the reader fence: the step and the
+//!   publishers it reads), under the receiver connection's own lease (`readers`).
 //!
 //! Every key of a publisher is attached to its lease: a publisher that dies stops the keep-alive
 //! and etcd deletes all of them when the lease's TTL runs out; a clean exit revokes the lease at
@@ -19,7 +21,7 @@
 //! pairs one step's record with another step's table, even while the publisher advances.
 //!
 //! One concern per file: `keys` (the key layout and model-name escaping), `blobs` (writing and
-//! reading chunked blobs), `record` (the member record and its blob references, decoded and
+//! reading chunked blobs), `readers` (receivers' reading claims), `record` (the member record and its blob references, decoded and
 //! bounded: no etcd client, so the fuzz target compiles it), `lease` (a publisher's lease, its
 //! keep-alive, the claim of its rank and the [`Announced`] handle), `rendezvous` (the
 //! [`Rendezvous`] impl) and `endpoints` (failover between the members of a cluster); this file
@@ -32,6 +34,7 @@ mod blobs;
 mod endpoints;
 mod keys;
 mod lease;
+mod readers;
 mod record;
 mod rendezvous;
 
@@ -76,6 +79,8 @@ pub struct Etcd {
     options: EtcdOptions,
     /// Takes a member that stops answering out of `client`'s endpoints while it is down.
     failover: Option<Arc<endpoints::Failover>>,
+    /// The lease of this connection's reading claims (the reader fence), granted at the first.
+    readers: Arc<readers::ReaderLease>,
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
@@ -128,6 +133,7 @@ impl Etcd {
             endpoint,
             options,
             failover,
+            readers: Arc::default(),
         };
         // Connecting is lazy: one request proves the cluster answers.
         me.client

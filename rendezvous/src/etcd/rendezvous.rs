@@ -8,10 +8,12 @@ use async_trait::async_trait;
 use etcd_client::{GetOptions, WatchOptions};
 use futures::{StreamExt, TryStreamExt};
 
-use reshard_core::rendezvous::{Announced, Announcement, Fetched, Holder, Member, Rendezvous};
+use reshard_core::rendezvous::{
+    Announced, Announcement, Fetched, Holder, Member, ReadClaim, Reading, Rendezvous,
+};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::keys::{member_key, members_prefix, unescape, ROOT};
+use super::keys::{member_key, members_prefix, readers_prefix, unescape, ROOT};
 use super::lease::Held;
 use super::record::parse_record;
 use super::{unix_ms, Etcd, FETCH_CONCURRENCY};
@@ -117,12 +119,55 @@ impl Rendezvous for Etcd {
     }
 
     async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        self.watch_prefix(members_prefix(model), revision, timeout)
+            .await
+    }
+
+    async fn models(&self) -> Result<Vec<String>> {
+        let r = self
+            .client
+            .clone()
+            .get(ROOT, Some(GetOptions::new().with_prefix().with_keys_only()))
+            .await
+            .map_err(|e| self.err("list models at", e))?;
+        let mut models: Vec<String> = r
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                let key = std::str::from_utf8(kv.key()).ok()?;
+                let rest = key.strip_prefix(ROOT)?;
+                let (model, tail) = rest.split_once('/')?;
+                tail.starts_with("members/").then(|| unescape(model))
+            })
+            .collect();
+        models.dedup();
+        Ok(models)
+    }
+
+    async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>> {
+        self.put_claim(claim).await
+    }
+
+    async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
+        self.list_claims(model).await
+    }
+
+    async fn readers_changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        self.watch_prefix(readers_prefix(model), revision, timeout)
+            .await
+    }
+}
+
+impl Etcd {
+    /// Waits until a key below `prefix` changes after `revision`, or until `timeout` passes;
+    /// returns the revision then.
+    async fn watch_prefix(&self, prefix: String, revision: u64, timeout: Duration) -> Result<u64> {
         let watch = async {
             let mut stream = self
                 .client
                 .clone()
                 .watch(
-                    members_prefix(model),
+                    prefix,
                     Some(
                         WatchOptions::new()
                             .with_prefix()
@@ -153,26 +198,5 @@ impl Rendezvous for Etcd {
             Ok(r) => r,
             Err(_) => Ok(revision),
         }
-    }
-
-    async fn models(&self) -> Result<Vec<String>> {
-        let r = self
-            .client
-            .clone()
-            .get(ROOT, Some(GetOptions::new().with_prefix().with_keys_only()))
-            .await
-            .map_err(|e| self.err("list models at", e))?;
-        let mut models: Vec<String> = r
-            .kvs()
-            .iter()
-            .filter_map(|kv| {
-                let key = std::str::from_utf8(kv.key()).ok()?;
-                let rest = key.strip_prefix(ROOT)?;
-                let (model, tail) = rest.split_once('/')?;
-                tail.starts_with("members/").then(|| unescape(model))
-            })
-            .collect();
-        models.dedup();
-        Ok(models)
     }
 }

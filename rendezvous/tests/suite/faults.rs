@@ -12,7 +12,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
-use reshard_core::rendezvous::{discover, Announced, Announcement, Fetched, Member, Rendezvous};
+use reshard_core::rendezvous::{
+    discover, Announced, Announcement, Fetched, Member, ReadClaim, Reading, Rendezvous,
+};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 use super::Sides;
@@ -91,6 +93,15 @@ impl Rendezvous for Faulty {
 
     async fn models(&self) -> Result<Vec<String>> {
         self.inner.models().await
+    }
+    async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>> {
+        self.inner.claim_reading(claim).await
+    }
+    async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
+        self.inner.readers(model).await
+    }
+    async fn readers_changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        self.inner.readers_changed(model, revision, timeout).await
     }
 }
 

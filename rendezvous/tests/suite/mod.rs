@@ -5,7 +5,9 @@
 //! would.
 
 pub mod faults;
+pub mod fence;
 pub use faults::*;
+pub use fence::*;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -15,7 +17,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use reshard_core::rendezvous::{
-    discover, Announced, Announcement, Fetched, Member, Rendezvous, Want, MAX_NOTE_BYTES, MAX_WORLD,
+    discover, Announced, Announcement, Fetched, Member, ReadClaim, Reading, Rendezvous, Want,
+    MAX_NOTE_BYTES, MAX_WORLD,
 };
 use reshard_core::{ErrorKind, OwnerId, Result};
 
@@ -410,6 +413,15 @@ impl Rendezvous for BeforeFirstFetch {
     async fn models(&self) -> Result<Vec<String>> {
         self.inner.models().await
     }
+    async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>> {
+        self.inner.claim_reading(claim).await
+    }
+    async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
+        self.inner.readers(model).await
+    }
+    async fn readers_changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
+        self.inner.readers_changed(model, revision, timeout).await
+    }
 }
 
 /// `fetch` reads each record's readiness together with its announcement: a publisher that
@@ -585,6 +597,8 @@ macro_rules! suite_tests {
             an_unreachable_rendezvous_is_waited_through,
             a_broken_watch_is_waited_through,
             a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure,
+            the_fence_holds_while_a_receiver_reads_and_opens_at_release,
+            a_claim_holds_only_the_memory_it_names,
         );
     };
     (@each $sides:path; $($name:ident $(($arg:expr))?),* $(,)?) => {$(
