@@ -30,7 +30,7 @@ use bytes::Bytes;
 use clap::Args;
 use reshard_checkpoint::{candidates, incomplete_reason, Checkpoint, FolderState, INDEX_FILE};
 use reshard_core::encoding::encode_table;
-use reshard_core::rendezvous::{Announced, Announcement, Rendezvous};
+use reshard_core::rendezvous::{wait_released, Announced, Announcement, Rendezvous};
 use reshard_core::{Error, ErrorKind, Result, Transport};
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::PublisherTopology;
@@ -62,6 +62,12 @@ pub struct PublishArgs {
     /// How often to look for a newer complete checkpoint, in milliseconds.
     #[arg(long, default_value_t = 500)]
     poll_ms: u64,
+    /// Longest wait, in seconds, for receivers still reading the served step to finish before
+    /// its memory is overwritten with a newer checkpoint (the reader fence). Past it the memory
+    /// is overwritten anyway, said in a `fence_timeout` line: those receivers' digest checks
+    /// refuse what changed under them and they keep their weights.
+    #[arg(long, default_value_t = 60.0)]
+    fence_timeout_s: f64,
     /// Print one JSON line per step published.
     #[arg(long)]
     json: bool,
@@ -178,6 +184,8 @@ struct Running {
     pending: Option<u64>,
     /// Since when the rendezvous fails (etcd out of reach), while it does.
     deferred: Option<Instant>,
+    /// Longest wait for readers of the served step before its memory is overwritten.
+    fence_timeout: Duration,
 }
 
 /// `text` without its digits: two reasons that differ only in byte counts (a file still being
@@ -224,6 +232,7 @@ impl Running {
             tried: 0,
             pending: None,
             deferred: None,
+            fence_timeout: Duration::from_secs(60),
         }
     }
 
@@ -500,6 +509,7 @@ impl Running {
                 }
             }
             self.resumed();
+            self.fence(step).await;
         }
         if self.publisher.is_none() {
             // A topology the checkpoint's architecture does not divide into is this
@@ -534,6 +544,52 @@ impl Running {
         // Announced now, or at a later look once etcd answers (`pending`).
         self.advance(step).await?;
         Ok(())
+    }
+
+    /// The reader fence before memory receivers may be reading is overwritten with step `step`
+    /// (the announcement is not ready already, so no new reader starts): waits until no
+    /// receiver claims this rank's memory, up to `fence_timeout`. Readers waited for are said
+    /// in a `fence` line; past the timeout a `fence_timeout` line names who still reads, and
+    /// the memory is overwritten anyway (their digest checks refuse it; a rendezvous out of
+    /// reach is waited through until then).
+    async fn fence(&mut self, step: u64) {
+        let Meeting::Connected(rendezvous) = &self.meeting else {
+            return;
+        };
+        let incarnation = self.transport.incarnation();
+        let released = wait_released(
+            rendezvous.as_ref(),
+            &self.model_name,
+            self.rank,
+            incarnation,
+            self.fence_timeout,
+        )
+        .await;
+        let rank = self.rank;
+        match released {
+            Ok(r) if r.readers.is_empty() => {}
+            Ok(r) if self.json => println!(
+                "{}",
+                serde_json::json!({"event": "fence", "rank": rank, "step": step,
+                    "waited_s": r.waited.as_secs_f64(), "readers": r.readers})
+            ),
+            Ok(r) => eprintln!(
+                "publisher rank {rank}: waited {:.3} s for {} reader(s) before loading step \
+                 {step}: {}",
+                r.waited.as_secs_f64(),
+                r.readers.len(),
+                r.readers.join("; ")
+            ),
+            Err(e) if self.json => println!(
+                "{}",
+                serde_json::json!({"event": "fence_timeout", "rank": rank, "step": step,
+                    "error": error_json(&e)})
+            ),
+            Err(e) => eprintln!(
+                "publisher rank {rank}: loading step {step} over memory still being read: {e}; \
+                 those receivers' digest checks refuse what changes under them"
+            ),
+        }
     }
 
     /// After a failed load (`why`): loads the served step again and announces it ready. When
@@ -792,6 +848,16 @@ fn error_json(e: &Error) -> serde_json::Value {
     })
 }
 
+/// `--fence-timeout-s` as a duration: finite and not negative.
+fn fence_timeout(seconds: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(seconds).map_err(|_| {
+        Error::new(
+            ErrorKind::Config,
+            format!("--fence-timeout-s must be a finite number of seconds >= 0; {seconds} is not"),
+        )
+    })
+}
+
 async fn publish(args: PublishArgs) -> Result<Outcome> {
     // A bad configuration ends the process at once: nothing else at start does.
     let cfg = args.transport.load()?;
@@ -825,6 +891,7 @@ async fn publish(args: PublishArgs) -> Result<Outcome> {
         args.checkpoint.clone(),
         poll,
     );
+    running.fence_timeout = fence_timeout(args.fence_timeout_s)?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| Error::new(ErrorKind::Internal, format!("cannot watch SIGTERM: {e}")))?;
     // The first look at once: why nothing can be served is said within a second of starting.
@@ -1071,5 +1138,52 @@ mod tests {
         r.look().await.unwrap();
         assert_eq!(member(&hub).await, (4, true, None));
         r.held.take().unwrap().withdraw().await.unwrap();
+    }
+
+    /// The reader fence in `reshard publish`: while a receiver claims to read the served step,
+    /// a newer checkpoint is not loaded over it: the announcement goes not ready (no new
+    /// reader starts) and the memory keeps the served step's bytes until the claim is released;
+    /// then the new step is loaded and announced. Past `--fence-timeout-s` it loads anyway.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_newer_checkpoint_waits_for_the_readers_of_the_served_one() {
+        use reshard_core::rendezvous::ReadClaim;
+
+        let dir = scratch("fence");
+        write(&dir.0, 1);
+        let hub = InProcess::new();
+        let mut r = running(&hub, &dir.0);
+        r.look().await.unwrap();
+        assert_eq!(member(&hub).await, (1, true, None));
+        let step1 = memory(&r);
+        let incarnation = r.transport.incarnation();
+        let claim = |step| ReadClaim {
+            model: "tiny".into(),
+            step,
+            reader: "receiver rank 0 of the unit test".into(),
+            ranks: vec![(0, incarnation)],
+        };
+        let reading = hub.claim_reading(claim(1)).await.unwrap();
+        write(&dir.0, 2);
+        {
+            let look = r.look();
+            tokio::pin!(look);
+            let held = tokio::time::timeout(Duration::from_millis(300), &mut look).await;
+            assert!(held.is_err(), "a newer step loaded while a receiver read");
+            assert_eq!(member(&hub).await, (1, false, None));
+            reading.release().await.unwrap();
+            look.await.unwrap();
+        }
+        assert_eq!(member(&hub).await, (2, true, None));
+        assert_ne!(memory(&r), step1);
+
+        // A reader that never lets go: loaded after the timeout, said in a fence_timeout line.
+        r.fence_timeout = Duration::from_millis(200);
+        let _stuck = hub.claim_reading(claim(2)).await.unwrap();
+        write(&dir.0, 3);
+        tokio::time::timeout(Duration::from_secs(30), r.look())
+            .await
+            .expect("the fence timeout bounds the wait")
+            .unwrap();
+        assert_eq!(member(&hub).await, (3, true, None));
     }
 }

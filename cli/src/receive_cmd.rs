@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use reshard_core::{Error, ErrorKind, Result, Transport};
+use reshard_core::{Error, ErrorDetail, ErrorKind, Result, Transport};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StepReport, Subscriber};
 
@@ -214,6 +214,9 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
             }
         };
         match sub.install(found).await {
+            // The publishers moved on between discovery and the reader's claim (one began to
+            // rewrite its memory): nothing was read; discover again.
+            Err(e) if matches!(e.detail(), Some(ErrorDetail::MovedOn { .. })) => continue,
             Ok(report) => {
                 verified += 1;
                 if let Some(dir) = &args.dump {

@@ -192,6 +192,14 @@ pub enum ErrorDetail {
         /// Why.
         reason: NotApplicable,
     },
+    /// The publishers of a step moved on (one began to rewrite its memory, advanced or
+    /// restarted) between discovery and the moment this receiver claimed their memory (the
+    /// reader fence, docs/deployment.md): nothing was read, the live weights are untouched, and
+    /// discovering again finds the step to read (kind [`ErrorKind::PeerUnknown`], retryable).
+    MovedOn {
+        /// The step that was found and not read.
+        step: u64,
+    },
     /// A rollback found no earlier step to make live (kind [`ErrorKind::InvalidInput`]);
     /// nothing changed.
     NoRollback {

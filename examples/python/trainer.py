@@ -52,10 +52,13 @@ def main():
               f"({sum(p.nbytes for p in params.values()) / 2**20:.1f} MiB)", flush=True)
         for step in range(1, args.steps + 1):
             time.sleep(args.step_seconds)  # forward, backward, all-reduce...
-            publisher.unready()  # receivers must not read while the arrays change
-            optimizer_step(params, boxes, step)
-            publisher.publish(step)
-            print(f"trainer rank {args.rank}: published step {step}", flush=True)
+            # The reader fence: no new receiver starts reading, the ones reading finish, then
+            # the arrays change in place and the step is published.
+            with publisher.updating(step) as released:
+                optimizer_step(params, boxes, step)
+            waited = f" after waiting {released['waited_s']:.3f} s for " \
+                f"{len(released['readers'])} reader(s)" if released["readers"] else ""
+            print(f"trainer rank {args.rank}: published step {step}{waited}", flush=True)
         # Stay up until the engines have read the last step (a real trainer keeps running).
         time.sleep(args.step_seconds)
 

@@ -28,13 +28,14 @@ The GIL is released while a refit plans, moves bytes and verifies; Ctrl-C cancel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 
 def _nixl_home() -> Optional[str]:
@@ -362,6 +363,27 @@ class Publisher:
     def publish(self, step: int) -> None:
         """Digests every registered array and announces step ``step`` (newer than the last)."""
         self._native.publish(step)
+
+    def wait_released(self, timeout: float = 60.0) -> dict:
+        """Waits until no receiver reads this rank's memory (the reader fence; call after
+        :meth:`unready`, which stops new readers). Receivers claim what they read through the
+        rendezvous under their own lease, so a dead receiver holds nobody past its lease TTL.
+        Returns ``{"waited_s": float, "readers": [str]}`` (the readers waited for); raises
+        ``reshard.Timeout`` naming the readers still reading after ``timeout`` seconds."""
+        waited_s, readers = self._native.wait_released(timeout)
+        return {"waited_s": waited_s, "readers": readers}
+
+    @contextlib.contextmanager
+    def updating(self, step: int, timeout: float = 60.0) -> Iterator[dict]:
+        """``with publisher.updating(step): <rewrite the arrays>``: marks the announcement not
+        ready, waits until no receiver reads this rank's memory (:meth:`wait_released`, which
+        it yields the result of), runs the body, then publishes ``step``. When the body raises,
+        nothing is published and the announcement stays not ready (the arrays may be half
+        rewritten); when the wait times out, the body does not run."""
+        self.unready()
+        released = self.wait_released(timeout)
+        yield released
+        self.publish(step)
 
     def close(self) -> None:
         """Withdraws the announcement and releases the arrays."""

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use reshard_core::encoding::encode_table;
-use reshard_core::rendezvous::{Announced, Announcement, Rendezvous};
+use reshard_core::rendezvous::{wait_released, Announced, Announcement, Rendezvous};
 use reshard_core::{Error, ErrorKind, HostMemory, Transport};
 use reshard_planner::topology::PublisherTopology;
 use reshard_runtime::{HeldTensor, TensorPublisher};
@@ -203,6 +203,32 @@ impl NativePublisher {
                 Some(a) => wait(py, None, a.unready()),
                 None => Ok(()),
             }
+        })
+    }
+
+    /// Waits up to `timeout_s` until no receiver reads this rank's memory (the reader fence:
+    /// call after `unready`); returns `(waited_s, readers)`, the readers it waited for. Raises
+    /// `Timeout` naming the readers still reading.
+    fn wait_released(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(f64, Vec<String>)> {
+        boundary("Publisher.wait_released", || {
+            let timeout = crate::timeout_arg("timeout", timeout_s)?;
+            let (rendezvous, model, incarnation, announced) = self.with(|s| {
+                Ok((
+                    s.rendezvous.clone(),
+                    s.name.clone(),
+                    s.publisher.transport().incarnation(),
+                    s.announced.is_some(),
+                ))
+            })?;
+            if !announced {
+                // Nothing announced: nobody can be reading.
+                return Ok((0.0, Vec::new()));
+            }
+            let rank = self.rank;
+            let released = wait(py, None, async move {
+                wait_released(rendezvous.as_ref(), &model, rank, incarnation, timeout).await
+            })?;
+            Ok((released.waited.as_secs_f64(), released.readers))
         })
     }
 

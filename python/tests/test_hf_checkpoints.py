@@ -22,9 +22,7 @@ reason. `HFCKPT_FEATURES=all` runs every case as expected-to-pass (to try a bran
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -34,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import reshard
+from conftest import reshard_binary
 
 import hf_models
 from vllm_reference import engine_tensors
@@ -138,32 +137,6 @@ def params():
                 strict=False, reason=f"needs {sorted(missing)} (issue 31)"))
         out.append(pytest.param(c, id=c.id, marks=marks))
     return out
-
-
-def reshard_binary():
-    """The `reshard` CLI of this checkout (scripts/test.sh builds it before pytest runs)."""
-    target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-    exe = target / "release" / "reshard"
-    if not exe.exists():
-        subprocess.run(["cargo", "build", "--release", "-p", "reshard-cli"], cwd=ROOT,
-                       check=True)
-    return str(exe)
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    tmp = tempfile.mkdtemp(prefix="reshard-hf-etcd-")
-    script = ROOT / "scripts" / "etcd.sh"
-    try:
-        out = subprocess.run(["bash", str(script), "start", tmp], check=True,
-                             capture_output=True, text=True).stdout
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        if os.environ.get("RESHARD_REQUIRE_BACKENDS"):
-            raise
-        pytest.skip(f"SKIPPED: no etcd (scripts/install-deps.sh installs it): {e}")
-    yield out.strip().splitlines()[-1]
-    subprocess.run(["bash", str(script), "stop", tmp], check=False)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Publishers:

@@ -12,11 +12,9 @@ A missing backend runtime or etcd skips with a reason, unless RESHARD_REQUIRE_BA
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,22 +40,6 @@ TRANSPORT_ENV = {
 def required(transport):
     want = os.environ.get("RESHARD_REQUIRE_BACKENDS", "")
     return want == "all" or transport in want.split(",")
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    tmp = tempfile.mkdtemp(prefix="reshard-etcd-")
-    script = ROOT / "scripts" / "etcd.sh"
-    try:
-        out = subprocess.run(["bash", str(script), "start", tmp], check=True,
-                             capture_output=True, text=True).stdout
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        if os.environ.get("RESHARD_REQUIRE_BACKENDS"):
-            raise
-        pytest.skip(f"SKIPPED: no etcd (scripts/install-deps.sh installs it): {e}")
-    yield out.strip().splitlines()[-1]
-    subprocess.run(["bash", str(script), "stop", tmp], check=False)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Cluster:

@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reshard_core::encoding::decode_table;
-use reshard_core::rendezvous::{discover, discover_exact, Discovered, Rendezvous, Want};
-use reshard_core::{Error, ErrorKind, OwnerId, Result, ShardTable, Transport};
+use reshard_core::rendezvous::{
+    discover, discover_exact, Discovered, ReadClaim, Reading, Rendezvous, Want,
+};
+use reshard_core::{Error, ErrorDetail, ErrorKind, OwnerId, Result, ShardTable, Transport};
 use reshard_planner::layouts::receiver_layout;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::ReceiverTopology;
@@ -62,6 +64,14 @@ impl StagedStep {
     }
 }
 
+/// `on host H pid P`: this process in a reading claim.
+fn this_process() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    format!("on host {host} pid {}", std::process::id())
+}
+
 /// A receiver rank that refits from whatever the rendezvous announces.
 pub struct Subscriber {
     rendezvous: Arc<dyn Rendezvous>,
@@ -72,6 +82,8 @@ pub struct Subscriber {
     peers: HashMap<OwnerId, u64>,
     /// A set found while connecting, installed by the first [`Self::next_step`].
     pending: Option<Discovered>,
+    /// This receiver in reading claims and messages (`receiver rank 1 on host h pid 42`).
+    reader: String,
 }
 
 impl Subscriber {
@@ -114,6 +126,7 @@ impl Subscriber {
             receiver,
             peers: HashMap::new(),
             pending: Some(found),
+            reader: format!("receiver rank {rank} {}", this_process()),
         })
     }
 
@@ -121,8 +134,8 @@ impl Subscriber {
     /// when none is live yet), waiting up to `timeout` for it. On an error the live weights
     /// and step are untouched and the next call tries again.
     pub async fn next_step(&mut self, timeout: Duration) -> Result<StepReport> {
-        let found = self.discover_next(timeout).await?;
-        self.install(found).await
+        let staged = self.stage(None, false, timeout).await?;
+        self.apply(&staged)
     }
 
     /// Waits up to `timeout` for the publishers to be ready at a step above the one live. The
@@ -161,7 +174,9 @@ impl Subscriber {
     }
 
     /// Loads the metadata of publishers not loaded yet (or restarted) and installs the step
-    /// `found` describes. On an error the live weights and step are untouched.
+    /// `found` describes. On an error the live weights and step are untouched; one with
+    /// [`ErrorDetail::MovedOn`] read nothing (the publishers moved on since `found`): discover
+    /// again.
     pub async fn install(&mut self, found: Discovered) -> Result<StepReport> {
         let staged = self.stage_found(found, false).await?;
         self.apply(&staged)
@@ -193,13 +208,24 @@ impl Subscriber {
                 ));
             }
         }
-        let found = match step {
-            None => self.discover_next(timeout).await?,
-            Some(n) => self.discover_exact(n, timeout).await?,
+        // A set that moves on between discovery and the reader's claim (a publisher began to
+        // rewrite its memory) read nothing: discovered again, within the same overall bound.
+        let (staged, found_step) = loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            let found = match step {
+                None => self.discover_next(left).await?,
+                Some(n) => self.discover_exact(n, left).await?,
+            };
+            let left = timeout.saturating_sub(start.elapsed());
+            let found_step = found.step;
+            match tokio::time::timeout(left, self.stage_found(found, allow_older)).await {
+                Ok(Err(e)) if matches!(e.detail(), Some(ErrorDetail::MovedOn { .. })) => {
+                    tracing::debug!("{e}; discovering again");
+                }
+                staged => break (staged, found_step),
+            }
         };
-        let left = timeout.saturating_sub(start.elapsed());
-        let found_step = found.step;
-        match tokio::time::timeout(left, self.stage_found(found, allow_older)).await {
+        match staged {
             Ok(staged) => {
                 let mut staged = staged?;
                 // What the engine chooses between: one member list read (not on `install`'s
@@ -258,7 +284,8 @@ impl Subscriber {
     }
 
     /// Loads the metadata of publishers not loaded yet (or restarted) and stages the step
-    /// `found` describes (see [`Receiver::stage`]).
+    /// `found` describes (see [`Receiver::stage`]), under a reading claim on the publishers'
+    /// memory (the reader fence); [`ErrorDetail::MovedOn`] when they moved on since `found`.
     pub async fn stage_found(
         &mut self,
         found: Discovered,
@@ -303,7 +330,17 @@ impl Subscriber {
             }
             tables.push(table);
         }
-        let staged = self.receiver.stage(&tables, allow_older).await?;
+        // The reader fence: claim the publishers' memory, then check they still stand ready
+        // at this step; a publisher that marked itself not ready before the claim landed is
+        // not read (it may be rewriting), one that does so after waits for the release.
+        let claim = self.claim(&found).await?;
+        let staged = self.receiver.stage(&tables, allow_older).await;
+        // Every read is over (waited for or aborted: the transport contract), whatever the
+        // outcome. A release that fails leaves the claim to expire with the reader's lease.
+        if let Err(e) = claim.release().await {
+            tracing::warn!("{e}");
+        }
+        let staged = staged?;
         Ok(StagedStep {
             staged,
             discovery_s,
@@ -311,6 +348,41 @@ impl Subscriber {
             waited_through,
             newest_seen: None,
         })
+    }
+
+    /// Claims the memory of every publisher of `found` for this receiver's reads (the reader
+    /// fence, docs/deployment.md), then checks that each still stands ready at `found`'s step
+    /// in the same incarnation; when one does not, the claim is released and the error is
+    /// [`ErrorDetail::MovedOn`] (nothing read).
+    async fn claim(&self, found: &Discovered) -> Result<Box<dyn Reading>> {
+        let claim = ReadClaim {
+            model: self.model_name.clone(),
+            step: found.step,
+            reader: self.reader.clone(),
+            ranks: found
+                .announcements
+                .iter()
+                .map(|a| (a.rank, a.incarnation))
+                .collect(),
+        };
+        let held = self.rendezvous.claim_reading(claim).await?;
+        match self.still_ready(found).await {
+            Ok(true) => Ok(held),
+            still => {
+                let _ = held.release().await;
+                still?;
+                Err(Error::new(
+                    ErrorKind::PeerUnknown,
+                    format!(
+                        "{}: the publishers of step {} moved on before its reads began (one \
+                         began to rewrite its memory, advanced or restarted); nothing was read \
+                         and the live weights are untouched",
+                        self.reader, found.step
+                    ),
+                )
+                .with_detail(ErrorDetail::MovedOn { step: found.step }))
+            }
+        }
     }
 
     /// The model's architecture, as the publishers announced it.

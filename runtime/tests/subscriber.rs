@@ -36,6 +36,9 @@ struct Interposed {
     hub: InProcess,
     hook: Mutex<Option<Hook>>,
     fetches: AtomicUsize,
+    /// Run once just before the next reading claim reaches the hub: between a receiver's
+    /// discovery and its claim (the reader fence).
+    claim_hook: Mutex<Option<Hook>>,
 }
 
 impl Interposed {
@@ -70,6 +73,10 @@ impl Rendezvous for Interposed {
         self.hub.models().await
     }
     async fn claim_reading(&self, claim: ReadClaim) -> Result<Box<dyn Reading>> {
+        let hook = self.claim_hook.lock().unwrap().take();
+        if let Some(hook) = hook {
+            hook.await;
+        }
         self.hub.claim_reading(claim).await
     }
     async fn readers(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
@@ -140,6 +147,7 @@ async fn rig() -> Rig {
         hub: InProcess::new(),
         hook: Mutex::new(None),
         fetches: AtomicUsize::new(0),
+        claim_hook: Mutex::new(None),
     });
     let config = Bytes::from(serde_json::to_vec(&model).unwrap());
     let mut publishers = Vec::new();
@@ -251,5 +259,39 @@ async fn a_publisher_not_ready_at_fetch_sends_the_subscriber_round_again() {
     assert!(
         r.rendezvous.fetches.load(Ordering::SeqCst) - before >= 2,
         "discovery went round again"
+    );
+}
+
+/// The reader fence from the receiver's side: the set is found (both publishers ready at step
+/// 2), and before the receiver's reading claim lands, publisher rank 0 marks itself not ready
+/// and rewrites its memory with step 3 (it listed no claim, so for it no receiver reads). The
+/// receiver's check after its claim sees rank 0 not ready: it reads nothing of step 2 and
+/// discovers again, installing step 3 byte-exact once both advance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_that_unreadies_before_the_claim_lands_is_not_read() {
+    let mut r = rig().await;
+    assert_eq!(
+        r.sub.next_step(Duration::from_secs(10)).await.unwrap().step,
+        1
+    );
+    for rank in 0..r.held.len() {
+        rewrite(&r.held, &r.publishers, rank, 2).await;
+    }
+    advance(&r.held, &r.publishers).await;
+    let (held, publishers) = (r.held.clone(), r.publishers.clone());
+    *r.rendezvous.claim_hook.lock().unwrap() = Some(Box::pin(async move {
+        rewrite(&held, &publishers, 0, 3).await;
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            rewrite(&held, &publishers, 1, 3).await;
+            advance(&held, &publishers).await;
+        });
+    }));
+    let report = r.sub.next_step(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(report.step, 3);
+    assert_live(&r, 3);
+    assert!(
+        r.rendezvous.claim_hook.lock().unwrap().is_none(),
+        "the hook ran"
     );
 }
