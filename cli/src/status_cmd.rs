@@ -36,6 +36,8 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
     let mut out = Vec::new();
     for model in models {
         let (members, revision) = rendezvous.members(&model).await?;
+        // Receivers reading now (the reader fence, docs/deployment.md §3).
+        let (readers, _) = rendezvous.readers(&model).await?;
         let world = members.first().map(|m| m.world);
         if !args.json {
             println!(
@@ -67,6 +69,14 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
                     println!("             note: {note}");
                 }
             }
+            for c in &readers {
+                println!(
+                    "  reading  step {:>6}  {} publisher(s)  {}",
+                    c.step,
+                    c.ranks.len(),
+                    c.reader
+                );
+            }
         }
         out.push(serde_json::json!({
             "model": model,
@@ -79,6 +89,10 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
                 "holder": m.holder.as_ref().map(|h| serde_json::json!({
                     "host": h.host, "pid": h.pid, "incarnation": m.incarnation,
                 })),
+            })).collect::<Vec<_>>(),
+            "readers": readers.iter().map(|c| serde_json::json!({
+                "reader": c.reader, "step": c.step,
+                "ranks": c.ranks.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         }));
     }

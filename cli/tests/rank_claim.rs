@@ -197,3 +197,52 @@ fn publishers_outlive_etcd_outages_longer_than_their_lease_and_serve_the_next_st
         assert_eq!(p.child.id(), pids[r]);
     }
 }
+
+/// `reshard status` shows the receivers reading now (the reader fence, docs/deployment.md §3):
+/// a reading claim put through etcd is listed with its reader, step and publisher ranks, and is
+/// gone from the listing once released.
+#[test]
+fn status_lists_the_receivers_reading_now() {
+    use reshard_core::rendezvous::{ReadClaim, Rendezvous};
+    use reshard_rendezvous::{Etcd as Client, EtcdOptions};
+
+    let etcd = Etcd::start("status-readers");
+    let readers = || {
+        let out = Command::new(R)
+            .args([
+                "status",
+                "--rendezvous",
+                &etcd.url,
+                "--model",
+                "q",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0]["readers"].as_array().cloned().unwrap_or_default()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = rt
+        .block_on(Client::connect(&etcd.url, EtcdOptions::default()))
+        .unwrap();
+    let claim = rt
+        .block_on(client.claim_reading(ReadClaim {
+            model: "q".into(),
+            step: 4,
+            reader: "receiver rank 1 on host engine-0 pid 7".into(),
+            ranks: vec![(0, 11), (2, 13)],
+        }))
+        .unwrap();
+    let listed = readers();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(
+        listed[0]["reader"],
+        "receiver rank 1 on host engine-0 pid 7"
+    );
+    assert_eq!(listed[0]["step"], 4);
+    assert_eq!(listed[0]["ranks"], serde_json::json!([0, 2]));
+    rt.block_on(claim.release()).unwrap();
+    assert_eq!(readers(), Vec::<Value>::new());
+}
