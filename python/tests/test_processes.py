@@ -106,7 +106,8 @@ def available(transport):
     try:
         reshard.publisher_tensors(tiny_model("probe"), TOPOLOGY, 0)
         hub = reshard.InProcessHub()
-        reshard.Publisher(model=tiny_model(f"probe-{transport}"), topology=TOPOLOGY, rank=0,
+        reshard.Publisher(model=f"probe-{transport}", architecture=tiny_model(f"probe-{transport}"),
+                          topology=TOPOLOGY, rank=0,
                           rendezvous=hub, transport=transport).close()
         return True
     except reshard.Unavailable as e:
@@ -214,7 +215,7 @@ def test_empty_is_backed_by_ucx_memory(name):
     """On UCX, Publisher.empty hands out memory UCX allocated (mapped for its peers), and the
     numpy array is a view of it, not a copy."""
     available("ucx")
-    p = reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0,
+    p = reshard.Publisher(model=name, architecture=tiny_model(name), topology=TOPOLOGY, rank=0,
                           rendezvous=reshard.InProcessHub(), transport="ucx")
     tname = next(iter(p.tensors))
     a = p.empty(tname)
