@@ -377,3 +377,32 @@ def test_a_refit_that_connects_spends_one_deadline_on_both(hub, name):
     rx.close()
     for p in pubs:
         p.close()
+
+
+def test_an_unreachable_etcd_fails_at_connect_for_a_receiver_and_at_once_for_a_publisher():
+    """Nothing listens on port 1: a receiver is still made (it reaches etcd only when it
+    connects), a publisher opens its etcd client when made and fails there, typed."""
+    url = "etcd://127.0.0.1:1"
+    rx = reshard.Receiver(model="nobody", layout=LAYOUT, rank=0, rendezvous=url,
+                          transport="loopback", install="swap")
+    assert not rx.connected
+    with pytest.raises(reshard.Transport) as e:
+        rx.connect(timeout=10)
+    assert isinstance(e.value, ConnectionError) and "etcd" in str(e.value)
+    assert not rx.connected
+    with pytest.raises(reshard.Transport):
+        rx.refit(timeout=10)
+    rx.close()
+    with pytest.raises(reshard.Transport):
+        reshard.Publisher(model="nobody", architecture=tiny_model("nobody"), topology=TOPOLOGY,
+                          rank=0, rendezvous=url, transport="loopback")
+    # A rendezvous that is no etcd URL is refused where it was written, by both.
+    for make in (lambda: reshard.Receiver(model="x", layout=LAYOUT, rank=0,
+                                          rendezvous="http://127.0.0.1:2379",
+                                          transport="loopback", install="swap"),
+                 lambda: reshard.Publisher(model="x", architecture=tiny_model("x"),
+                                           topology=TOPOLOGY, rank=0,
+                                           rendezvous="http://127.0.0.1:2379",
+                                           transport="loopback")):
+        with pytest.raises(reshard.Config):
+            make()

@@ -90,9 +90,16 @@ class Cluster:
         if install == "copy" and params is None:
             params = engine_arrays(self.model, LAYOUT, rank)
         os.environ.update(TRANSPORT_ENV[self.transport])
-        return reshard.Receiver(model=self.model["name"], layout=LAYOUT, rank=rank,
-                                rendezvous=self.etcd, transport=self.transport, params=params,
-                                timeout=timeout, install=install)
+        rx = reshard.Receiver(model=self.model["name"], layout=LAYOUT, rank=rank,
+                              rendezvous=self.etcd, transport=self.transport, params=params,
+                              timeout=timeout, install=install)
+        # Connected here, so a wrong engine array is refused where the receiver is made.
+        try:
+            rx.connect()
+        except BaseException:
+            rx.close()
+            raise
+        return rx
 
     def close(self):
         for p in self.procs.values():
@@ -106,9 +113,9 @@ def available(transport):
     try:
         reshard.publisher_tensors(tiny_model("probe"), TOPOLOGY, 0)
         hub = reshard.InProcessHub()
-        reshard.Publisher(model=f"probe-{transport}", architecture=tiny_model(f"probe-{transport}"),
-                          topology=TOPOLOGY, rank=0,
-                          rendezvous=hub, transport=transport).close()
+        probe = f"probe-{transport}"
+        reshard.Publisher(model=probe, architecture=tiny_model(probe), topology=TOPOLOGY,
+                          rank=0, rendezvous=hub, transport=transport).close()
         return True
     except reshard.Unavailable as e:
         if required(transport):
