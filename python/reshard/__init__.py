@@ -209,11 +209,11 @@ def _architecture(architecture: Model, name: str) -> str:
     if isinstance(architecture, str):
         try:
             cfg = json.loads(_reshard.model_config(architecture, None, None, None))
-        except Config:
+        except Config as e:
             raise _error(Config, "config",
-                         f"architecture {architecture!r} is no preset: pass a preset name or a "
-                         "model configuration dict (reshard.model_config) as architecture=") \
-                from None
+                         f"architecture {architecture!r} is no preset ({e}): pass a preset name "
+                         "or a model configuration dict (reshard.model_config) as "
+                         "architecture=") from None
     else:
         cfg = dict(architecture)
     cfg["name"] = name
