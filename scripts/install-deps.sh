@@ -107,7 +107,8 @@ for f in "$nixl_capi" "$nixl_home/.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.
     fi
 done
 # The Python package's build and test tools, in a virtualenv of the same python: maturin (the
-# PEP 517 backend of python/pyproject.toml), numpy (the arrays the bindings register), pytest,
+# PEP 517 backend of python/pyproject.toml), numpy (the arrays the bindings register), ml_dtypes
+# (the package's numpy dtypes of bf16 and the 8-bit floats, a dependency of it), pytest,
 # and Hugging Face's safetensors (python/tests/hf_models.py writes the test checkpoints with it,
 # as transformers does: `safetensors.numpy.save_file`, and `serialize_file` with a `TensorSpec`
 # for bf16, which numpy has no dtype for). The check imports exactly what the tests use.
@@ -116,9 +117,10 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "install-deps: creating the virtualenv $venv"
     "$python" -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c 'import maturin, numpy, pytest' >/dev/null 2>&1; then
-    echo "install-deps: installing maturin, numpy and pytest into $venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest
+if ! "$venv/bin/python" -c 'import maturin, numpy, ml_dtypes, pytest' >/dev/null 2>&1; then
+    echo "install-deps: installing maturin, numpy, ml_dtypes and pytest into $venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy \
+        "ml_dtypes>=0.4" pytest
 fi
 # TensorSpec (the typed argument of serialize_file) is safetensors 0.8's API.
 if ! "$venv/bin/python" -c 'from safetensors import TensorSpec, serialize_file

@@ -34,10 +34,14 @@ class WeightUpdater:
 
     def __init__(self, params, rank, rendezvous, transport, install):
         self.params = params
-        self.receiver = reshard.Receiver(model=MODEL["name"], layout=ENGINE, rank=rank,
-                                         rendezvous=rendezvous, transport=transport,
+        # model= is the name the trainers announce under; architecture= lets the receiver
+        # check the engine's arrays now, before any trainer is up. Making it never waits.
+        self.receiver = reshard.Receiver(model=MODEL["name"], architecture=MODEL, layout=ENGINE,
+                                         rank=rank, rendezvous=rendezvous, transport=transport,
                                          params=params if install == "copy" else None,
-                                         install=install, timeout=120)
+                                         install=install)
+        # Waits for the trainers (a refit would connect by itself, within its own timeout).
+        self.receiver.connect(timeout=120)
 
     def __call__(self, timeout=120.0):
         try:

@@ -51,7 +51,8 @@ def main():
         world *= int(pair.split("=")[1]) if pair.split("=")[0] != "ep" else 1
     pubs = []
     for rank in range(world):
-        p = reshard.Publisher(model=model, topology=args.publishers, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=args.publishers, rank=rank, rendezvous=hub,
                               transport=args.transport)
         for name, (offset, shape, dtype) in p.tensors.items():
             a = p.empty(name)

@@ -49,7 +49,8 @@ def main():
         world *= int(pair.split("=")[1]) if pair.split("=")[0] != "ep" else 1
     pubs = []
     for rank in range(world):
-        p = reshard.Publisher(model=model, topology=args.publishers, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=args.publishers, rank=rank, rendezvous=hub,
                               transport=args.transport)
         for name in p.tensors:
             a = p.empty(name)

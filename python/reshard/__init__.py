@@ -2,7 +2,7 @@
 
 A trainer rank registers the arrays it already holds and publishes each step::
 
-    with reshard.Publisher(model=cfg, topology={"ep": 8, "dp": 8}, rank=r,
+    with reshard.Publisher(model="qwen3", architecture=cfg, topology={"ep": 8, "dp": 8}, rank=r,
                            rendezvous="etcd://127.0.0.1:2379", transport="ucx") as pub:
         for name, array in my_tensors.items():
             pub.register(name, array)
@@ -12,7 +12,12 @@ An engine rank hands its own parameter arrays and refits them between generation
 
     rx = reshard.Receiver(model="qwen3", layout={"tp": 2}, rank=t,
                           rendezvous="etcd://127.0.0.1:2379", transport="ucx", params=engine_params)
-    report = rx.refit(timeout=60)
+    report = rx.refit(timeout=60)   # connects first, within the same 60 s
+
+``model=`` is always the name publishers announce under and receivers ask for; the model's
+architecture (a preset name or a :func:`model_config` dict) is ``architecture=``. Making a
+:class:`Receiver` never waits: it connects in :meth:`Receiver.connect` or in its first refit.
+bf16 and 8-bit float arrays carry ``ml_dtypes`` dtypes (``.view(np.uint16)`` gives the bits).
 
 Every failure is a ``reshard.ReshardError`` subclass named after its kind (``reshard.Transport``,
 ``reshard.Timeout``, ``reshard.InvalidInput``, ...) with ``kind``, ``tensor``, ``owner``,
@@ -33,6 +38,8 @@ import functools
 import importlib.util
 import json
 import os
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
@@ -57,6 +64,7 @@ def _nixl_home() -> Optional[str]:
 if not os.environ.get("RESHARD_NIXL_HOME") and (_home := _nixl_home()) is not None:
     os.environ["RESHARD_NIXL_HOME"] = _home
 
+import ml_dtypes
 import numpy as np
 
 from . import _reshard
@@ -76,6 +84,7 @@ from ._reshard import (
     MissingCoverage,
     NoRollback,
     NotApplicable,
+    NotConnected,
     OutOfBounds,
     OverlappingOffers,
     Panic,
@@ -116,6 +125,7 @@ __all__ = [
     "MissingCoverage",
     "NoRollback",
     "NotApplicable",
+    "NotConnected",
     "OutOfBounds",
     "OverlappingOffers",
     "Panic",
@@ -129,17 +139,18 @@ __all__ = [
 ]
 
 Model = Union[str, Mapping[str, Any]]
-"""A preset name (``"qwen3-30b-a3b"``) or a model configuration dict (see :func:`model_config`)."""
+"""A preset name (``"qwen3-30b-a3b"``) or a model configuration dict (see :func:`model_config`):
+what ``architecture=`` takes (and the helper functions' ``model``)."""
 
-# numpy dtypes that hold each reshard dtype bit for bit (numpy has no bfloat16 or 8-bit floats:
-# their bits travel as unsigned integers of the same width).
+# The numpy dtype of each reshard dtype: numpy has no bfloat16 or 8-bit floats, so those are
+# ml_dtypes' (the dtypes JAX uses); their raw bits are the unsigned integers of _RAW.
 _NUMPY = {
-    "bf16": np.uint16,
+    "bf16": ml_dtypes.bfloat16,
     "f16": np.float16,
     "f32": np.float32,
     "f64": np.float64,
-    "f8_e4m3": np.uint8,
-    "f8_e5m2": np.uint8,
+    "f8_e4m3": ml_dtypes.float8_e4m3fn,
+    "f8_e5m2": ml_dtypes.float8_e5m2,
     "i8": np.int8,
     "i16": np.int16,
     "i32": np.int32,
@@ -149,20 +160,83 @@ _NUMPY = {
 }
 
 
-def _invalid(message: str, tensor: Optional[str] = None, owner: Optional[int] = None):
-    """A reshard.InvalidInput raised from Python, with the attributes the native ones carry."""
-    err = InvalidInput(f"invalid_input: {message}")
-    err.kind, err.tensor, err.owner = "invalid_input", tensor, owner
-    err.byte_range, err.backend, err.retryable = None, None, False
+# The unsigned integer dtypes holding the bits of the reshard dtypes numpy has no dtype of.
+_RAW = {"bf16": np.uint16, "f8_e4m3": np.uint8, "f8_e5m2": np.uint8}
+
+# ml_dtypes' dtypes, which export no buffer protocol: their arrays reach the native module as
+# a zero-copy view of their bits (_bits).
+_ML_DTYPES = {np.dtype(_NUMPY[d]) for d in _RAW}
+
+
+def _error(cls: type, kind: str, message: str, tensor: Optional[str] = None,
+           owner: Optional[int] = None, retryable: bool = False):
+    """A reshard error of class ``cls`` raised from Python, with the attributes the native ones
+    carry."""
+    err = cls(f"{kind}: {message}")
+    err.kind, err.tensor, err.owner = kind, tensor, owner
+    err.byte_range, err.backend, err.retryable = None, None, retryable
     return err
 
 
-def numpy_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype that holds reshard dtype ``dtype`` (bf16 and f8 as raw unsigned bits)."""
+def _invalid(message: str, tensor: Optional[str] = None, owner: Optional[int] = None):
+    """A reshard.InvalidInput raised from Python."""
+    return _error(InvalidInput, "invalid_input", message, tensor, owner)
+
+
+def numpy_dtype(dtype: str, raw: bool = False) -> np.dtype:
+    """The numpy dtype of reshard dtype ``dtype``: bf16 is ``ml_dtypes.bfloat16``, f8_e4m3
+    ``ml_dtypes.float8_e4m3fn``, f8_e5m2 ``ml_dtypes.float8_e5m2``. ``raw=True`` gives, for
+    those three, the unsigned integer dtype of their bits instead (``np.uint16``, ``np.uint8``:
+    what an array of them ``.view()``s as)."""
     try:
+        if raw and dtype in _RAW:
+            return np.dtype(_RAW[dtype])
         return np.dtype(_NUMPY[dtype])
     except KeyError:
         raise _invalid(f"unknown dtype {dtype!r}") from None
+
+
+def _bits(array: Any) -> Any:
+    """``array`` as the native module takes it: an ml_dtypes array as a zero-copy view of its
+    bits (same memory, same shape), anything else as is."""
+    if isinstance(array, np.ndarray) and array.dtype in _ML_DTYPES:
+        return array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint8)
+    return array
+
+
+def _architecture(architecture: Model, name: str) -> str:
+    """JSON of ``architecture`` (a preset name or a configuration dict) named ``name``: the
+    name publishers announce under is ``model=``, whatever name the architecture carries."""
+    if isinstance(architecture, str):
+        try:
+            cfg = json.loads(_reshard.model_config(architecture, None, None, None))
+        except Config as e:
+            raise _error(Config, "config",
+                         f"architecture {architecture!r} is no preset ({e}): pass a preset name "
+                         "or a model configuration dict (reshard.model_config) as "
+                         "architecture=") from None
+    else:
+        cfg = dict(architecture)
+    cfg["name"] = name
+    return json.dumps(cfg)
+
+
+def _deprecated_model(cls: str, model: Any, architecture: Optional[Model]) -> tuple:
+    """``(name, architecture)`` from the earlier spelling ``model=<config dict>`` of ``cls``,
+    with a DeprecationWarning (``model=`` is the rendezvous name; the dict is ``architecture=``)."""
+    warnings.warn(
+        f"{cls}(model=<configuration dict>) is deprecated: model= is the name publishers "
+        f"announce under; pass model=<name> and the dict as architecture=",
+        DeprecationWarning, stacklevel=3)
+    if architecture is not None:
+        raise _invalid(f"{cls}: model= is a configuration dict and architecture= is given too; "
+                       "pass the name as model= and the configuration as architecture=")
+    try:
+        name = str(model["name"])
+    except (KeyError, TypeError):
+        raise _invalid(f"{cls}: model= is neither a name nor a configuration dict with a "
+                       "'name'") from None
+    return name, model
 
 
 def _model_json(model: Model) -> str:
@@ -182,15 +256,15 @@ def _config(config: Optional[Mapping[str, Any]]) -> Optional[str]:
 
 
 # torch dtypes numpy's DLPack import refuses: their bits cross as a signed integer torch dtype of
-# the same width (every torch version has those) and are then viewed as the unsigned numpy
-# stand-in of the reshard dtype (see _NUMPY).
+# the same width (every torch version has those) and are then viewed as the ml_dtypes dtype of
+# the reshard dtype (see _NUMPY).
 _TORCH_BITS = {
-    "bfloat16": ("int16", np.uint16),
-    "float8_e4m3fn": ("int8", np.uint8),
-    "float8_e5m2": ("int8", np.uint8),
+    "bfloat16": ("int16", ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("int8", ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("int8", ml_dtypes.float8_e5m2),
 }
 
-# reshard dtypes whose numpy stand-in is raw bits, and the torch dtype that reads them.
+# reshard dtypes numpy has only through ml_dtypes, and the torch dtype that reads them.
 _TORCH_DTYPE = {"bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn", "f8_e5m2": "float8_e5m2"}
 
 
@@ -216,9 +290,12 @@ def _exported(array: Any, tensor: Optional[str] = None) -> tuple:
     ``(address, bytes)`` of the caller's ``array`` as it is now, or None when the buffer is
     ``array`` itself (reshard then asks it again). The buffer is ``array`` when it exports the
     buffer protocol (numpy), else a zero-copy numpy view of its ``__dlpack__`` export (torch CPU
-    tensors; bf16 and 8-bit float tensors through an unsigned integer view of their bits). The
+    tensors; bf16 and 8-bit float tensors as ml_dtypes arrays over their bits). The
     probe holds ``array``: a torch tensor then lives as long as reshard holds its memory, and
-    reshard asks the probe before every publish and refit whether the memory is still there."""
+    reshard asks the probe before every publish and refit whether the memory is still there.
+    An ml_dtypes array is its own buffer (the native module gets its bits: :func:`_bits`)."""
+    if isinstance(array, np.ndarray) and array.dtype in _ML_DTYPES:
+        return array, None
     try:
         memoryview(array).release()
         return array, None
@@ -285,12 +362,20 @@ def publisher_tensors(model: Model, topology: Union[str, Mapping[str, int]], ran
 class Publisher:
     """One trainer rank publishing the tensors it holds, in place.
 
-    ``model`` is a preset name or a configuration dict (its ``name`` is what receivers ask for);
+    ``model`` is the name the publisher announces under (what receivers ask for);
+    ``architecture`` the model's shapes: a preset name or a configuration dict
+    (:func:`model_config`; its own ``name`` is replaced by ``model``), by default the preset
+    named ``model``. The earlier spelling ``model=<configuration dict>`` still works (its
+    ``name`` is the name) with a DeprecationWarning.
     ``topology`` the trainer's parallelism (``{"ep": 8, "dp": 8}``, keys tp/ep/dp/pp);
     ``rendezvous`` an :class:`InProcessHub` or ``"etcd://HOST:PORT"``; ``transport`` a scheme
     (``"loopback"``, ``"ucx"``, ``"nixl"``, ``"cma"``); ``config`` a dict as ``reshard.toml``
     would give it (e.g. ``{"backends": {"ucx": {"tls": "tcp"}}}``). ``lease_ttl`` is how long a
     dead publisher's announcement outlives it.
+
+    Making a publisher waits for no peer: it creates its transport endpoint and, with an etcd
+    rendezvous, opens its etcd client (a refused connection fails at once; an unreachable host
+    within etcd's connect timeout, 5 s); it announces nothing until the first :meth:`publish`.
     """
 
     def __init__(
@@ -303,9 +388,16 @@ class Publisher:
         transport: Optional[str] = None,
         config: Optional[Mapping[str, Any]] = None,
         lease_ttl: float = 10.0,
+        architecture: Optional[Model] = None,
     ) -> None:
+        if isinstance(model, str):
+            name = model
+            architecture = model if architecture is None else architecture
+        else:
+            name, architecture = _deprecated_model("Publisher", model, architecture)
+        self.model = name
         self._native = _reshard.NativePublisher(
-            _model_json(model),
+            _architecture(architecture, name),
             _pairs(topology),
             rank,
             rendezvous,
@@ -333,13 +425,15 @@ class Publisher:
         shape and dtype) as tensor ``name``, zero-copy. Register every tensor before the first
         :meth:`publish`; the array stays referenced until :meth:`close`."""
         buffer, probe = _exported(array, name)
-        self._native.register(name, buffer, probe)
+        self._native.register(name, _bits(buffer), probe)
 
     def empty(self, name: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray:
         """A new zeroed array for tensor ``name``, registered as it, backed by memory the
         transport allocates for fast sharing with its peers where it has an allocator (plain
         host memory otherwise). ``shape`` and ``dtype``, when given, must be the tensor's
-        (:attr:`tensors`); the array is writable in place like any registered array."""
+        (:attr:`tensors`); the array is writable in place like any registered array. bf16 and
+        8-bit float tensors come as ml_dtypes arrays; ``dtype=np.uint16`` (``np.uint8``) gives
+        their raw bits instead (so does ``.view(np.uint16)`` of the array)."""
         tensors = self.tensors
         if name not in tensors:
             raise _invalid(f"publisher rank {self.rank} holds no tensor {name!r}", name, self.rank)
@@ -348,9 +442,16 @@ class Publisher:
         if shape is not None and tuple(shape) != want_shape:
             raise _invalid(f"tensor {name!r} has shape {want_shape}, not {tuple(shape)}",
                            name, self.rank)
-        if dtype is not None and dtype != want_dtype and np.dtype(dtype) != np_dtype:
-            raise _invalid(f"tensor {name!r} is {want_dtype} ({np_dtype}), not {dtype}",
-                           name, self.rank)
+        if dtype is not None and dtype != want_dtype:
+            try:
+                asked = np.dtype(dtype)
+            except TypeError:
+                asked = None
+            if asked == numpy_dtype(want_dtype, raw=True):
+                np_dtype = asked
+            elif asked != np_dtype:
+                raise _invalid(f"tensor {name!r} is {want_dtype} ({np_dtype}), not {dtype}",
+                               name, self.rank)
         buffer = self._native.empty(name)
         # numpy keeps `buffer` (and so the memory) alive as the array's base.
         return np.frombuffer(buffer, dtype=np_dtype).reshape(want_shape)
@@ -449,9 +550,18 @@ class RollbackReport:
 class Receiver:
     """One engine rank refitting its own parameter arrays.
 
-    ``model`` is the name publishers announce under (a dict's ``name`` is used);
-    ``layout`` the engine's parallelism (``{"tp": 2}``, keys tp/dp/ep). Construction waits up
-    to ``timeout`` seconds for the publishers.
+    ``model`` is the name publishers announce under (the earlier spelling, a configuration
+    dict whose ``name`` is used, still works with a DeprecationWarning);
+    ``layout`` the engine's parallelism (``{"tp": 2}``, keys tp/dp/ep).
+
+    Construction never waits: it checks the arguments and creates the transport endpoint.
+    :meth:`connect` reaches the rendezvous, waits for the publishers and learns the model they
+    announce (``timeout`` here is its default); without it, the first :meth:`refit`,
+    :meth:`stage` or :meth:`wait_for_step` connects, within that call's own timeout. Until then
+    :attr:`architecture` raises :class:`NotConnected`. The engine's ``params`` are checked
+    against the layout when it is known: at construction when ``architecture`` (a preset name
+    or a configuration dict) is given, which the publishers' model must then match
+    (:class:`Config` at connect otherwise), else at connect.
 
     ``install`` says how verified weights reach the engine:
 
@@ -478,20 +588,58 @@ class Receiver:
         config: Optional[Mapping[str, Any]] = None,
         timeout: float = 300.0,
         install: Optional[str] = None,
+        architecture: Optional[Model] = None,
     ) -> None:
-        name = model if isinstance(model, str) else str(model["name"])
+        if isinstance(model, str):
+            name = model
+        else:
+            # The dict only ever named the model here; its shapes were never used.
+            name, _ = _deprecated_model("Receiver", model, architecture)
         if install is None:
             install = "swap" if params is None else "copy"
         exported = {} if params is None else {k: _exported(v, k) for k, v in params.items()}
         self.params = None if params is None else {k: b for k, (b, _) in exported.items()}
+        bits = None if params is None else {k: _bits(b) for k, b in self.params.items()}
         probes = {k: p for k, (_, p) in exported.items() if p is not None}
         self._native = _reshard.NativeReceiver(
-            name, _pairs(layout), rank, rendezvous, self.params, transport, _config(config),
+            name, _pairs(layout), rank, rendezvous, bits, transport, _config(config),
             timeout, install, probes,
+            None if architecture is None else _architecture(architecture, name),
         )
+        self.model = name
         self.rank = rank
         self.install = install
-        self._dtypes = {n: numpy_dtype(d) for n, d, _ in self._native.params()}
+        self._timeout = timeout
+        self._dtypes: Optional[dict] = None
+
+    def connect(self, timeout: Optional[float] = None) -> None:
+        """Connects: reaches the rendezvous, waits for the publishers and learns the model they
+        announce, all within ``timeout`` seconds (default: the constructor's ``timeout``;
+        ``inf``: no limit). Does nothing when connected already. Raises :class:`Timeout` naming
+        what was missing, and leaves the receiver unconnected (call again to retry)."""
+        self._native.connect(self._timeout if timeout is None else timeout, None)
+
+    async def connect_async(self, timeout: Optional[float] = None) -> None:
+        """:meth:`connect` on a worker thread; cancelling the task stops the wait."""
+        t = self._timeout if timeout is None else timeout
+        await self._cancellable(lambda token: self._native.connect(t, token))
+
+    @property
+    def connected(self) -> bool:
+        """Whether the receiver has connected (:meth:`connect`, or a refit or stage did)."""
+        return self._native.is_connected
+
+    @property
+    def architecture(self) -> dict:
+        """The model configuration the publishers announce (a dict as :func:`model_config`
+        gives). Raises :class:`NotConnected` before the receiver has connected: it never
+        connects on its own, so reading it never waits."""
+        return json.loads(self._native.architecture())
+
+    def _dtype(self, name: str) -> np.dtype:
+        if self._dtypes is None:
+            self._dtypes = {n: numpy_dtype(d) for n, d, _ in self._native.params()}
+        return self._dtypes[name]
 
     def weights(self, framework: str = "numpy") -> dict:
         """``{name: array}`` of the live weights, in engine order: the engine's own arrays with
@@ -515,7 +663,7 @@ class Receiver:
         if rows is None:
             raise _invalid(f"receiver rank {self.rank} has no weights before its first refit")
         arrays = {
-            name: np.frombuffer(view, dtype=self._dtypes[name]).reshape(shape)
+            name: np.frombuffer(view, dtype=self._dtype(name)).reshape(shape)
             for name, view, _, shape in rows
         }
         if framework == "numpy":
@@ -554,7 +702,8 @@ class Receiver:
               allow_older: bool = False) -> RefitReport:
         """Installs the next step (into the engine's arrays, or as the buffer :meth:`weights`
         lends): :meth:`stage`, then :meth:`apply`, in one call. ``timeout`` seconds (``inf``: no
-        limit) bound the whole call: waiting for the publishers, moving and verifying.
+        limit) bound the whole call: connecting when not connected yet, waiting for the
+        publishers, moving and verifying.
         ``step`` and ``allow_older`` are :meth:`stage`'s. Raises a :class:`ReshardError`
         subclass on failure, with the live weights untouched."""
         return self._refit(timeout, None, step, allow_older)
@@ -577,8 +726,9 @@ class Receiver:
         ``step=n`` waits for exactly step ``n`` across all publishers (a :class:`Timeout` names
         each publisher rank that lacks it and the step it has) and refuses a step older than the
         live one (:class:`InvalidInput`) unless ``allow_older``. ``timeout`` bounds the whole
-        call. A stage replaces a step staged before and not applied (its handle is then refused
-        by :meth:`apply`), and overwrites the step :meth:`rollback` would return to."""
+        call, connecting included when the receiver has not connected yet. A stage replaces a
+        step staged before and not applied (its handle is then refused by :meth:`apply`), and
+        overwrites the step :meth:`rollback` would return to."""
         return self._native.stage(timeout, step, allow_older, None)
 
     def _stage(self, step: Optional[int], timeout: float, allow_older: bool,
@@ -675,13 +825,30 @@ class Receiver:
 
     def wait_for_step(self, step: int, timeout: float = 300.0) -> Optional[RefitReport]:
         """Refits until the live step is at least ``step``; returns the last report (None when
-        it already was)."""
+        it already was). ``timeout`` seconds (``inf``: no limit) bound the whole call, however
+        many refits it takes (connecting included): one deadline from the call's start, never
+        restarted by a refit that installed an older step. Raises :class:`Timeout` naming the
+        step wanted and the live one when the deadline passes."""
+        if not timeout >= 0:  # NaN and negative values alike
+            raise _invalid(f"timeout must be a number of seconds >= 0, or inf for no timeout; "
+                           f"{timeout} is not")
+        deadline = time.monotonic() + timeout
         report = None
         live = self.live_step
         if live is not None and live >= step:
             return None
         while report is None or report.step < step:
-            report = self.refit(timeout)
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise _error(Timeout, "timeout", "no time left", retryable=True)
+                report = self.refit(left)
+            except Timeout as e:
+                raise _error(
+                    Timeout, "timeout",
+                    f"receiver rank {self.rank}: the live step is {self.live_step}, not yet "
+                    f"step {step}, after wait_for_step's timeout of {timeout} s ({e})",
+                    retryable=True) from e
         return report
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """Type stubs of `reshard` (the implementation and its docstrings are in __init__.py)."""
 
 from dataclasses import dataclass
-from typing import Any, ContextManager, Mapping, Optional, Union
+from typing import Any, ContextManager, Mapping, Optional, Union, overload
+
+from typing_extensions import deprecated
 
 import numpy as np
 
@@ -21,6 +23,7 @@ from ._reshard import (
     MissingCoverage as MissingCoverage,
     NoRollback as NoRollback,
     NotApplicable as NotApplicable,
+    NotConnected as NotConnected,
     OutOfBounds as OutOfBounds,
     OverlappingOffers as OverlappingOffers,
     Panic as Panic,
@@ -38,7 +41,7 @@ from ._reshard import (
 Model = Union[str, Mapping[str, Any]]
 Topology = Union[str, Mapping[str, int]]
 
-def numpy_dtype(dtype: str) -> np.dtype: ...
+def numpy_dtype(dtype: str, raw: bool = False) -> np.dtype: ...
 def model_config(
     preset: str, *, layers: Optional[int] = None, experts: Optional[int] = None,
     vocab: Optional[int] = None, dtype: Optional[str] = None, name: Optional[str] = None,
@@ -50,8 +53,18 @@ def publisher_tensors(
 
 class Publisher:
     rank: int
+    model: str
+    @overload
     def __init__(
-        self, *, model: Model, topology: Topology, rank: int,
+        self, *, model: str, topology: Topology, rank: int,
+        rendezvous: Union[str, InProcessHub], transport: Optional[str] = None,
+        config: Optional[Mapping[str, Any]] = None, lease_ttl: float = 10.0,
+        architecture: Optional[Model] = None,
+    ) -> None: ...
+    @overload
+    @deprecated("model= is the rendezvous name: pass the configuration as architecture=")
+    def __init__(
+        self, *, model: Mapping[str, Any], topology: Topology, rank: int,
         rendezvous: Union[str, InProcessHub], transport: Optional[str] = None,
         config: Optional[Mapping[str, Any]] = None, lease_ttl: float = 10.0,
     ) -> None: ...
@@ -103,14 +116,31 @@ class RollbackReport:
 
 class Receiver:
     rank: int
+    model: str
     install: str
     params: Optional[dict[str, Any]]
+    @overload
     def __init__(
-        self, *, model: Model, layout: Topology, rank: int,
+        self, *, model: str, layout: Topology, rank: int,
+        rendezvous: Union[str, InProcessHub], params: Optional[Mapping[str, Any]] = None,
+        transport: Optional[str] = None, config: Optional[Mapping[str, Any]] = None,
+        timeout: float = 300.0, install: Optional[str] = None,
+        architecture: Optional[Model] = None,
+    ) -> None: ...
+    @overload
+    @deprecated("model= is the rendezvous name: pass the name, or its configuration as architecture=")
+    def __init__(
+        self, *, model: Mapping[str, Any], layout: Topology, rank: int,
         rendezvous: Union[str, InProcessHub], params: Optional[Mapping[str, Any]] = None,
         transport: Optional[str] = None, config: Optional[Mapping[str, Any]] = None,
         timeout: float = 300.0, install: Optional[str] = None,
     ) -> None: ...
+    def connect(self, timeout: Optional[float] = None) -> None: ...
+    async def connect_async(self, timeout: Optional[float] = None) -> None: ...
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def architecture(self) -> dict[str, Any]: ...
     @property
     def live_step(self) -> Optional[int]: ...
     @property

@@ -64,6 +64,7 @@ const CLASSES: &[(&str, Option<ErrorKind>, Std, &str)] = &[
     ("Internal", Some(ErrorKind::Internal), Std::None, "A bug or broken invariant inside reshard."),
     ("Busy", None, Std::None, "The object is in use: by a call in another thread, or (swap install) its landing bank by arrays the engine still holds."),
     ("Closed", None, Std::None, "The object was closed: make a new one."),
+    ("NotConnected", None, Std::None, "A receiver has not connected to its publishers yet: call connect(), or refit, stage or wait_for_step, which connect first."),
 ];
 
 /// Classes made after [`CLASSES`], from one of them: name, base, doc.
@@ -181,6 +182,12 @@ pub fn busy_tensor(message: String, tensor: &str) -> PyErr {
 /// `reshard.Closed` (kind `closed`): the object was closed.
 pub fn closed(message: String) -> PyErr {
     plain("Closed", "closed", message, None, false)
+}
+
+/// `reshard.NotConnected` (kind `not_connected`, retryable: connecting may still succeed):
+/// `message` says what needs the connection.
+pub fn not_connected(message: String) -> PyErr {
+    plain("NotConnected", "not_connected", message, None, true)
 }
 
 /// An exception of class `class` that is no [`ErrorKind`], with the attributes every reshard

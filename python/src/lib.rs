@@ -159,15 +159,42 @@ fn lease_ttl_arg(seconds: f64) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(seconds.max(1.0)))
 }
 
-/// The rendezvous `arg` names: an [`InProcessHub`], or `etcd://HOST:PORT[,...]`; the etcd
-/// lease is `lease_ttl` long.
-fn rendezvous(
-    py: Python<'_>,
+/// A rendezvous named but not necessarily reached yet: an in-process hub (nothing to reach), an
+/// etcd cluster already connected, or an etcd URL to connect to (a receiver connects lazily, so
+/// its constructor never waits on the network).
+pub(crate) enum RendezvousSpec {
+    /// Ready to use.
+    Ready(Arc<dyn Rendezvous>),
+    /// `etcd://HOST:PORT[,...]`, connected by [`RendezvousSpec::connect`].
+    Etcd { url: String, lease_ttl: Duration },
+}
+
+impl RendezvousSpec {
+    /// The rendezvous, connecting to etcd first when it is not connected yet.
+    pub(crate) async fn connect(&self) -> Result<Arc<dyn Rendezvous>> {
+        match self {
+            RendezvousSpec::Ready(r) => Ok(r.clone()),
+            RendezvousSpec::Etcd { url, lease_ttl } => {
+                let options = EtcdOptions {
+                    lease_ttl: *lease_ttl,
+                    ..EtcdOptions::default()
+                };
+                Ok(Arc::new(Etcd::connect(url, options).await?))
+            }
+        }
+    }
+}
+
+/// The rendezvous `arg` names (an [`InProcessHub`], or `etcd://HOST:PORT[,...]` with an etcd
+/// lease `lease_ttl` long), checked but not connected: no I/O.
+pub(crate) fn rendezvous_spec(
     arg: &Bound<'_, PyAny>,
     lease_ttl: Duration,
-) -> PyResult<Arc<dyn Rendezvous>> {
+) -> PyResult<RendezvousSpec> {
     if let Ok(hub) = arg.downcast::<InProcessHub>() {
-        return Ok(hub.get().hub.clone() as Arc<dyn Rendezvous>);
+        return Ok(RendezvousSpec::Ready(
+            hub.get().hub.clone() as Arc<dyn Rendezvous>
+        ));
     }
     let url: String = arg.extract().map_err(|_| {
         errors::invalid(
@@ -186,12 +213,18 @@ fn rendezvous(
             None,
         ));
     }
-    let options = EtcdOptions {
-        lease_ttl,
-        ..EtcdOptions::default()
-    };
-    let etcd = wait(py, None, async move { Etcd::connect(&url, options).await })?;
-    Ok(Arc::new(etcd))
+    Ok(RendezvousSpec::Etcd { url, lease_ttl })
+}
+
+/// The rendezvous `arg` names, connected (etcd's own connect timeout bounds the wait); the
+/// etcd lease is `lease_ttl` long.
+fn rendezvous(
+    py: Python<'_>,
+    arg: &Bound<'_, PyAny>,
+    lease_ttl: Duration,
+) -> PyResult<Arc<dyn Rendezvous>> {
+    let spec = rendezvous_spec(arg, lease_ttl)?;
+    wait(py, None, spec.connect())
 }
 
 /// Runs `fut` to completion on the runtime with the GIL released. Every 10 ms it looks for

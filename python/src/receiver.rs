@@ -16,23 +16,30 @@
 //! where it was registered before every refit and again before the copy (memory.rs). A refit is
 //! cancelled through its own [`CancelToken`], so a cancel can neither be cleared by the refit
 //! it was meant for nor leak into the next one.
+//!
+//! Making a receiver never waits: it checks its arguments and creates its transport endpoint,
+//! and connects (reaches etcd, waits for the publishers, learns the model they announce) in
+//! `connect`, or in the first `refit` or `stage`, within that call's own timeout
+//! (docs/python.md, "Connecting").
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use reshard_core::{ErrorKind, HostBuffer, HostMemory, MemoryBlock, ParamSpec};
+use reshard_core::{Error, ErrorKind, HostBuffer, HostMemory, MemoryBlock, ParamSpec, Transport};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StageTimes, StagedStep, StepReport, Subscriber};
 
 use crate::bank::{BankView, Lent};
 use crate::errors::{self, boundary, invalid, IntoPy};
 use crate::memory::ArrayMemory;
-use crate::{load_config, registry, rendezvous, runtime, timeout_arg, wait};
+use crate::{
+    layout_of, load_config, registry, rendezvous_spec, runtime, timeout_arg, wait, RendezvousSpec,
+};
 
 /// A connected receiver and the engine's arrays, in layout order (none in swap install).
 struct State {
@@ -41,6 +48,30 @@ struct State {
     /// The step the landing bank holds (the one installed before the live one, a staged one, or
     /// the one a rollback went back from), for messages.
     previous_step: Option<u64>,
+}
+
+/// What a receiver needs to connect, kept from its construction until it has.
+struct Pending {
+    /// The rendezvous, connected once reached (so a retry does not reconnect).
+    rendezvous: RendezvousSpec,
+    /// The model name publishers announce under.
+    model: String,
+    transport: Arc<dyn Transport>,
+    topology: ReceiverTopology,
+    /// The layout argument as given, for messages.
+    layout: String,
+    /// The engine's arrays (copy install) and their probes, checked once the layout is known.
+    params: Option<Py<PyDict>>,
+    probes: Option<Py<PyDict>>,
+    /// With `architecture=`: the layout it gives and the engine's arrays checked against it at
+    /// construction; the publishers' architecture must give the same parameters.
+    early: Option<(Vec<ParamSpec>, Vec<ArrayMemory>)>,
+}
+
+/// A receiver's connection: waiting for `connect` (or the first refit or stage), or connected.
+enum Conn {
+    Pending(Box<Pending>),
+    Ready(Box<State>),
 }
 
 /// How verified weights reach the engine.
@@ -136,14 +167,17 @@ impl Staged {
 /// One receiver rank (use `reshard.Receiver`).
 #[pyclass(module = "reshard._reshard", frozen)]
 pub struct NativeReceiver {
-    state: Mutex<Option<State>>,
+    state: Mutex<Option<Conn>>,
     rank: u32,
     install: Install,
-    /// `(name, dtype, shape, bytes)` of every parameter, in layout order.
-    specs: Vec<(String, String, Vec<u64>, u64)>,
+    /// `(name, dtype, shape, bytes)` of every parameter, in layout order: known once connected,
+    /// or from construction when `architecture=` was given.
+    specs: std::sync::OnceLock<Vec<Spec>>,
     /// Swap install: the live bank as the last refit left it, for `weights()` (readable while
     /// another refit runs).
     live: Mutex<Option<Vec<Arc<HostBuffer>>>>,
+    /// Set once the receiver has connected (readable while a refit runs in another thread).
+    connected_once: AtomicBool,
     /// Swap install: live loans of bank buffers to Python.
     lent: Arc<Lent>,
     /// The step the engine's weights hold, readable while a refit runs in another thread.
@@ -152,10 +186,24 @@ pub struct NativeReceiver {
     staged: Mutex<Option<u64>>,
 }
 
+/// `(name, dtype, shape, bytes)` of one parameter.
+type Spec = (String, String, Vec<u64>, u64);
+
+/// The rows of [`NativeReceiver::specs`] for `params`.
+fn spec_rows(params: &[ParamSpec]) -> Vec<Spec> {
+    params
+        .iter()
+        .map(|p| {
+            let bytes = p.shape.iter().product::<u64>() * p.dtype.size();
+            (p.name.clone(), p.dtype.to_string(), p.shape.clone(), bytes)
+        })
+        .collect()
+}
+
 impl NativeReceiver {
     /// The state, or an error when closed or busy in another thread (waiting for the lock with
     /// the GIL held could deadlock a refit that needs the GIL to check for Ctrl-C).
-    fn state(&self) -> PyResult<MutexGuard<'_, Option<State>>> {
+    fn state(&self) -> PyResult<MutexGuard<'_, Option<Conn>>> {
         let guard = self.state.try_lock().ok_or_else(|| {
             errors::busy(format!(
                 "receiver rank {} is busy with a refit in another thread",
@@ -179,7 +227,7 @@ impl NativeReceiver {
         };
         let held: Vec<(&str, usize)> = landing
             .iter()
-            .zip(&self.specs)
+            .zip(self.specs())
             .filter_map(|(buf, (name, ..))| {
                 let n = self.lent.count(buf);
                 (n > 0).then_some((name.as_str(), n))
@@ -205,7 +253,7 @@ impl NativeReceiver {
                  refitting. Nothing was written",
                 self.rank,
                 held.len(),
-                self.specs.len(),
+                self.specs().len(),
                 names.join(", ")
             ),
             first,
@@ -215,7 +263,7 @@ impl NativeReceiver {
     /// Copy install: refuses engine arrays that are no longer where they were registered
     /// (memory.rs), naming the first; `done` says what was not done.
     fn check_params(&self, py: Python<'_>, s: &State, done: &str) -> PyResult<()> {
-        for (m, (name, ..)) in s.params.iter().zip(&self.specs) {
+        for (m, (name, ..)) in s.params.iter().zip(self.specs()) {
             m.check(py, name, done)?;
         }
         Ok(())
@@ -234,7 +282,7 @@ fn stages_dict<'py>(py: Python<'py>, st: &StageTimes) -> PyResult<Bound<'py, PyD
 impl NativeReceiver {
     /// See `reshard.Receiver`.
     #[new]
-    #[pyo3(signature = (model, layout, rank, rendezvous_arg, params, transport=None, config=None, timeout_s=300.0, install="copy", probes=None))]
+    #[pyo3(signature = (model, layout, rank, rendezvous_arg, params, transport=None, config=None, timeout_s=300.0, install="copy", probes=None, architecture=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -248,6 +296,7 @@ impl NativeReceiver {
         timeout_s: f64,
         install: &str,
         probes: Option<&Bound<'_, PyDict>>,
+        architecture: Option<&str>,
     ) -> PyResult<Self> {
         boundary("Receiver()", || {
             Self::open(
@@ -262,7 +311,50 @@ impl NativeReceiver {
                 timeout_s,
                 install,
                 probes,
+                architecture,
             )
+        })
+    }
+
+    /// Connects (reaches the rendezvous, waits for the publishers, learns their model),
+    /// waiting up to `timeout_s` overall; does nothing when connected already. `cancel`, when
+    /// given, stops the wait (see [`CancelToken`]).
+    #[pyo3(signature = (timeout_s=300.0, cancel=None))]
+    fn connect<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: f64,
+        cancel: Option<&Bound<'py, CancelToken>>,
+    ) -> PyResult<()> {
+        boundary("Receiver.connect", || {
+            let t0 = Instant::now();
+            let timeout = timeout_arg("timeout", timeout_s)?;
+            let cancel = cancel.map(|c| c.get().flag.clone());
+            self.refuse_cancelled(cancel.as_deref(), "connect")?;
+            let mut guard = self.state()?;
+            self.connected(py, &mut guard, t0, timeout, cancel.as_deref())?;
+            Ok(())
+        })
+    }
+
+    /// Whether the receiver has connected.
+    #[getter]
+    fn is_connected(&self) -> PyResult<bool> {
+        boundary("Receiver.connected", || {
+            Ok(self.connected_once.load(Ordering::SeqCst))
+        })
+    }
+
+    /// JSON of the model configuration the publishers announce; NotConnected before connecting.
+    fn architecture(&self) -> PyResult<String> {
+        boundary("Receiver.architecture", || {
+            let mut guard = self.state()?;
+            let s = self.ready(
+                &mut guard,
+                "its architecture is what the publishers announce",
+            )?;
+            serde_json::to_string(s.subscriber.model())
+                .map_err(|e| invalid(ErrorKind::Internal, format!("model to JSON: {e}"), None))
         })
     }
 
@@ -280,10 +372,13 @@ impl NativeReceiver {
     ) -> PyResult<Bound<'py, PyDict>> {
         boundary("Receiver.refit", || {
             let t0 = Instant::now();
+            let timeout = timeout_arg("timeout", timeout_s)?;
             let cancel = cancel.map(|c| c.get().flag.clone());
+            self.refuse_cancelled(cancel.as_deref(), "refit")?;
             let mut guard = self.state()?;
-            let s = guard.as_mut().ok_or_else(|| self.closed())?;
-            let staged = self.stage_step(py, s, timeout_s, step, allow_older, cancel.as_deref())?;
+            let s = self.connected(py, &mut guard, t0, timeout, cancel.as_deref())?;
+            let left = timeout.saturating_sub(t0.elapsed());
+            let staged = self.stage_step(py, s, left, step, allow_older, cancel.as_deref())?;
             self.apply_staged(py, s, &staged, t0)
         })
     }
@@ -301,10 +396,14 @@ impl NativeReceiver {
         cancel: Option<&Bound<'py, CancelToken>>,
     ) -> PyResult<Staged> {
         boundary("Receiver.stage", || {
+            let t0 = Instant::now();
+            let timeout = timeout_arg("timeout", timeout_s)?;
             let cancel = cancel.map(|c| c.get().flag.clone());
+            self.refuse_cancelled(cancel.as_deref(), "stage")?;
             let mut guard = self.state()?;
-            let s = guard.as_mut().ok_or_else(|| self.closed())?;
-            self.stage_step(py, s, timeout_s, step, allow_older, cancel.as_deref())
+            let s = self.connected(py, &mut guard, t0, timeout, cancel.as_deref())?;
+            let left = timeout.saturating_sub(t0.elapsed());
+            self.stage_step(py, s, left, step, allow_older, cancel.as_deref())
         })
     }
 
@@ -318,7 +417,10 @@ impl NativeReceiver {
         boundary("Receiver.apply", || {
             let t0 = Instant::now();
             let mut guard = self.state()?;
-            let s = guard.as_mut().ok_or_else(|| self.closed())?;
+            let s = self.ready(
+                &mut guard,
+                "nothing was staged, so there is nothing to apply",
+            )?;
             self.apply_staged(py, s, staged.get(), t0)
         })
     }
@@ -349,22 +451,23 @@ impl NativeReceiver {
         boundary("Receiver.live_step", || Ok(*self.installed.lock()))
     }
 
-    /// `[(name, dtype, shape)]` of this rank's parameters, in engine order.
+    /// `[(name, dtype, shape)]` of this rank's parameters, in engine order: known once
+    /// connected, or from construction with `architecture=`; NotConnected otherwise.
     fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         boundary("Receiver.params", || {
-            let guard = self.state()?;
-            let rows: Vec<(String, String, Vec<u64>)> = guard
-                .as_ref()
-                .map(|s| {
-                    s.subscriber
-                        .receiver()
-                        .layout()
-                        .params
-                        .iter()
-                        .map(|p| (p.name.clone(), p.dtype.to_string(), p.shape.clone()))
-                        .collect()
-                })
-                .unwrap_or_default();
+            let Some(specs) = self.specs.get() else {
+                // Closed wins over not connected.
+                drop(self.state()?);
+                return Err(errors::not_connected(format!(
+                    "receiver rank {} has not connected: its parameters come from the model the \
+                     publishers announce (call connect(), or pass architecture=)",
+                    self.rank
+                )));
+            };
+            let rows: Vec<(String, String, Vec<u64>)> = specs
+                .iter()
+                .map(|(n, d, s, _)| (n.clone(), d.clone(), s.clone()))
+                .collect();
             PyList::new(py, rows)
         })
     }
@@ -380,7 +483,8 @@ impl NativeReceiver {
 }
 
 impl NativeReceiver {
-    /// [`NativeReceiver::new`]'s body.
+    /// [`NativeReceiver::new`]'s body: checks every argument and creates the transport
+    /// endpoint; connects nothing.
     #[allow(clippy::too_many_arguments)]
     fn open(
         py: Python<'_>,
@@ -394,8 +498,10 @@ impl NativeReceiver {
         timeout_s: f64,
         install: &str,
         probes: Option<&Bound<'_, PyDict>>,
+        architecture: Option<&str>,
     ) -> PyResult<Self> {
-        let timeout = timeout_arg("timeout", timeout_s)?;
+        // Checked here though only connect() uses it: a bad value fails where it was written.
+        timeout_arg("timeout", timeout_s)?;
         let install = match (install, params.is_some()) {
             ("copy", true) => Install::Copy,
             ("swap", false) => Install::Swap,
@@ -425,53 +531,189 @@ impl NativeReceiver {
                 ))
             }
         };
-        let topo: ReceiverTopology = layout.parse().py_err()?;
+        let topology: ReceiverTopology = layout.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
-        let rendezvous = rendezvous(py, rendezvous_arg, crate::DEFAULT_LEASE_TTL)?;
+        let rendezvous = rendezvous_spec(rendezvous_arg, crate::DEFAULT_LEASE_TTL)?;
+        let specs = std::sync::OnceLock::new();
+        let early = match architecture {
+            Some(arch) => {
+                let wanted = layout_of(arch, layout, rank)?.params;
+                let arrays = match params {
+                    Some(params) => engine_arrays(params, probes, &wanted, rank, layout)?,
+                    None => Vec::new(),
+                };
+                let _ = specs.set(spec_rows(&wanted));
+                Some((wanted, arrays))
+            }
+            None => None,
+        };
         let agent = crate::agent_name(&format!("{model}-receiver-{rank}"));
         let rt = runtime().py_err()?;
-        let t = {
+        let transport = {
             let _guard = rt.enter();
             registry().create(&agent, &cfg.transport).py_err()?
         };
-        let subscriber = wait(
-            py,
-            None,
-            Subscriber::connect(
-                rendezvous,
-                model,
-                t,
-                &topo,
-                rank,
-                ReceiverOptions::default(),
-                timeout,
-            ),
-        )?;
-        let specs = subscriber.receiver().layout().params.clone();
-        let rows = specs
-            .iter()
-            .map(|p| {
-                let bytes = p.shape.iter().product::<u64>() * p.dtype.size();
-                (p.name.clone(), p.dtype.to_string(), p.shape.clone(), bytes)
-            })
-            .collect();
-        let arrays = match params {
-            Some(params) => engine_arrays(params, probes, &specs, rank, layout)?,
-            None => Vec::new(),
-        };
+        let _ = py;
         Ok(NativeReceiver {
-            state: Mutex::new(Some(State {
-                subscriber,
-                params: arrays,
-                previous_step: None,
-            })),
+            state: Mutex::new(Some(Conn::Pending(Box::new(Pending {
+                rendezvous,
+                model: model.to_string(),
+                transport,
+                topology,
+                layout: layout.to_string(),
+                params: params.map(|p| p.clone().unbind()),
+                probes: probes.map(|p| p.clone().unbind()),
+                early,
+            })))),
             rank,
             install,
-            specs: rows,
+            specs,
+            connected_once: AtomicBool::new(false),
             live: Mutex::new(None),
             lent: Arc::new(Lent::default()),
             installed: Mutex::new(None),
             staged: Mutex::new(None),
+        })
+    }
+
+    /// The parameters' rows, empty before they are known.
+    fn specs(&self) -> &[Spec] {
+        self.specs.get().map_or(&[], |v| v.as_slice())
+    }
+
+    /// Raises Aborted when `cancel` is set already: the call (`what`) does nothing.
+    fn refuse_cancelled(&self, cancel: Option<&AtomicBool>, what: &str) -> PyResult<()> {
+        if cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
+            return Err(invalid(
+                ErrorKind::Aborted,
+                format!(
+                    "receiver rank {}: the {what} was cancelled before it started; nothing was \
+                     done, the live weights are untouched",
+                    self.rank
+                ),
+                None,
+            ));
+        }
+        Ok(())
+    }
+
+    /// The connected state, or NotConnected (saying why `what` needs none) when the receiver
+    /// has not connected yet, or Closed.
+    fn ready<'g>(&self, guard: &'g mut Option<Conn>, what: &str) -> PyResult<&'g mut State> {
+        match guard.as_mut() {
+            Some(Conn::Ready(s)) => Ok(&mut **s),
+            Some(Conn::Pending(_)) => Err(errors::not_connected(format!(
+                "receiver rank {} has not connected to its publishers: {what}",
+                self.rank
+            ))),
+            None => Err(self.closed()),
+        }
+    }
+
+    /// The connected state, connecting first when the receiver has not: the rendezvous, then
+    /// the publishers, all by `t0 + timeout` (the calling method's own deadline). A failure
+    /// leaves the receiver unconnected (the next call tries again, reusing a reached etcd).
+    fn connected<'g>(
+        &self,
+        py: Python<'_>,
+        guard: &'g mut Option<Conn>,
+        t0: Instant,
+        timeout: Duration,
+        cancel: Option<&AtomicBool>,
+    ) -> PyResult<&'g mut State> {
+        let conn = guard.as_mut().ok_or_else(|| self.closed())?;
+        if let Conn::Pending(p) = conn {
+            let state = self.connect_pending(py, p, t0, timeout, cancel)?;
+            *conn = Conn::Ready(Box::new(state));
+            self.connected_once.store(true, Ordering::SeqCst);
+        }
+        match conn {
+            Conn::Ready(s) => Ok(&mut **s),
+            Conn::Pending(_) => Err(invalid(
+                ErrorKind::Internal,
+                "receiver not connected after connecting".into(),
+                None,
+            )),
+        }
+    }
+
+    /// [`NativeReceiver::connected`]'s work: a connected [`State`] from `p`.
+    fn connect_pending(
+        &self,
+        py: Python<'_>,
+        p: &mut Pending,
+        t0: Instant,
+        timeout: Duration,
+        cancel: Option<&AtomicBool>,
+    ) -> PyResult<State> {
+        let rank = self.rank;
+        let left = || timeout.saturating_sub(t0.elapsed());
+        if let RendezvousSpec::Etcd { url, .. } = &p.rendezvous {
+            let url = url.clone();
+            let spec = &p.rendezvous;
+            let budget = left();
+            let reached = wait(py, cancel, async move {
+                tokio::time::timeout(budget, spec.connect())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "receiver rank {rank}: etcd at {url} did not answer within the \
+                                 call's timeout ({timeout:?})"
+                            ),
+                        ))
+                    })
+            })?;
+            p.rendezvous = RendezvousSpec::Ready(reached);
+        }
+        let RendezvousSpec::Ready(rendezvous) = &p.rendezvous else {
+            return Err(invalid(
+                ErrorKind::Internal,
+                "rendezvous not reached".into(),
+                None,
+            ));
+        };
+        let subscriber = wait(
+            py,
+            cancel,
+            Subscriber::connect(
+                rendezvous.clone(),
+                &p.model,
+                p.transport.clone(),
+                &p.topology,
+                rank,
+                ReceiverOptions::default(),
+                left(),
+            ),
+        )?;
+        let announced = &subscriber.receiver().layout().params;
+        let arrays = match p.early.take() {
+            Some((wanted, arrays)) => {
+                if let Err(e) = same_params(&wanted, announced, rank, &p.model) {
+                    p.early = Some((wanted, arrays));
+                    return Err(e);
+                }
+                arrays
+            }
+            None => {
+                let _ = self.specs.set(spec_rows(announced));
+                match &p.params {
+                    Some(params) => engine_arrays(
+                        params.bind(py),
+                        p.probes.as_ref().map(|d| d.bind(py)),
+                        announced,
+                        rank,
+                        &p.layout,
+                    )?,
+                    None => Vec::new(),
+                }
+            }
+        };
+        Ok(State {
+            subscriber,
+            params: arrays,
+            previous_step: None,
         })
     }
 
@@ -485,23 +727,11 @@ impl NativeReceiver {
         &self,
         py: Python<'_>,
         s: &mut State,
-        timeout_s: f64,
+        timeout: Duration,
         step: Option<u64>,
         allow_older: bool,
         cancel: Option<&AtomicBool>,
     ) -> PyResult<Staged> {
-        let timeout = timeout_arg("timeout", timeout_s)?;
-        if cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
-            return Err(invalid(
-                ErrorKind::Aborted,
-                format!(
-                    "receiver rank {}: the refit was cancelled before it started; nothing was \
-                     done, the live weights are untouched",
-                    self.rank
-                ),
-                None,
-            ));
-        }
         match self.install {
             Install::Swap => self.check_landing(s)?,
             Install::Copy => self.check_params(py, s, "written")?,
@@ -601,7 +831,10 @@ impl NativeReceiver {
     fn roll_back<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t0 = Instant::now();
         let mut guard = self.state()?;
-        let s = guard.as_mut().ok_or_else(|| self.closed())?;
+        let s = self.ready(
+            &mut guard,
+            "no step was ever live, so there is none to go back to",
+        )?;
         if self.install == Install::Copy {
             let installed = self
                 .installed
@@ -641,7 +874,7 @@ impl NativeReceiver {
             return Ok(None);
         };
         let rows = PyList::empty(py);
-        for (buf, (name, dtype, shape, bytes)) in live.iter().zip(&self.specs) {
+        for (buf, (name, dtype, shape, bytes)) in live.iter().zip(self.specs()) {
             let view = BankView::lend(buf.clone(), *bytes as usize, self.lent.clone());
             rows.append((name, Py::new(py, view)?, dtype, shape.clone()))?;
         }
@@ -705,6 +938,43 @@ fn engine_arrays(
     }
     refuse_overlaps(&arrays, specs, rank)?;
     Ok(arrays)
+}
+
+/// Refuses a connection whose publishers' model gives receiver rank `rank` other parameters
+/// than the `architecture=` it was made with (`wanted`), naming the first that differs.
+fn same_params(
+    wanted: &[ParamSpec],
+    announced: &[ParamSpec],
+    rank: u32,
+    model: &str,
+) -> PyResult<()> {
+    let show = |p: Option<&ParamSpec>| {
+        p.map_or_else(
+            || "nothing".to_string(),
+            |p| format!("{} {} {:?}", p.name, p.dtype, p.shape),
+        )
+    };
+    for i in 0..wanted.len().max(announced.len()) {
+        let (w, a) = (wanted.get(i), announced.get(i));
+        let same = match (w, a) {
+            (Some(w), Some(a)) => w.name == a.name && w.dtype == a.dtype && w.shape == a.shape,
+            _ => false,
+        };
+        if !same {
+            return Err(invalid(
+                ErrorKind::Config,
+                format!(
+                    "receiver rank {rank}: the publishers of model {model:?} announce an \
+                     architecture that differs from the architecture= given: parameter {i} is \
+                     {} there, {} here",
+                    show(a),
+                    show(w)
+                ),
+                w.or(a).map(|p| p.name.as_str()),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses engine arrays that share a byte, naming both: the copy writes every parameter in

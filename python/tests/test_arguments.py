@@ -71,14 +71,16 @@ def test_inf_and_huge_timeouts_mean_no_timeout(hub, name, huge):
 
 @pytest.mark.parametrize("bad", [math.nan, -1.0, math.inf, 1e300, -math.inf])
 def test_a_lease_ttl_that_is_not_finite_and_positive_is_invalid_input(hub, name, bad):
-    refused(lambda: reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0,
+    refused(lambda: reshard.Publisher(model=name, architecture=tiny_model(name),
+                                      topology=TOPOLOGY, rank=0,
                                       rendezvous=hub, transport="loopback", lease_ttl=bad),
             "lease_ttl")
 
 
 def test_short_lease_ttls_are_still_accepted(hub, name):
     for ttl in (0.0, 0.5, 1.0, 3600.0):
-        reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0, rendezvous=hub,
+        reshard.Publisher(model=name, architecture=tiny_model(name),
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback", lease_ttl=ttl).close()
 
 
@@ -143,14 +145,16 @@ def test_errors_are_also_the_standard_python_classes(hub, name):
 
 @pytest.mark.parametrize("bad", [math.nan, -1.0, math.inf, 1e300, -math.inf])
 def test_a_lease_ttl_that_is_not_finite_and_positive_is_invalid_input(hub, name, bad):
-    refused(lambda: reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0,
+    refused(lambda: reshard.Publisher(model=name, architecture=tiny_model(name),
+                                      topology=TOPOLOGY, rank=0,
                                       rendezvous=hub, transport="loopback", lease_ttl=bad),
             "lease_ttl")
 
 
 def test_short_lease_ttls_are_still_accepted(hub, name):
     for ttl in (0.0, 0.5, 1.0, 3600.0):
-        reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0, rendezvous=hub,
+        reshard.Publisher(model=name, architecture=tiny_model(name),
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback", lease_ttl=ttl).close()
 
 

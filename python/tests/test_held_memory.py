@@ -107,7 +107,8 @@ def test_a_dlpack_exporter_re_pointed_is_refused_at_publish_and_at_refit(hub, na
     model = tiny_model(name)
     pubs, held = [], []
     for rank in range(4):
-        p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=TOPOLOGY, rank=rank, rendezvous=hub,
                               transport="loopback")
         mine = {n: Movable(a) for n, a in trainer_arrays(p.tensors, 1).items()}
         for n, m in mine.items():
@@ -184,7 +185,8 @@ def test_registered_objects_live_until_close(hub, name):
     """reshard holds the caller's own object, not only a view of its memory: a DLPack-only
     exporter (a torch tensor, say) dropped by the caller stays alive until close."""
     model = tiny_model(name)
-    p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=0, rendezvous=hub,
+    p = reshard.Publisher(model=model["name"], architecture=model,
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback")
     tname, (offset, shape, dtype) = next(iter(p.tensors.items()))
     obj = Movable(trainer_arrays({tname: (offset, shape, dtype)}, 1)[tname])

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import reshard
@@ -204,6 +205,9 @@ def compare(want, got, where):
         out.append(f"{where}: {name} is not a vLLM parameter of this rank")
     for name in sorted(set(want) & set(got)):
         dtype, w = want[name]
+        if dtype == "bfloat16" and w.dtype == np.uint16:
+            # The reference keeps the checkpoint's bits; reshard's arrays carry the dtype.
+            w = w.view(ml_dtypes.bfloat16)
         g = got[name]
         if g.shape != w.shape or g.dtype != w.dtype:
             out.append(f"{where}: {name} is {g.dtype}{list(g.shape)}, vLLM holds "
@@ -246,20 +250,24 @@ def test_hf_checkpoint_refits_into_vllm_layouts(etcd, c, tmp_path):
 def test_compare_names_every_difference():
     """The comparison itself: a flipped byte, a missing, an extra, a reshaped and a retyped
     parameter are each reported; equal weights report nothing."""
-    w = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    w = np.arange(12, dtype=np.uint16).reshape(3, 4)  # the reference's bf16 bits
+    bf = w.view(ml_dtypes.bfloat16)  # what a receiver returns
     want = {"a": ("bfloat16", w), "b": ("bfloat16", w), "c": ("bfloat16", w),
-            "d": ("bfloat16", w)}
-    assert compare(want, {k: v.copy() for k, (_, v) in want.items()}, "r") == []
+            "d": ("bfloat16", w), "f": ("bfloat16", w)}
+    assert compare(want, {k: v.copy().view(ml_dtypes.bfloat16)
+                          for k, (_, v) in want.items()}, "r") == []
     flipped = w.copy()
     flipped[2, 1] ^= 1
-    got = {"a": flipped, "c": w.reshape(4, 3), "d": w.view(np.float16), "e": w}
+    got = {"a": flipped.view(ml_dtypes.bfloat16), "c": bf.reshape(4, 3),
+           "d": w.view(np.float16), "e": bf, "f": w}
     lines = compare(want, got, "r")
     assert lines == [
         "r: b missing",
         "r: e is not a vLLM parameter of this rank",
         "r: a differs in 1 bytes from byte 18",
-        "r: c is uint16[4, 3], vLLM holds bfloat16 (uint16)[3, 4]",
-        "r: d is float16[3, 4], vLLM holds bfloat16 (uint16)[3, 4]",
+        "r: c is bfloat16[4, 3], vLLM holds bfloat16 (bfloat16)[3, 4]",
+        "r: d is float16[3, 4], vLLM holds bfloat16 (bfloat16)[3, 4]",
+        "r: f is uint16[3, 4], vLLM holds bfloat16 (bfloat16)[3, 4]",
     ], lines
 
 

@@ -27,7 +27,8 @@ def test_ctrl_c_mid_refit_leaves_arrays_at_exactly_the_live_step(name, install):
     hub = reshard.InProcessHub()
     pubs, arrays = [], []
     for rank in range(2):
-        p = reshard.Publisher(model=model, topology="ep=2,dp=2", rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology="ep=2,dp=2", rank=rank, rendezvous=hub,
                               transport="loopback")
         mine = {n: p.empty(n) for n in p.tensors}
         pubs.append(p)

@@ -21,7 +21,8 @@ LAYOUT = {"tp": 2}
 def start_publishers(model, hub, step=1):
     pubs, arrays = [], []
     for rank in range(8 // 2):
-        p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=TOPOLOGY, rank=rank, rendezvous=hub,
                               transport="loopback")
         a = trainer_arrays(p.tensors, step)
         for n, arr in a.items():
@@ -33,9 +34,18 @@ def start_publishers(model, hub, step=1):
 
 
 def receiver(model, hub, rank=0, params=None, timeout=10):
+    """A copy-install receiver of ``model``, connected (within ``timeout``): making one never
+    waits, so the errors of connecting (no publishers, arrays that do not fit) come from
+    ``connect``, and a receiver that fails to connect is closed here."""
     params = engine_arrays(model, LAYOUT, rank) if params is None else params
-    return reshard.Receiver(model=model["name"], layout=LAYOUT, rank=rank, rendezvous=hub,
-                            transport="loopback", params=params, timeout=timeout)
+    rx = reshard.Receiver(model=model["name"], layout=LAYOUT, rank=rank, rendezvous=hub,
+                          transport="loopback", params=params, timeout=timeout)
+    try:
+        rx.connect()
+    except BaseException:
+        rx.close()
+        raise
+    return rx
 
 
 def advance(pubs, arrays, step):
@@ -67,12 +77,13 @@ def test_trainer_arrays_reach_engine_arrays_in_place_byte_exact(hub, name):
         p.close()
 
 
-def test_bf16_bits_travel_as_uint16(hub, name):
+def test_bf16_travels_as_ml_dtypes_bfloat16(hub, name):
     model = tiny_model(name, dtype="bf16")
     pubs, _ = start_publishers(model, hub)
     rx = receiver(model, hub)
     rx.refit(timeout=10)
-    assert next(iter(rx.params.values())).dtype == np.uint16
+    assert next(iter(rx.params.values())).dtype == reshard.numpy_dtype("bf16")
+    assert str(next(iter(rx.params.values())).dtype) == "bfloat16"
     assert_exact(rx.params, expected(model, LAYOUT, 0, 1))
     for p in pubs:
         p.close()
@@ -80,7 +91,8 @@ def test_bf16_bits_travel_as_uint16(hub, name):
 
 def test_publisher_refuses_wrong_arrays_naming_the_tensor(hub, name):
     model = tiny_model(name)
-    p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=0, rendezvous=hub,
+    p = reshard.Publisher(model=model["name"], architecture=model,
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback")
     tname, (offset, shape, dtype) = next(iter(p.tensors.items()))
     with pytest.raises(reshard.InvalidInput) as e:
@@ -108,7 +120,8 @@ def test_empty_gives_a_registered_array(hub, name):
     model = tiny_model(name)
     pubs = []
     for rank in range(4):
-        p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=TOPOLOGY, rank=rank, rendezvous=hub,
                               transport="loopback")
         for i, (tname, (offset, shape, dtype)) in enumerate(p.tensors.items()):
             a = p.empty(tname) if i % 2 else p.empty(tname, shape, dtype)
@@ -125,7 +138,8 @@ def test_empty_gives_a_registered_array(hub, name):
 
 
 def test_empty_refuses_another_shape_or_dtype(hub, name):
-    p = reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0, rendezvous=hub,
+    p = reshard.Publisher(model=name, architecture=tiny_model(name),
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback")
     tname, (offset, shape, dtype) = next(iter(p.tensors.items()))
     with pytest.raises(reshard.InvalidInput) as e:
@@ -299,7 +313,8 @@ def test_dlpack_only_arrays_are_published_and_refit_in_place(hub, name):
     model = tiny_model(name)
     pubs = []
     for rank in range(4):
-        p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=TOPOLOGY, rank=rank, rendezvous=hub,
                               transport="loopback")
         for n, arr in trainer_arrays(p.tensors, 1).items():
             with pytest.raises(TypeError):

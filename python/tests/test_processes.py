@@ -72,9 +72,16 @@ class Cluster:
         if install == "copy" and params is None:
             params = engine_arrays(self.model, LAYOUT, rank)
         os.environ.update(TRANSPORT_ENV[self.transport])
-        return reshard.Receiver(model=self.model["name"], layout=LAYOUT, rank=rank,
-                                rendezvous=self.etcd, transport=self.transport, params=params,
-                                timeout=timeout, install=install)
+        rx = reshard.Receiver(model=self.model["name"], layout=LAYOUT, rank=rank,
+                              rendezvous=self.etcd, transport=self.transport, params=params,
+                              timeout=timeout, install=install)
+        # Connected here, so a wrong engine array is refused where the receiver is made.
+        try:
+            rx.connect()
+        except BaseException:
+            rx.close()
+            raise
+        return rx
 
     def close(self):
         for p in self.procs.values():
@@ -88,8 +95,9 @@ def available(transport):
     try:
         reshard.publisher_tensors(tiny_model("probe"), TOPOLOGY, 0)
         hub = reshard.InProcessHub()
-        reshard.Publisher(model=tiny_model(f"probe-{transport}"), topology=TOPOLOGY, rank=0,
-                          rendezvous=hub, transport=transport).close()
+        probe = f"probe-{transport}"
+        reshard.Publisher(model=probe, architecture=tiny_model(probe), topology=TOPOLOGY,
+                          rank=0, rendezvous=hub, transport=transport).close()
         return True
     except reshard.Unavailable as e:
         if required(transport):
@@ -196,7 +204,7 @@ def test_empty_is_backed_by_ucx_memory(name):
     """On UCX, Publisher.empty hands out memory UCX allocated (mapped for its peers), and the
     numpy array is a view of it, not a copy."""
     available("ucx")
-    p = reshard.Publisher(model=tiny_model(name), topology=TOPOLOGY, rank=0,
+    p = reshard.Publisher(model=name, architecture=tiny_model(name), topology=TOPOLOGY, rank=0,
                           rendezvous=reshard.InProcessHub(), transport="ucx")
     tname = next(iter(p.tensors))
     a = p.empty(tname)

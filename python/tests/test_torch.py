@@ -17,7 +17,7 @@ TORCH = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def as_torch(a, dtype):
-    """A torch-owned tensor holding numpy array ``a``'s bits (bf16 travels as uint16)."""
+    """A torch-owned tensor holding numpy array ``a``'s bits (bf16: an ml_dtypes array)."""
     if dtype == "bf16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).clone()
     return torch.from_numpy(a).clone()
@@ -40,7 +40,8 @@ def publish_torch(model, hub, step):
     """Trainer ranks whose parameters are torch tensors, registered in place."""
     pubs = []
     for rank in range(4):
-        p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=rank, rendezvous=hub,
+        p = reshard.Publisher(model=model["name"], architecture=model,
+                              topology=TOPOLOGY, rank=rank, rendezvous=hub,
                               transport="loopback")
         params = {n: as_torch(values(n, step, off, shape, dt), dt)
                   for n, (off, shape, dt) in p.tensors.items()}
@@ -112,7 +113,8 @@ def test_torch_swap_install_serves_typed_tensors_over_reshard_buffers(hub, name)
 
 def test_a_tensor_without_host_memory_is_refused_naming_it(hub, name):
     model = tiny_model(name)
-    p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=0, rendezvous=hub,
+    p = reshard.Publisher(model=model["name"], architecture=model,
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback")
     tname, (_, shape, _) = next(iter(p.tensors.items()))
     with pytest.raises(reshard.InvalidInput) as e:
@@ -180,7 +182,8 @@ def test_registered_tensors_live_until_close(hub, name, dtype):
     import weakref
 
     model = tiny_model(name, dtype=dtype)
-    p = reshard.Publisher(model=model, topology=TOPOLOGY, rank=0, rendezvous=hub,
+    p = reshard.Publisher(model=model["name"], architecture=model,
+                          topology=TOPOLOGY, rank=0, rendezvous=hub,
                           transport="loopback")
     tname, (offset, shape, dtype) = next(iter(p.tensors.items()))
     t = as_torch(values(tname, 1, offset, shape, dtype), dtype)
@@ -202,7 +205,8 @@ def test_engine_tensors_over_one_storage_are_refused_naming_both(hub, name):
     norms = [n for n in engine if n.endswith(("q_norm.weight", "k_norm.weight"))][:2]
     engine[norms[1]] = engine[norms[0]].view(engine[norms[0]].shape)  # same storage
     with pytest.raises(reshard.InvalidInput) as e:
-        reshard.Receiver(model=name, layout=LAYOUT, rank=0, rendezvous=hub,
+        # architecture=: the layout is known at construction, where the overlap is refused.
+        reshard.Receiver(model=name, architecture=model, layout=LAYOUT, rank=0, rendezvous=hub,
                          transport="loopback", params=engine, timeout=10)
     assert norms[0] in str(e.value) and norms[1] in str(e.value)
     for p, _ in pubs:

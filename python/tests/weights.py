@@ -40,6 +40,10 @@ def values(tensor, step, offset, shape, dtype):
     seed = zlib.crc32(tensor.encode()) % 4096
     v = (linear * 7 + seed + step * 131) % 65521
     dt = reshard.numpy_dtype(dtype)
+    raw = reshard.numpy_dtype(dtype, raw=True)
+    if raw != dt:
+        # bf16 and 8-bit floats (ml_dtypes): these bits, whatever float they make.
+        return v.astype(raw).view(dt)
     if dt.kind == "f":
         return (v / 64.0).astype(dt)
     return v.astype(dt)
@@ -79,15 +83,16 @@ def expected(model, layout, rank, step):
     copies = _reshard.receiver_copies(json.dumps(model), pairs, rank)
     for param, cps in copies:
         shape, dtype = specs[param]
-        dt = reshard.numpy_dtype(dtype)
+        # Raw bits for bf16 and the 8-bit floats: as_strided cannot make ml_dtypes views.
+        dt = reshard.numpy_dtype(dtype, raw=True)
         flat = np.zeros(int(np.prod(shape)), dtype=dt)
         for tensor, offset, extent, dst_offset, strides in cps:
             base = flat[dst_offset // dt.itemsize :]
             view = np.lib.stride_tricks.as_strided(
                 base, shape=extent, strides=[s * dt.itemsize for s in strides]
             )
-            view[...] = values(tensor, step, offset, extent, dtype)
-        out[param] = flat.reshape(shape)
+            view[...] = values(tensor, step, offset, extent, dtype).view(dt)
+        out[param] = flat.reshape(shape).view(reshard.numpy_dtype(dtype))
     return out
 
 
