@@ -8,7 +8,7 @@
 #      the nixl-cu12 package installed in that virtualenv (read off /proc/self/maps), never from
 #      this checkout's .deps/nixl.
 # Usage: scripts/wheel-check.sh [WHEEL] (default: build one). Needs scripts/install-deps.sh
-# (maturin in .deps/venv) and network access or pip's cache for numpy and nixl-cu12, as a user's
+# (maturin in .deps/venv) and network access or pip's cache for numpy, ml_dtypes and nixl-cu12, as a user's
 # install does.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

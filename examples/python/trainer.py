@@ -40,8 +40,9 @@ def main():
     ap.add_argument("--step-seconds", type=float, default=2.0, help="time one 'training step' takes")
     args = ap.parse_args()
 
-    with reshard.Publisher(model=MODEL, topology=TRAINER, rank=args.rank,
-                           rendezvous=args.rendezvous, transport=args.transport) as publisher:
+    with reshard.Publisher(model=MODEL["name"], architecture=MODEL, topology=TRAINER,
+                           rank=args.rank, rendezvous=args.rendezvous,
+                           transport=args.transport) as publisher:
         boxes = {name: offset for name, (offset, _, _) in publisher.tensors.items()}
         params = {name: init(name, offset, shape, dtype)
                   for name, (offset, shape, dtype) in publisher.tensors.items()}

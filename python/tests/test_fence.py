@@ -79,8 +79,8 @@ class Receiver:
 
 def test_a_trainer_rewriting_at_fence_open_never_tears_a_receivers_read(etcd, name):
     m = model(name)
-    with reshard.Publisher(model=m, topology={"tp": 1}, rank=0, rendezvous=etcd,
-                           transport="cma", lease_ttl=3.0) as pub:
+    with reshard.Publisher(model=m["name"], architecture=m, topology={"tp": 1}, rank=0,
+                           rendezvous=etcd, transport="cma", lease_ttl=3.0) as pub:
         arrays = {}
         for tensor, (offset, shape, dtype) in pub.tensors.items():
             arrays[tensor] = np.ascontiguousarray(values(tensor, 1, offset, shape, dtype))
@@ -116,8 +116,8 @@ def test_a_trainer_rewriting_at_fence_open_never_tears_a_receivers_read(etcd, na
 
 def test_updating_publishes_after_its_body_and_nothing_when_the_body_raises(hub, name):
     m = tiny_model(name)
-    with reshard.Publisher(model=m, topology={"tp": 1}, rank=0, rendezvous=hub,
-                           transport="loopback") as pub:
+    with reshard.Publisher(model=m["name"], architecture=m, topology={"tp": 1}, rank=0,
+                           rendezvous=hub, transport="loopback") as pub:
         for tensor in pub.tensors:
             pub.empty(tensor)
         # Before the first publish nobody can be reading: the fence is open at once.
