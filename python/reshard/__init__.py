@@ -456,6 +456,13 @@ class Publisher:
         # numpy keeps `buffer` (and so the memory) alive as the array's base.
         return np.frombuffer(buffer, dtype=np_dtype).reshape(want_shape)
 
+    def connect(self, timeout: float = 10.0) -> None:
+        """Reaches the rendezvous now (etcd: connects within ``timeout`` seconds), so a bad or
+        unreachable address fails here, typed (``reshard.Transport``, ``reshard.Timeout``),
+        rather than at the first :meth:`publish`, which otherwise connects. A no-op once
+        connected, and for an :class:`InProcessHub`."""
+        self._native.connect(timeout)
+
     def unready(self) -> None:
         """Tells receivers not to start reading: call before rewriting the arrays. Optional;
         a receiver that reads during a rewrite fails verification and keeps its weights."""

@@ -216,17 +216,6 @@ pub(crate) fn rendezvous_spec(
     Ok(RendezvousSpec::Etcd { url, lease_ttl })
 }
 
-/// The rendezvous `arg` names, connected (etcd's own connect timeout bounds the wait); the
-/// etcd lease is `lease_ttl` long.
-fn rendezvous(
-    py: Python<'_>,
-    arg: &Bound<'_, PyAny>,
-    lease_ttl: Duration,
-) -> PyResult<Arc<dyn Rendezvous>> {
-    let spec = rendezvous_spec(arg, lease_ttl)?;
-    wait(py, None, spec.connect())
-}
-
 /// Runs `fut` to completion on the runtime with the GIL released. Every 10 ms it looks for
 /// Ctrl-C (`check_signals`, which raises KeyboardInterrupt) and for `cancel` (set once, never
 /// cleared: one flag per call, see `CancelToken`); either drops the future, which is

@@ -19,7 +19,13 @@ use reshard_runtime::{HeldTensor, TensorPublisher};
 
 use crate::errors::{self, boundary, invalid, IntoPy};
 use crate::memory::{fill_view, ArrayMemory};
-use crate::{lease_ttl_arg, load_config, model_from, registry, rendezvous, runtime, wait};
+use crate::{
+    lease_ttl_arg, load_config, model_from, registry, rendezvous_spec, runtime, wait,
+    RendezvousSpec,
+};
+
+/// Longest a first publish waits to reach a rendezvous `connect` did not reach.
+const FIRST_CONNECT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `[(name, dtype, offset, shape)]` of a rank's tensors.
 pub fn tensor_rows<'py>(py: Python<'py>, tensors: &[HeldTensor]) -> PyResult<Bound<'py, PyList>> {
@@ -82,7 +88,8 @@ impl TransportBuffer {
 struct State {
     announced: Option<Box<dyn Announced>>,
     publisher: TensorPublisher,
-    rendezvous: Arc<dyn Rendezvous>,
+    /// The rendezvous, reached at `connect` or the first publish (never in the constructor).
+    rendezvous: RendezvousSpec,
     name: String,
     world: u32,
     config: Bytes,
@@ -99,7 +106,57 @@ pub struct NativePublisher {
     rank: u32,
 }
 
+impl State {
+    /// The rendezvous once reached.
+    fn connected(&self) -> Option<Arc<dyn Rendezvous>> {
+        match &self.rendezvous {
+            RendezvousSpec::Ready(r) => Some(r.clone()),
+            RendezvousSpec::Etcd { .. } => None,
+        }
+    }
+}
+
 impl NativePublisher {
+    /// The rendezvous, reached now when it is not yet (within `timeout`; etcd's own connect
+    /// timeout bounds each try). The state's lock is not held while connecting.
+    fn reach(&self, py: Python<'_>, timeout: std::time::Duration) -> PyResult<Arc<dyn Rendezvous>> {
+        let spec = self.with(|s| {
+            Ok(match &s.rendezvous {
+                RendezvousSpec::Ready(r) => Err(r.clone()),
+                RendezvousSpec::Etcd { url, lease_ttl } => Ok(RendezvousSpec::Etcd {
+                    url: url.clone(),
+                    lease_ttl: *lease_ttl,
+                }),
+            })
+        })?;
+        let spec = match spec {
+            Err(ready) => return Ok(ready),
+            Ok(spec) => spec,
+        };
+        let url = match &spec {
+            RendezvousSpec::Etcd { url, .. } => url.clone(),
+            RendezvousSpec::Ready(_) => String::new(),
+        };
+        let r = wait(py, None, async move {
+            tokio::time::timeout(timeout, spec.connect())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "could not reach etcd at {url} within {:.1} s",
+                            timeout.as_secs_f64()
+                        ),
+                    ))
+                })
+        })?;
+        self.with(|s| {
+            s.rendezvous = RendezvousSpec::Ready(r.clone());
+            Ok(())
+        })?;
+        Ok(r)
+    }
+
     /// The state's lock, or an error when another thread holds it: waiting for it with the GIL
     /// held could deadlock a publish that needs the GIL to check for Ctrl-C.
     fn lock(&self) -> PyResult<MutexGuard<'_, Option<State>>> {
@@ -130,7 +187,6 @@ impl NativePublisher {
     #[pyo3(signature = (model, topology, rank, rendezvous_arg, transport=None, config=None, lease_ttl_s=10.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>,
         model: &str,
         topology: &str,
         rank: u32,
@@ -141,7 +197,6 @@ impl NativePublisher {
     ) -> PyResult<Self> {
         boundary("Publisher()", || {
             Self::open(
-                py,
                 model,
                 topology,
                 rank,
@@ -206,6 +261,15 @@ impl NativePublisher {
         })
     }
 
+    /// Reaches the rendezvous now (etcd: connects, within `timeout_s`), so a bad address fails
+    /// here rather than at the first publish; a no-op once connected.
+    fn connect(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        boundary("Publisher.connect", || {
+            let timeout = crate::timeout_arg("timeout", timeout_s)?;
+            self.reach(py, timeout).map(|_| ())
+        })
+    }
+
     /// Waits up to `timeout_s` until no receiver reads this rank's memory (the reader fence:
     /// call after `unready`); returns `(waited_s, readers)`, the readers it waited for. Raises
     /// `Timeout` naming the readers still reading.
@@ -214,7 +278,7 @@ impl NativePublisher {
             let timeout = crate::timeout_arg("timeout", timeout_s)?;
             let (rendezvous, model, incarnation, announced) = self.with(|s| {
                 Ok((
-                    s.rendezvous.clone(),
+                    s.connected(),
                     s.name.clone(),
                     s.publisher.transport().incarnation(),
                     s.announced.is_some(),
@@ -225,6 +289,9 @@ impl NativePublisher {
                 return Ok((0.0, Vec::new()));
             }
             let rank = self.rank;
+            let Some(rendezvous) = rendezvous else {
+                return Ok((0.0, Vec::new()));
+            };
             let released = wait(py, None, async move {
                 wait_released(rendezvous.as_ref(), &model, rank, incarnation, timeout).await
             })?;
@@ -267,7 +334,6 @@ impl NativePublisher {
     /// [`NativePublisher::new`]'s body.
     #[allow(clippy::too_many_arguments)]
     fn open(
-        py: Python<'_>,
         model: &str,
         topology: &str,
         rank: u32,
@@ -280,7 +346,8 @@ impl NativePublisher {
         let model = model_from(model).py_err()?;
         let topo: PublisherTopology = topology.parse().py_err()?;
         let cfg = load_config(transport, config).py_err()?;
-        let rendezvous = rendezvous(py, rendezvous_arg, lease_ttl)?;
+        // Checked now, reached at `connect` or the first publish: the constructor never waits.
+        let rendezvous = rendezvous_spec(rendezvous_arg, lease_ttl)?;
         let agent = crate::agent_name(&format!("{}-publisher-{rank}", model.name));
         let rt = runtime().py_err()?;
         let t: Arc<dyn Transport> = {
@@ -420,6 +487,9 @@ impl NativePublisher {
 
     /// [`NativePublisher::publish`]'s body.
     fn publish_step(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        // The first publish reaches the rendezvous when `connect` did not (etcd's connect
+        // timeout bounds it).
+        let reached = self.reach(py, FIRST_CONNECT)?;
         let mut guard = self.lock()?;
         let s = guard
             .as_mut()
@@ -458,10 +528,10 @@ impl NativePublisher {
                 return Err(moved);
             }
         }
+        let rendezvous = reached;
         let State {
             announced,
             publisher,
-            rendezvous,
             name,
             world,
             config,

@@ -379,9 +379,10 @@ def test_a_refit_that_connects_spends_one_deadline_on_both(hub, name):
         p.close()
 
 
-def test_an_unreachable_etcd_fails_at_connect_for_a_receiver_and_at_once_for_a_publisher():
-    """Nothing listens on port 1: a receiver is still made (it reaches etcd only when it
-    connects), a publisher opens its etcd client when made and fails there, typed."""
+def test_an_unreachable_etcd_fails_at_connect_not_where_receivers_and_publishers_are_made():
+    """Nothing listens on port 1: a receiver and a publisher are still made (they reach etcd
+    only when they connect: explicitly, or at the first refit / publish), and fail there,
+    typed."""
     url = "etcd://127.0.0.1:1"
     rx = reshard.Receiver(model="nobody", layout=LAYOUT, rank=0, rendezvous=url,
                           transport="loopback", install="swap")
@@ -393,9 +394,19 @@ def test_an_unreachable_etcd_fails_at_connect_for_a_receiver_and_at_once_for_a_p
     with pytest.raises(reshard.Transport):
         rx.refit(timeout=10)
     rx.close()
+    # A publisher is made without reaching etcd either: `connect()` (or the first publish)
+    # fails, typed, and the publisher stays usable for a later try.
+    pub = reshard.Publisher(model="nobody", architecture=tiny_model("nobody"),
+                            topology=TOPOLOGY, rank=0, rendezvous=url, transport="loopback")
+    with pytest.raises(reshard.Transport) as e:
+        pub.connect(timeout=10)
+    assert isinstance(e.value, ConnectionError) and "etcd" in str(e.value)
+    for tensor in pub.tensors:
+        pub.empty(tensor)
     with pytest.raises(reshard.Transport):
-        reshard.Publisher(model="nobody", architecture=tiny_model("nobody"), topology=TOPOLOGY,
-                          rank=0, rendezvous=url, transport="loopback")
+        pub.publish(1)
+    assert pub.step is None
+    pub.close()
     # A rendezvous that is no etcd URL is refused where it was written, by both.
     for make in (lambda: reshard.Receiver(model="x", layout=LAYOUT, rank=0,
                                           rendezvous="http://127.0.0.1:2379",
