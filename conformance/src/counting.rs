@@ -11,8 +11,8 @@
 use std::sync::Arc;
 
 use reshard_core::{
-    ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, PreparedBatch, ReadBatch, ReadDesc,
-    Registration, Result, Transport, WireReport,
+    CompletionSink, ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, PreparedBatch,
+    ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
 };
 use reshard_runtime::{Layer, Receiver, ReceiverOptions, WavesLayer};
 
@@ -177,6 +177,14 @@ impl Setup {
     }
 }
 
+/// The bytes owner `owner`'s source region `j` holds at `offset..offset + len` (what
+/// [`setup`] fills it with).
+fn source_bytes(owner: OwnerId, j: usize, offset: u64, len: u64) -> Vec<u8> {
+    (offset..offset + len)
+        .map(|i| (i % 251) as u8 ^ (owner as u8 * 16 + j as u8))
+        .collect()
+}
+
 async fn setup(c: &Counting) -> Setup {
     let (receiver, skip) = c.skippable("receiver");
     let mut pubs = Vec::new();
@@ -184,9 +192,7 @@ async fn setup(c: &Counting) -> Setup {
     for (owner, lens) in [4u32, 9].into_iter().zip(c.src_lens) {
         let (t, _) = c.skippable(&format!("publisher-{owner}"));
         for (j, len) in lens.into_iter().enumerate() {
-            let fill: Vec<u8> = (0..len as usize)
-                .map(|i| (i % 251) as u8 ^ (owner as u8 * 16 + j as u8))
-                .collect();
+            let fill = source_bytes(owner, j, 0, len);
             let block: Arc<dyn MemoryBlock> = if c.allocated_owner == Some(owner) {
                 let m = t
                     .allocate_host(len as usize)
@@ -271,6 +277,155 @@ pub async fn wait_counts_completed_reads_and_a_skipped_read_is_missing(c: &Count
     }
     let again = s.post_and_wait(&prepared).await;
     assert_eq!(again, full);
+}
+
+/// What a [`CompletionSink`] of [`reads_are_reported_once_each_only_after_their_bytes_landed`]
+/// saw: each report checked as it arrived, on the backend's thread.
+struct Reports {
+    /// Per read: the bytes its destination must hold once it is reported.
+    want: Vec<(usize, std::ops::Range<usize>, Vec<u8>)>,
+    dst: Vec<Arc<HostBuffer>>,
+    /// Times each read was reported.
+    seen: parking_lot::Mutex<Vec<u32>>,
+    /// The batch has ended (its `wait` or `abort` returned): no report may come any more.
+    ended: std::sync::atomic::AtomicBool,
+    /// Every broken rule, described (a panic on the backend's thread would hide it).
+    broken: parking_lot::Mutex<Vec<String>>,
+}
+
+impl Reports {
+    fn new(s: &Setup, reads: &[ReadAt]) -> Arc<Self> {
+        let want = reads
+            .iter()
+            .map(|r| {
+                let (owner, j) = (s.src[r.src].0, r.src % 2);
+                let range = r.dst_offset as usize..(r.dst_offset + r.len) as usize;
+                (r.dst, range, source_bytes(owner, j, r.src_offset, r.len))
+            })
+            .collect();
+        Arc::new(Reports {
+            want,
+            dst: s.dst_bufs.clone(),
+            seen: parking_lot::Mutex::new(vec![0; reads.len()]),
+            ended: std::sync::atomic::AtomicBool::new(false),
+            broken: parking_lot::Mutex::new(Vec::new()),
+        })
+    }
+
+    fn sink(self: &Arc<Self>) -> CompletionSink {
+        let me = Arc::clone(self);
+        CompletionSink::new(move |i| me.report(i))
+    }
+
+    fn report(&self, i: usize) {
+        use std::sync::atomic::Ordering;
+        let mut broken = Vec::new();
+        if self.ended.load(Ordering::Acquire) {
+            broken.push(format!("read {i} reported after its batch ended"));
+        }
+        match self.want.get(i) {
+            None => broken.push(format!(
+                "read {i} reported, but the batch has {}",
+                self.want.len()
+            )),
+            Some((d, range, want)) => {
+                self.seen.lock()[i] += 1;
+                // Only this read's bytes are looked at: other reads may still be landing.
+                if self.dst[*d].read()[range.clone()] != want[..] {
+                    broken.push(format!(
+                        "read {i} reported complete before all its bytes landed"
+                    ));
+                }
+            }
+        }
+        self.broken.lock().extend(broken);
+    }
+
+    fn end(&self) {
+        self.ended.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn broken(&self) -> Vec<String> {
+        self.broken.lock().clone()
+    }
+
+    fn times_seen(&self) -> Vec<u32> {
+        self.seen.lock().clone()
+    }
+}
+
+/// The completion contract (`Transport::post_reporting`): every read of a batch is reported
+/// exactly once, before `wait` returns `Ok`, each only once all its bytes are in its
+/// destination (checked as the report arrives, on the backend's thread), and as many reads as
+/// the `WireReport` counts; a skipped read is never reported; after `abort` returns nothing
+/// more is reported, and whatever was reported had landed. Also for a read the backend cuts
+/// into pieces.
+pub async fn reads_are_reported_once_each_only_after_their_bytes_landed(c: &Counting) {
+    let s = setup(c).await;
+    let zero = |s: &Setup| s.dst_bufs.iter().for_each(|b| b.write().fill(0));
+    let mut batches = vec![c.reads.clone()];
+    if let Some(split) = c.split_read {
+        batches.push(vec![split]);
+    }
+    for reads in &batches {
+        let b = s.batch(reads);
+        let prepared = s.receiver.prepare(b.clone()).await.unwrap();
+        for round in 0..3 {
+            zero(&s);
+            let r = Reports::new(&s, reads);
+            let report = s
+                .receiver
+                .post_reporting(&prepared, r.sink())
+                .await
+                .expect("post")
+                .wait()
+                .await
+                .expect("wait");
+            r.end();
+            assert_eq!(r.broken(), Vec::<String>::new(), "round {round}");
+            assert_eq!(
+                r.times_seen(),
+                vec![1; reads.len()],
+                "every read reported exactly once before wait returned (round {round})"
+            );
+            assert_eq!(report.reads, reads.len() as u64);
+        }
+    }
+    // A skipped read moves nothing and is never reported; the others are, once.
+    let b = s.batch(&c.reads);
+    let skip = c.reads.len() - 1;
+    zero(&s);
+    (s.skip)(Some(skip));
+    let prepared = s.receiver.prepare(b.clone()).await.unwrap();
+    let r = Reports::new(&s, &c.reads);
+    let posted = s.receiver.post_reporting(&prepared, r.sink()).await;
+    (s.skip)(None);
+    let report = posted.expect("post").wait().await.expect("wait");
+    r.end();
+    assert_eq!(r.broken(), Vec::<String>::new());
+    let mut want = vec![1; c.reads.len()];
+    want[skip] = 0;
+    assert_eq!(r.times_seen(), want, "the skipped read is not reported");
+    assert_eq!(report.reads, c.reads.len() as u64 - 1);
+    // Aborted at once: what was reported had landed, nothing is reported after abort returned
+    // (a later batch gives a late report time to show up), and nothing twice.
+    let prepared = s.receiver.prepare(b.clone()).await.unwrap();
+    zero(&s);
+    let r = Reports::new(&s, &c.reads);
+    let flight = s
+        .receiver
+        .post_reporting(&prepared, r.sink())
+        .await
+        .expect("post");
+    flight.abort().await;
+    r.end();
+    s.post_and_wait(&prepared).await;
+    assert_eq!(r.broken(), Vec::<String>::new());
+    assert!(
+        r.times_seen().iter().all(|&n| n <= 1),
+        "{:?}",
+        r.times_seen()
+    );
 }
 
 fn snapshot(rx: &Receiver) -> Vec<Vec<u8>> {

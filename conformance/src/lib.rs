@@ -187,8 +187,9 @@ macro_rules! conformance_tests {
 /// `wait_counts_completed_reads_and_a_skipped_read_is_missing`,
 /// `a_lost_read_fails_the_update_without_verification_and_keeps_live_weights`,
 /// `the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint`,
-/// `unknown_peer_names_owner_range_and_backend` and
-/// `overlapping_destinations_are_refused_and_land_in_order_as_waves`. With `requires = $probe`, each first asks
+/// `unknown_peer_names_owner_range_and_backend`,
+/// `overlapping_destinations_are_refused_and_land_in_order_as_waves` and
+/// `reads_are_reported_once_each_only_after_their_bytes_landed` (the completion contract). With `requires = $probe`, each first asks
 /// [`backend_available`]. Use it in the backend's `tests/counting.rs`:
 ///
 /// ```text
@@ -203,6 +204,7 @@ macro_rules! counting_tests {
             the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint,
             unknown_peer_names_owner_range_and_backend,
             overlapping_destinations_are_refused_and_land_in_order_as_waves,
+            reads_are_reported_once_each_only_after_their_bytes_landed,
         );
     };
     ($make:expr) => {

@@ -24,7 +24,7 @@
 /// method added to [`Transport`] is added here too, and then every wrapper forwards it.
 ///
 /// Each override and each trait method costs a few levels of macro recursion (about
-/// 13 × (overrides + 2) in all), well inside the default limit of 128 for up to 6 overrides.
+/// 14 × (overrides + 2) in all), well inside the default limit of 128 for up to 6 overrides.
 #[macro_export]
 macro_rules! forward_transport {
     ($ty:ty => $field:ident { $($own:tt)* }) => {
@@ -40,7 +40,7 @@ macro_rules! forward_transport {
     (@names [$ty:ty, $field:ident, $own:tt] [$($n:ident)*]) => {
         $crate::forward_transport!(@next [$ty, $field, $own, [$($n)*]] []
             [name agent capabilities epoch incarnation peer_incarnation allocate_host register
-             export_metadata load_peer prepare post set_execution_log]);
+             export_metadata load_peer prepare post post_reporting set_execution_log]);
     };
 
     // Takes the next trait method and looks it up among the overrides.
@@ -195,6 +195,33 @@ macro_rules! forward_transport {
             }
         ] $todo);
     };
+    (@find post_reporting [post_reporting $($r:ident)*] $cx:tt $acc:tt $todo:tt) => {
+        $crate::forward_transport!(@next $cx $acc $todo);
+    };
+    (@find post_reporting [] [$ty:ty, $f:ident, $own:tt, $n:tt] [$($acc:tt)*] $todo:tt) => {
+        $crate::forward_transport!(@next [$ty, $f, $own, $n] [$($acc)*
+            async fn post_reporting(
+                &self,
+                batch: &$crate::PreparedBatch,
+                sink: $crate::CompletionSink,
+            ) -> $crate::Result<::std::boxed::Box<dyn $crate::InFlight>> {
+                $crate::forward_transport!(@report self $f batch sink $n)
+            }
+        ] $todo);
+    };
+    // The body of a forwarded `post_reporting`: a wrapper that writes its own `post` posts
+    // through it and reports nothing (the inner transport's reports would bypass whatever the
+    // wrapper changes); otherwise the inner transport reports.
+    (@report $s:tt $f:ident $batch:ident $sink:ident [post $($r:ident)*]) => {{
+        let _ = $sink;
+        $s.post($batch).await
+    }};
+    (@report $s:tt $f:ident $batch:ident $sink:ident [$h:ident $($r:ident)*]) => {
+        $crate::forward_transport!(@report $s $f $batch $sink [$($r)*])
+    };
+    (@report $s:tt $f:ident $batch:ident $sink:ident []) => {
+        $s.$f.post_reporting($batch, $sink).await
+    };
     (@find set_execution_log [set_execution_log $($r:ident)*] $cx:tt $acc:tt $todo:tt) => {
         $crate::forward_transport!(@next $cx $acc $todo);
     };
@@ -217,6 +244,7 @@ macro_rules! forward_transport {
 
 #[cfg(test)]
 mod tests {
+    use crate::completion::CompletionSink;
     use crate::error::Result;
     use crate::error::{Error, ErrorKind};
     use crate::memory::HostBuffer;
@@ -282,6 +310,13 @@ mod tests {
         async fn post(&self, _batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
             Err(refused())
         }
+        async fn post_reporting(
+            &self,
+            _batch: &PreparedBatch,
+            _sink: CompletionSink,
+        ) -> Result<Box<dyn InFlight>> {
+            Err(Error::new(ErrorKind::Internal, "posted reporting"))
+        }
         fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
             *self.logging.lock() = log.is_some();
             true
@@ -306,6 +341,17 @@ mod tests {
         }
         async fn allocate_host(&self, _len: usize) -> Result<Option<Arc<dyn HostMemory>>> {
             Ok(None)
+        }
+    });
+
+    /// Writes its own `post`: reads posted around it must not be reported by the inner one.
+    #[derive(Debug)]
+    struct OwnPost {
+        inner: Arc<dyn Transport>,
+    }
+    crate::forward_transport!(OwnPost => inner {
+        async fn post(&self, _batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+            Err(Error::new(ErrorKind::Internal, "own post"))
         }
     });
 
@@ -338,6 +384,15 @@ mod tests {
             assert!(t.prepare(ReadBatch::default()).await.is_err());
             let batch = PreparedBatch::new(Arc::new(ReadBatch::default()), "special", ());
             assert!(t.post(&batch).await.is_err());
+            let sink = CompletionSink::new(|_| {});
+            let e = t.post_reporting(&batch, sink.clone()).await.err().unwrap();
+            assert!(e.to_string().contains("posted reporting"), "forwarded: {e}");
+            let own: Arc<dyn Transport> = Arc::new(OwnPost { inner: t.clone() });
+            let e = own.post_reporting(&batch, sink).await.err().unwrap();
+            assert!(
+                e.to_string().contains("own post"),
+                "through the wrapper's post: {e}"
+            );
         });
         assert!(
             t.set_execution_log(Some(ExecutionLog::new())),

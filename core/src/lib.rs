@@ -3,6 +3,7 @@
 // `unsafe trait MemoryBlock` whose contract they rely on.
 #![deny(unsafe_code)]
 
+pub mod completion;
 pub mod config;
 pub mod contract;
 pub mod digest;
@@ -26,6 +27,7 @@ pub mod rendezvous;
 pub mod stats;
 pub mod transport;
 
+pub use completion::{CompletionSink, Countdown};
 pub use digest::{Digest, SegmentFold};
 pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, NoRollback, NotApplicable, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};

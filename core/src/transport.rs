@@ -8,6 +8,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
+use crate::completion::CompletionSink;
 use crate::error::Result;
 use crate::memory::{HostMemory, MemoryBlock};
 use crate::model::{MemoryKind, OwnerId};
@@ -267,6 +268,15 @@ pub fn new_incarnation() -> u64 {
 ///   or peer changes, which [`Transport::epoch`] reports.
 /// - `post` starts every owner's reads before it returns; nothing is awaited per owner.
 /// - The [`WireReport`] of `wait` counts reads and bytes from completions as they arrive.
+/// - Completions as they happen ([`Transport::post_reporting`]): read `i` of a batch (its index
+///   in [`PreparedBatch::batch`]) is reported to the [`CompletionSink`] exactly once, and only
+///   when every byte of it is in its destination and none of it can land again (after its
+///   last piece *finished*, whichever piece that is); a read that failed, was skipped or was
+///   stopped is never reported. Before `wait` returns `Ok`, every read has been reported (as
+///   many as the [`WireReport`] counts). Reports come from the backend's own threads, inside
+///   the batch: once the batch has ended (in-flight rule 1 below), the sink is not called
+///   again. A receiver may read a reported read's bytes while the rest of the batch is on the
+///   wire (docs/in-flight-safety.md, "Completions as they happen").
 /// - Destinations of one batch are normally disjoint. Where they overlap (the benchmark-only
 ///   no-dedup arm reads byte-identical replicas into one place), a backend must apply the
 ///   overlapping reads in batch order, never as concurrent host writes to the same bytes.
@@ -336,6 +346,22 @@ pub trait Transport: Send + Sync + fmt::Debug {
 
     /// Posts every read of a prepared batch, all owners before any wait.
     async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>>;
+
+    /// Posts like [`Transport::post`] and reports each read to `sink` as it completes, under
+    /// the rules of "Completions as they happen" above. The default posts and reports nothing
+    /// (its caller learns completion at `wait` only), which is what a wrapper written by hand
+    /// gets: a wrapper that changes `post` must not let reads around it be reported.
+    /// [`forward_transport!`](crate::forward_transport) forwards this to the inner transport
+    /// only when the wrapper writes neither method; every backend implements it, and the
+    /// conformance suite checks that it does.
+    async fn post_reporting(
+        &self,
+        batch: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        let _ = sink;
+        self.post(batch).await
+    }
 
     /// Starts (`Some`) or stops (`None`) recording every read this endpoint posts into `log`,
     /// resolved from the backend's own translated state (see [`ExecutionLog`]). Returns false

@@ -15,7 +15,9 @@
 use async_trait::async_trait;
 use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
-use reshard_core::{Error, ErrorKind, InFlight, OwnerId, ReadBatch, Result, WireReport};
+use reshard_core::{
+    CompletionSink, Countdown, Error, ErrorKind, InFlight, OwnerId, ReadBatch, Result, WireReport,
+};
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
@@ -41,6 +43,10 @@ pub(crate) struct Run {
     progress: Notify,
     /// Test-only: the read whose segments are left out (never read nor counted).
     skip: Option<u32>,
+    /// Where reads are reported once every segment of theirs has been moved
+    /// (`Transport::post_reporting`), with the bytes each still waits for: a read cut over
+    /// several calls completes with whichever call moves its last byte.
+    completions: Option<(CompletionSink, Countdown)>,
 }
 
 struct RunState {
@@ -73,8 +79,16 @@ impl RunState {
 }
 
 impl Run {
-    pub(crate) fn new(prepared: Arc<Prepared>, batch: Arc<ReadBatch>, skip: Option<u32>) -> Self {
+    pub(crate) fn new(
+        prepared: Arc<Prepared>,
+        batch: Arc<ReadBatch>,
+        skip: Option<u32>,
+        sink: Option<CompletionSink>,
+    ) -> Self {
+        let completions =
+            sink.map(|sink| (sink, Countdown::new(batch.reads.iter().map(|r| r.len))));
         Run {
+            completions,
             prepared,
             batch,
             state: Mutex::new(RunState {
@@ -190,6 +204,12 @@ impl Run {
             };
             let r = self.execute(i);
             let mut st = self.state.lock();
+            if r.is_ok() && !st.quarantined {
+                // Reported under the state lock and while the call still counts as inside:
+                // an ending either waits for these reports or has quarantined the call first
+                // (and then nothing of it is reported), so no report follows the batch's end.
+                self.report(i);
+            }
             if let Some(k) = st.inside.iter().position(|&c| c == i) {
                 st.inside.swap_remove(k);
             }
@@ -211,6 +231,19 @@ impl Run {
             drop(st);
             self.left.notify_all();
             self.progress.notify_one();
+        }
+    }
+
+    /// Reports every read whose last byte call `i` moved (skipped segments moved nothing).
+    fn report(&self, i: usize) {
+        let Some((sink, left)) = &self.completions else {
+            return;
+        };
+        let c = &self.prepared.calls;
+        for s in &c.segs[c.calls[i].segs.clone()] {
+            if self.skip != Some(s.read) && left.landed(s.read as usize, s.len) {
+                sink.complete(s.read as usize);
+            }
         }
     }
 

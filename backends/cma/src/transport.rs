@@ -8,8 +8,8 @@ use reshard_core::contract::{self, span, LocalLookup};
 use reshard_core::regions::{self, RegionTable};
 use reshard_core::{executed, prepared};
 use reshard_core::{
-    new_incarnation, Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId,
-    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
+    new_incarnation, Capability, CompletionSink, Error, ErrorKind, ExecutionLog, InFlight,
+    MemoryBlock, OwnerId, PreparedBatch, ReadBatch, ReadDesc, Registration, Result, Transport,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -473,6 +473,30 @@ impl Transport for CmaTransport {
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        self.post_with(prepared, None)
+    }
+
+    async fn post_reporting(
+        &self,
+        prepared: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        self.post_with(prepared, Some(sink))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.write() = log;
+        true
+    }
+}
+
+impl CmaTransport {
+    /// Posts `prepared`, reporting each read to `sink` once all its bytes have moved.
+    fn post_with(
+        &self,
+        prepared: &PreparedBatch,
+        sink: Option<CompletionSink>,
+    ) -> Result<Box<dyn InFlight>> {
         let st = prepared
             .state::<Arc<Prepared>>()
             .filter(|st| st.endpoint == self.incarnation)
@@ -497,7 +521,12 @@ impl Transport for CmaTransport {
         if let Some(log) = self.log.read().as_ref() {
             self.record(log, st, skip);
         }
-        let run = Arc::new(Run::new(Arc::clone(st), Arc::clone(prepared.batch()), skip));
+        let run = Arc::new(Run::new(
+            Arc::clone(st),
+            Arc::clone(prepared.batch()),
+            skip,
+            sink,
+        ));
         {
             let mut live = self.live.lock();
             live.retain(|w| w.strong_count() > 0);
@@ -505,10 +534,5 @@ impl Transport for CmaTransport {
         }
         let timeout = Duration::from_millis(self.options.timeout_ms);
         Ok(Box::new(CmaInFlight::start(run, pool, st.lanes, timeout)))
-    }
-
-    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
-        *self.log.write() = log;
-        true
     }
 }

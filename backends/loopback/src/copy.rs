@@ -4,7 +4,9 @@
 use async_trait::async_trait;
 use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
-use reshard_core::{Error, ErrorKind, InFlight, MemoryBlock, OwnerId, Result, WireReport};
+use reshard_core::{
+    CompletionSink, Countdown, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, Result, WireReport,
+};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,6 +38,10 @@ pub(crate) struct PostCtx {
     pub(crate) abort: Arc<AtomicBool>,
     /// Which jobs are touching memory; see [`Gate`].
     pub(crate) gate: Arc<Gate>,
+    /// Where reads are reported as their last byte lands (`Transport::post_reporting`), with
+    /// the bytes each read still waits for: a read split between workers completes when the
+    /// piece that lands its last byte finishes, whichever worker runs it.
+    pub(crate) completions: Option<(CompletionSink, Countdown)>,
     /// Test-only: the read whose pieces are silently skipped.
     #[cfg(feature = "fault-injection")]
     pub(crate) skip_read: Option<u32>,
@@ -199,6 +205,12 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
         // The piece is complete: count its bytes, and its read once its last piece is done.
         counted.bytes += done;
         counted.reads += u64::from(p.last);
+        // Still inside the gate: a report never follows the end of the batch.
+        if let Some((sink, left)) = &ctx.completions {
+            if left.landed(p.read as usize, done) {
+                sink.complete(p.read as usize);
+            }
+        }
     }
     Ok(counted)
 }

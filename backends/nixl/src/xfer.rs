@@ -9,7 +9,7 @@
 //! its reads touch, and the error says so (`is_quarantined`, never retryable).
 
 use async_trait::async_trait;
-use reshard_core::{Error, ErrorKind, InFlight, Result, WireReport};
+use reshard_core::{CompletionSink, Countdown, Error, ErrorKind, InFlight, Result, WireReport};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -90,12 +90,18 @@ pub(crate) struct NixlInFlight {
     /// Reads and bytes of the requests seen to complete successfully, summed as they complete
     /// (each request's descriptors and bytes): what `wait` reports.
     counted: WireReport,
+    /// Where reads are reported as the request landing their last byte ends
+    /// (`Transport::post_reporting`); polled, like every completion, by the waiter.
+    completions: Option<(CompletionSink, Countdown)>,
 }
 
 impl NixlInFlight {
     /// Posts the first request of every owner and returns the handle; on a
     /// post failure waits for what was posted and returns the error.
-    pub(crate) async fn start(p: Arc<Prepared>) -> Result<NixlInFlight> {
+    pub(crate) async fn start(
+        p: Arc<Prepared>,
+        completions: Option<(CompletionSink, Countdown)>,
+    ) -> Result<NixlInFlight> {
         let mut f = NixlInFlight {
             p,
             pending: Vec::new(),
@@ -105,6 +111,7 @@ impl NixlInFlight {
             finished: false,
             unobservable: false,
             counted: WireReport::default(),
+            completions,
         };
         let made = {
             let mut nixl = f.p.nixl.lock();
@@ -194,6 +201,7 @@ impl NixlInFlight {
                         // Complete at once: counted now.
                         self.counted.reads += group.reads();
                         self.counted.bytes += group.bytes;
+                        report(&self.completions, group);
                         posted.push(g);
                     }
                     Err(e) => {
@@ -256,6 +264,7 @@ impl NixlInFlight {
         let mut first = None;
         let p = &self.p;
         let counted = &mut self.counted;
+        let completions = &self.completions;
         let mut ended = Vec::new();
         self.pending.retain(|&g| {
             let r = p.shared.agent.done(&reqs[g]);
@@ -269,6 +278,7 @@ impl NixlInFlight {
                         let group = &p.groups[g];
                         counted.reads += group.reads();
                         counted.bytes += group.bytes;
+                        report(completions, group);
                     }
                     !done
                 }
@@ -539,6 +549,17 @@ impl NixlInFlight {
             e = e.with_owner(g.owner).with_range(g.range.clone());
         }
         e
+    }
+}
+
+/// Reports the reads whose last byte the ended request `group` landed.
+fn report(completions: &Option<(CompletionSink, Countdown)>, group: &crate::transport::Group) {
+    if let Some((sink, left)) = completions {
+        for &(read, n) in &group.pieces {
+            if left.landed(read as usize, n) {
+                sink.complete(read as usize);
+            }
+        }
     }
 }
 

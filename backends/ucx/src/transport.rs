@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use reshard_core::{
-    prepared, Capability, Error, ErrorKind, ExecutionLog, HostMemory, InFlight, MemoryBlock,
-    OwnerId, PreparedBatch, ReadBatch, Registration, Result, Transport, WireReport,
+    prepared, Capability, CompletionSink, Error, ErrorKind, ExecutionLog, HostMemory, InFlight,
+    MemoryBlock, OwnerId, PreparedBatch, ReadBatch, Registration, Result, Transport, WireReport,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -311,6 +311,30 @@ impl Transport for UcxTransport {
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        self.post_with(prepared, None).await
+    }
+
+    async fn post_reporting(
+        &self,
+        prepared: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        self.post_with(prepared, Some(sink)).await
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.lock() = log;
+        true
+    }
+}
+
+impl UcxTransport {
+    /// Posts `prepared`, reporting each read to `sink` once its last piece completed.
+    async fn post_with(
+        &self,
+        prepared: &PreparedBatch,
+        sink: Option<CompletionSink>,
+    ) -> Result<Box<dyn InFlight>> {
         let token = prepared::own_state::<PreparedToken>(
             SCHEME,
             prepared,
@@ -341,6 +365,7 @@ impl Transport for UcxTransport {
                 signal: BatchHold::new(signal),
                 ack,
                 done: done_tx,
+                sink,
             })
             .await;
         match started {
@@ -352,11 +377,6 @@ impl Transport for UcxTransport {
                 Err(e)
             }
         }
-    }
-
-    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
-        *self.log.lock() = log;
-        true
     }
 }
 

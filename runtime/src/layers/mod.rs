@@ -22,6 +22,12 @@
 //!   disjoint waves, so overlapping reads land in batch order and no backend orders them (see
 //!   its module).
 //!
+//! Each layer passes completions reported as they happen (`Transport::post_reporting`) through
+//! where its batch is the inner one read for read: the timeout layer always, the post-limit
+//! layer shifted to each part, the waves layer for a batch of one wave, the retry layer only
+//! with no retries allowed (a repeated read would rewrite bytes already reported and being
+//! verified). Otherwise the batch reports nothing, and its caller learns completion at `wait`.
+//!
 //! Order matters: `Timeout(Retry(t))`, built with `stack(t, &[&timeout, &retry])`, bounds the
 //! batch with every retry included (what the receiver composes from
 //! [`ReceiverOptions`](crate::ReceiverOptions)); `Retry(Timeout(t))` would bound each attempt
@@ -35,8 +41,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reshard_core::{
-    Error, ErrorDetail, ErrorKind, InFlight, PreparedBatch, ReadBatch, Result, Transport,
-    WireReport,
+    CompletionSink, Error, ErrorDetail, ErrorKind, InFlight, PreparedBatch, ReadBatch, Result,
+    Transport, WireReport,
 };
 use tokio::time::Instant;
 
@@ -185,6 +191,24 @@ reshard_core::forward_transport!(Retry => inner {
         let current = attempts.post().await?;
         Ok(Box::new(RetryInFlight { current, attempts }))
     }
+
+    async fn post_reporting(
+        &self,
+        batch: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        // A retry posts the batch again: a read reported by the first attempt would be
+        // written a second time while its bytes were being verified. With no retries
+        // allowed the batch is posted once, and the inner transport's reports are the
+        // batch's.
+        if self.policy.retries > 0 {
+            return self.post(batch).await;
+        }
+        let Some(RetryState(inner_batch)) = batch.state::<RetryState>() else {
+            return self.post(batch).await;
+        };
+        self.inner.post_reporting(inner_batch, sink).await
+    }
 });
 
 /// Bounds post and wait of a batch together.
@@ -263,8 +287,33 @@ reshard_core::forward_transport!(Timeout => inner {
     }
 
     async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        self.post_until(batch, None).await
+    }
+
+    async fn post_reporting(
+        &self,
+        batch: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        self.post_until(batch, Some(sink)).await
+    }
+});
+
+impl Timeout {
+    /// Posts `batch` (reporting to `sink`, if any) and bounds it, waits included, by `limit`.
+    async fn post_until(
+        &self,
+        batch: &PreparedBatch,
+        sink: Option<CompletionSink>,
+    ) -> Result<Box<dyn InFlight>> {
         let deadline = Instant::now() + self.limit;
-        match tokio::time::timeout_at(deadline, self.inner.post(batch)).await {
+        let post = async {
+            match sink {
+                Some(s) => self.inner.post_reporting(batch, s).await,
+                None => self.inner.post(batch).await,
+            }
+        };
+        match tokio::time::timeout_at(deadline, post).await {
             Ok(inner) => Ok(Box::new(TimeoutInFlight {
                 inner: inner?,
                 deadline,
@@ -274,7 +323,7 @@ reshard_core::forward_transport!(Timeout => inner {
             Err(_) => Err(self.timed_out()),
         }
     }
-});
+}
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use reshard_core::{
-    Capability, Error, ErrorKind, InFlight, PreparedBatch, ReadBatch, Result, Transport, WireReport,
+    Capability, CompletionSink, Error, ErrorKind, InFlight, PreparedBatch, ReadBatch, Result,
+    Transport, WireReport,
 };
 
 use super::Layer;
@@ -69,6 +70,39 @@ impl InFlight for PartsInFlight {
 }
 
 impl PostLimit {
+    /// Posts every part of `batch`; with a sink, each part reports through it shifted by the
+    /// reads of the parts before it (parts are consecutive chunks of the batch).
+    async fn post_parts(
+        &self,
+        batch: &PreparedBatch,
+        sink: Option<CompletionSink>,
+    ) -> Result<Box<dyn InFlight>> {
+        let Some(Parts(parts)) = batch.state::<Parts>() else {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "a batch posted to the post-limit layer was not prepared through it",
+            )
+            .with_backend(self.inner.name()));
+        };
+        let mut posted = Vec::with_capacity(parts.len());
+        let mut base = 0;
+        for p in parts {
+            let r = match &sink {
+                Some(s) => self.inner.post_reporting(p, s.offset(base)).await,
+                None => self.inner.post(p).await,
+            };
+            base += p.batch().reads.len();
+            match r {
+                Ok(f) => posted.push(f),
+                Err(e) => {
+                    abort_all(posted).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Box::new(PartsInFlight(posted)))
+    }
+
     /// The inner transport's limit, refusing one that can accept nothing.
     fn limit(&self) -> Result<Option<usize>> {
         match self.inner.capabilities() {
@@ -111,24 +145,15 @@ reshard_core::forward_transport!(PostLimit => inner {
     }
 
     async fn post(&self, batch: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        let Some(Parts(parts)) = batch.state::<Parts>() else {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "a batch posted to the post-limit layer was not prepared through it",
-            )
-            .with_backend(self.inner.name()));
-        };
-        let mut posted = Vec::with_capacity(parts.len());
-        for p in parts {
-            match self.inner.post(p).await {
-                Ok(f) => posted.push(f),
-                Err(e) => {
-                    abort_all(posted).await;
-                    return Err(e);
-                }
-            }
-        }
-        Ok(Box::new(PartsInFlight(posted)))
+        self.post_parts(batch, None).await
+    }
+
+    async fn post_reporting(
+        &self,
+        batch: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        self.post_parts(batch, Some(sink)).await
     }
 });
 

@@ -9,6 +9,9 @@
 //! (the last one wins), never as concurrent writes to the same bytes. A disjoint batch is one
 //! wave and passes straight through.
 //!
+//! Completions are reported as they happen (`post_reporting`) for a batch of one wave only; a
+//! batch of several waves reports nothing and its caller learns completion at `wait`.
+//!
 //! In-flight rules (docs/in-flight-safety.md) hold by construction: at most one wave is posted
 //! at a time, `abort` and drop end it by the inner transport's rules, and no later wave is
 //! posted once `wait` has failed, `abort` was called or the handle was dropped.
@@ -16,7 +19,9 @@
 use std::sync::Arc;
 
 use reshard_core::overlap::{disjoint_waves, first_overlap};
-use reshard_core::{InFlight, PreparedBatch, ReadBatch, Result, Transport, WireReport};
+use reshard_core::{
+    CompletionSink, InFlight, PreparedBatch, ReadBatch, Result, Transport, WireReport,
+};
 
 use super::Layer;
 
@@ -108,6 +113,19 @@ reshard_core::forward_transport!(Waves => inner {
             current,
             next: 1,
         }))
+    }
+
+    async fn post_reporting(
+        &self,
+        batch: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        if batch.state::<Prepared>().is_none() {
+            // One wave: the inner transport's batch is this batch, read for read.
+            return self.inner.post_reporting(batch, sink).await;
+        }
+        // Waves reorder the batch's reads (and overlap): reported at `wait` only.
+        self.post(batch).await
     }
 });
 

@@ -13,16 +13,16 @@
 //! Split by concern: `options` ([`ReceiverOptions`] and the wire-leg layers it
 //! composes), `report` ([`UpdateReport`], [`StageTimes`]), `stage` ([`Staged`],
 //! [`RollbackReport`], apply and rollback), `banks` (buffers, registration,
-//! staging, read batches), `checks` (steps, incarnations, coverage), `reslice`, and `verify`
-//! (wire guards, digests). This file holds the [`Receiver`] and its pipeline.
+//! staging, read batches), `checks` (steps, incarnations, coverage), `reslice`, `verify`
+//! (wire guards, digests) and `landing` (verification and re-slice as the bytes land). This file holds the [`Receiver`] and its pipeline.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use reshard_core::{
-    dedup, keep_all, merge, table_geometry_key, DedupOptions, DedupReport, Error, ErrorKind,
-    HostBuffer, MergedTable, Plan, PreparedBatch, ReplicaGroups, Result, ShardTable, Transport,
-    WantedLayout, WireReport,
+    dedup, keep_all, merge, table_geometry_key, CompletionSink, DedupOptions, DedupReport, Error,
+    ErrorKind, HostBuffer, MergedTable, Plan, PreparedBatch, ReplicaGroups, Result, ShardTable,
+    Transport, WantedLayout, WireReport,
 };
 use reshard_planner::plan::plan;
 
@@ -30,6 +30,7 @@ use crate::layers;
 
 mod banks;
 mod checks;
+mod landing;
 mod options;
 mod report;
 mod reslice;
@@ -385,10 +386,50 @@ impl Receiver {
         let cached = prep.descriptors[bank]
             .as_ref()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
+        // The reshard arm verifies and re-slices as the bytes land; the baseline arm (no
+        // dedup, per-copy re-slice) keeps the order it measures: wire leg, re-slice, verify.
+        let overlap = self.opts.dedup && self.opts.batched_reslice && prep.plan.reslice_disjoint;
+        let landing = overlap.then(|| {
+            let verifier = landing::Verifier {
+                plan: prep.plan.clone(),
+                params: prep.banks[bank].params.clone(),
+                staging: prep.staging.clone(),
+                digests: if self.opts.verify_digests {
+                    verify::digests_of(tables)
+                } else {
+                    Default::default()
+                },
+                schedule: landing::Schedule::new(&prep.plan, self.opts.verify_digests),
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name("reshard-verify".into())
+                .spawn(move || verifier.run(rx));
+            (tx, thread)
+        });
+        let (tx, verifier) = match landing {
+            Some((tx, Ok(thread))) => (Some(tx), Some(thread)),
+            Some((_, Err(e))) => {
+                return Err(Error::new(
+                    ErrorKind::Internal,
+                    format!("cannot start the verifier thread: {e}"),
+                ))
+            }
+            None => (None, None),
+        };
         let wire_t0 = Instant::now();
         self.wire_leg_open = true;
-        let outcome = wire_leg(transport.as_ref(), &cached.batch).await;
+        let outcome = wire_leg(transport.as_ref(), &cached.batch, tx.clone()).await;
         self.wire_leg_open = false;
+        // The verifier only reads and re-slices buffers whose reads all reported; it is
+        // joined before this update returns either way, so no later update writes a bank
+        // it still reads.
+        let landed = verifier.map(|thread| {
+            if let Some(tx) = &tx {
+                let _ = tx.send(landing::Msg::End(outcome.is_ok()));
+            }
+            thread.join()
+        });
         let wire = match outcome {
             Ok(w) => w,
             Err(e) => {
@@ -415,20 +456,33 @@ impl Receiver {
         )?;
         tick(&mut st.wire);
 
-        run_reslices(
-            &prep.plan,
-            &prep.staging,
-            &prep.banks[bank].params,
-            self.opts.batched_reslice,
-        )?;
-        tick(&mut st.reslice);
-
-        let verdict = if self.opts.verify_digests {
-            verify::verify(&prep.plan, tables, &prep.banks[bank].params, &prep.staging)?
-        } else {
-            Verdict::default()
+        let (verdict, early) = match landed {
+            Some(joined) => {
+                let landed = joined.map_err(|_| {
+                    Error::new(ErrorKind::Internal, "the verifier thread panicked")
+                })??;
+                // What ran as the bytes landed is inside the wire leg; what was left after
+                // it (re-slices and checks of the last buffers) is timed as `verify`.
+                tick(&mut st.verify);
+                (landed.verdict, (landed.early_checks, landed.early_reslices))
+            }
+            None => {
+                run_reslices(
+                    &prep.plan,
+                    &prep.staging,
+                    &prep.banks[bank].params,
+                    self.opts.batched_reslice,
+                )?;
+                tick(&mut st.reslice);
+                let verdict = if self.opts.verify_digests {
+                    verify::verify(&prep.plan, tables, &prep.banks[bank].params, &prep.staging)?
+                } else {
+                    Verdict::default()
+                };
+                tick(&mut st.verify);
+                (verdict, (0, 0))
+            }
         };
-        tick(&mut st.verify);
 
         let e2e = t0.elapsed().as_secs_f64();
         let plan = &prep.plan;
@@ -450,6 +504,8 @@ impl Receiver {
             checks_passed: verdict.passed,
             checked_bytes: verdict.bytes,
             checks_without_digest: verdict.without_digest,
+            checks_while_on_wire: early.0,
+            reslices_while_on_wire: early.1,
             resliced_bytes: plan
                 .reslices
                 .iter()
@@ -495,8 +551,23 @@ impl Stopwatch {
 
 /// Posts the prepared batch and waits, through the receiver's stack of wire-leg policies
 /// (retries and the timeout are layers of the transport: [`crate::layers`]).
-async fn wire_leg(transport: &dyn Transport, batch: &PreparedBatch) -> Result<WireReport> {
-    transport.post(batch).await?.wait().await
+/// With `landed`, reads are reported to it as they complete.
+async fn wire_leg(
+    transport: &dyn Transport,
+    batch: &PreparedBatch,
+    landed: Option<std::sync::mpsc::Sender<landing::Msg>>,
+) -> Result<WireReport> {
+    let flight = match landed {
+        Some(tx) => {
+            let sink = CompletionSink::new(move |i| {
+                // The verifier may have stopped (a check failed): nothing listens any more.
+                let _ = tx.send(landing::Msg::Read(i));
+            });
+            transport.post_reporting(batch, sink).await?
+        }
+        None => transport.post(batch).await?,
+    };
+    flight.wait().await
 }
 
 /// Names the tensor of a failed read, found from the owner and byte range the backend reported.

@@ -22,11 +22,14 @@ pub struct StageTimes {
     pub descriptor_build: f64,
     /// The wire leg: post all owners, await all, ceiling guard.
     pub wire: f64,
-    /// Re-slicing full pulls into parameters.
+    /// Re-slicing full pulls into parameters (after the wire leg: the baseline arm; the
+    /// reshard arm re-slices as the bytes land, inside `wire`, and what is left after it is
+    /// timed in `verify`).
     pub reslice: f64,
     /// Swapping the new weights in.
     pub install: f64,
-    /// Digest verification (the coverage gate runs in `register`).
+    /// Digest verification (the coverage gate runs in `register`); in the reshard arm, the
+    /// checks and re-slices left after the wire leg (the rest ran as the bytes landed).
     pub verify: f64,
 }
 
@@ -120,6 +123,11 @@ pub struct UpdateReport {
     pub checks_without_digest: u64,
     /// Bytes the re-slice stage wrote into parameters (the re-slice rate's numerator).
     pub resliced_bytes: u64,
+    /// Digest checks run while the wire leg was still in flight, as their bytes landed (the
+    /// reshard arm; 0 in the baseline arm, which verifies after the wire leg).
+    pub checks_while_on_wire: u64,
+    /// Re-slices run while the wire leg was still in flight (as `checks_while_on_wire`).
+    pub reslices_while_on_wire: u64,
 }
 
 impl UpdateReport {

@@ -122,71 +122,109 @@ pub(super) struct Verdict {
     pub(super) without_digest: u64,
 }
 
+impl Verdict {
+    /// Adds the outcome of one check: `Some(bytes)` hashed and matched, `None` no digest.
+    pub(super) fn add(&mut self, checked: Option<u64>) {
+        match checked {
+            Some(len) => {
+                self.passed += 1;
+                self.bytes += len;
+            }
+            None => self.without_digest += 1,
+        }
+    }
+}
+
+/// This step's digests per offer, `(owner, region, offset)`, straight from the tables (the
+/// cached merged view has old ones); owned, so a check can run on another thread while the
+/// wire leg goes on.
+pub(super) type Digests = FxHashMap<(OwnerId, u64, u64), (Option<Digest>, Option<PartDigests>)>;
+
+/// The digests of `tables` (see [`Digests`]).
+pub(super) fn digests_of(tables: &[ShardTable]) -> Digests {
+    let mut offers = Digests::default();
+    for t in tables {
+        for o in &t.offers {
+            offers.insert(
+                (t.publisher.rank, o.location.region, o.location.offset),
+                (o.digest, o.parts.clone()),
+            );
+        }
+    }
+    offers
+}
+
+/// Runs check `c` over `buf` (its destination): `Some(bytes)` when its bytes hash to the
+/// publisher's digest, `None` when the publisher sent none, a `Verification` error naming
+/// tensor, owner and byte range when they differ.
+pub(super) fn run_check(
+    plan: &Plan,
+    digests: &Digests,
+    c: &DigestCheck,
+    buf: &HostBuffer,
+    fold: &mut SegmentFold,
+) -> Result<Option<u64>> {
+    let offer = digests.get(&(c.owner, c.src_region, c.src_offset));
+    let parts = offer.and_then(|(_, p)| p.as_ref());
+    let Some(want) = Want::of(c, offer.and_then(|(d, _)| *d), parts) else {
+        return Ok(None);
+    };
+    let bytes = buf.read();
+    gather_fold(&bytes, c, fold).ok_or_else(|| {
+        Error::new(ErrorKind::Internal, "digest check outside its buffer")
+            .with_tensor(plan.tensors[c.tensor as usize].clone())
+    })?;
+    let (ok, got, want) = want.compare(fold);
+    if !ok {
+        let what = match c.part {
+            CheckedPart::Whole => "the offer".to_string(),
+            CheckedPart::Chunk(k) => format!("row chunk {k} of the offer"),
+            CheckedPart::Block(j) => format!("column block {j} of the offer"),
+        };
+        return Err(Error::new(
+            ErrorKind::Verification,
+            format!(
+                "received bytes of {what} hash to {got}.. but the publisher's digest is \
+                 {want}..; live weights left untouched"
+            ),
+        )
+        .with_tensor(plan.tensors[c.tensor as usize].clone())
+        .with_owner(c.owner)
+        .with_range(checked_source_range(c, parts)));
+    }
+    Ok(Some(c.bytes()))
+}
+
+/// The destination buffer of `dst`.
+pub(super) fn dest<'a>(
+    dst: Dest,
+    params: &'a [Arc<HostBuffer>],
+    staging: &'a [Arc<HostBuffer>],
+) -> &'a HostBuffer {
+    match dst {
+        Dest::Param(i) => &params[i as usize],
+        Dest::Staging(i) => &staging[i as usize],
+    }
+}
+
+/// Every check of `plan`, after the wire leg and the re-slice (the baseline arm's order).
 pub(super) fn verify(
     plan: &Plan,
     tables: &[ShardTable],
     params: &[Arc<HostBuffer>],
     staging: &[Arc<HostBuffer>],
 ) -> Result<Verdict> {
-    // This step's digests, straight from the tables (the cached merged view has old ones).
-    type Digests<'a> = (Option<Digest>, Option<&'a PartDigests>);
-    let mut offers: FxHashMap<(OwnerId, u64, u64), Digests<'_>> = FxHashMap::default();
-    for t in tables {
-        for o in &t.offers {
-            offers.insert(
-                (t.publisher.rank, o.location.region, o.location.offset),
-                (o.digest, o.parts.as_ref()),
-            );
-        }
-    }
+    let digests = digests_of(tables);
     let results: Vec<Result<Option<u64>>> = plan
         .checks
         .par_iter()
         .map_init(SegmentFold::new, |fold, c| {
-            let offer = offers.get(&(c.owner, c.src_region, c.src_offset));
-            let parts = offer.and_then(|(_, p)| *p);
-            let Some(want) = Want::of(c, offer.and_then(|(d, _)| *d), parts) else {
-                return Ok(None);
-            };
-            let buf = match c.dst {
-                Dest::Param(i) => &params[i as usize],
-                Dest::Staging(i) => &staging[i as usize],
-            };
-            let bytes = buf.read();
-            gather_fold(&bytes, c, fold).ok_or_else(|| {
-                Error::new(ErrorKind::Internal, "digest check outside its buffer")
-                    .with_tensor(plan.tensors[c.tensor as usize].clone())
-            })?;
-            let (ok, got, want) = want.compare(fold);
-            if !ok {
-                let what = match c.part {
-                    CheckedPart::Whole => "the offer".to_string(),
-                    CheckedPart::Chunk(k) => format!("row chunk {k} of the offer"),
-                    CheckedPart::Block(j) => format!("column block {j} of the offer"),
-                };
-                return Err(Error::new(
-                    ErrorKind::Verification,
-                    format!(
-                        "received bytes of {what} hash to {got}.. but the publisher's digest is \
-                         {want}..; live weights left untouched"
-                    ),
-                )
-                .with_tensor(plan.tensors[c.tensor as usize].clone())
-                .with_owner(c.owner)
-                .with_range(checked_source_range(c, parts)));
-            }
-            Ok(Some(c.bytes()))
+            run_check(plan, &digests, c, dest(c.dst, params, staging), fold)
         })
         .collect();
     let mut v = Verdict::default();
     for r in results {
-        match r? {
-            Some(len) => {
-                v.passed += 1;
-                v.bytes += len;
-            }
-            None => v.without_digest += 1,
-        }
+        v.add(r?);
     }
     Ok(v)
 }

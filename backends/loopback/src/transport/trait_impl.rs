@@ -4,8 +4,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use reshard_core::{prepared, regions};
 use reshard_core::{
-    Capability, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId, PreparedBatch,
-    ReadBatch, Registration, Result, Transport,
+    Capability, CompletionSink, Countdown, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock,
+    OwnerId, PreparedBatch, ReadBatch, Registration, Result, Transport,
 };
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -170,6 +170,30 @@ impl Transport for LoopbackTransport {
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+        self.post_with(prepared, None)
+    }
+
+    async fn post_reporting(
+        &self,
+        prepared: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        self.post_with(prepared, Some(sink))
+    }
+
+    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
+        *self.log.write() = log;
+        true
+    }
+}
+
+impl LoopbackTransport {
+    /// Posts `prepared`, reporting each read to `sink` once its last byte has landed.
+    fn post_with(
+        &self,
+        prepared: &PreparedBatch,
+        sink: Option<CompletionSink>,
+    ) -> Result<Box<dyn InFlight>> {
         let st = prepared::own_state::<Arc<Prepared>>(
             SCHEME,
             prepared,
@@ -190,6 +214,10 @@ impl Transport for LoopbackTransport {
             dsts,
             abort: Arc::new(AtomicBool::new(false)),
             gate: Arc::default(),
+            completions: sink.map(|sink| {
+                let lens = prepared.batch().reads.iter().map(|r| r.len);
+                (sink, Countdown::new(lens))
+            }),
             #[cfg(feature = "fault-injection")]
             skip_read: skip,
             #[cfg(test)]
@@ -197,10 +225,5 @@ impl Transport for LoopbackTransport {
         };
         tracing::trace!(agent = %self.agent.name, jobs = st.work.len(), "loopback post");
         Ok(Box::new(copy::start(&pool, ctx)))
-    }
-
-    fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
-        *self.log.write() = log;
-        true
     }
 }

@@ -31,7 +31,7 @@ use crate::options::NixlOptions;
 use crate::{quarantine, runtime, SCHEME};
 
 use peers::Peer;
-pub(crate) use prepared::{Prepared, IDLE, QUARANTINED};
+pub(crate) use prepared::{Group, Prepared, IDLE, QUARANTINED};
 use regions::Local;
 
 /// A NIXL endpoint: one agent (with its plugin backend) and the regions and peers it knows.

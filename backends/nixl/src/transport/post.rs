@@ -1,6 +1,8 @@
 //! `post`: takes a prepared batch out of `IDLE` after re-checking it, and starts it.
 
-use reshard_core::{prepared, Error, ErrorKind, InFlight, PreparedBatch, Result};
+use reshard_core::{
+    prepared, CompletionSink, Countdown, Error, ErrorKind, InFlight, PreparedBatch, Result,
+};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -10,8 +12,12 @@ use crate::xfer::NixlInFlight;
 use crate::{quarantine, SCHEME};
 
 impl NixlTransport {
-    /// [`reshard_core::Transport::post`].
-    pub(super) async fn post_batch(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
+    /// [`reshard_core::Transport::post`], and with a sink `post_reporting`.
+    pub(super) async fn post_batch(
+        &self,
+        prepared: &PreparedBatch,
+        sink: Option<CompletionSink>,
+    ) -> Result<Box<dyn InFlight>> {
         let p = prepared::own_state::<Arc<Prepared>>(
             SCHEME,
             prepared,
@@ -85,7 +91,13 @@ impl NixlTransport {
                 .set_retryable(true));
             }
         }
-        let flight = NixlInFlight::start(Arc::clone(p)).await?;
+        let sink = sink.map(|s| {
+            (
+                s,
+                Countdown::new(prepared.batch().reads.iter().map(|r| r.len)),
+            )
+        });
+        let flight = NixlInFlight::start(Arc::clone(p), sink).await?;
         Ok(Box::new(flight))
     }
 }

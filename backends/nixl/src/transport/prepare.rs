@@ -225,6 +225,7 @@ impl NixlTransport {
                         g.local_ix.push(li);
                         g.remote_ix.push(mi);
                         g.read_len.push(read_len);
+                        g.pieces.push((i as u32, n));
                         g.ends += ends;
                         g.bytes += n;
                     }
@@ -236,6 +237,7 @@ impl NixlTransport {
                         remote_ix: vec![mi],
                         read_len: vec![read_len],
                         ends,
+                        pieces: vec![(i as u32, n)],
                         range: r.remote_range.clone(),
                         bytes: n,
                     }),

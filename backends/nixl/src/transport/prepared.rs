@@ -28,6 +28,9 @@ pub(crate) struct Group {
     pub(super) read_len: Vec<u64>,
     /// Reads whose last piece this request carries: what its completion adds to the count.
     pub(super) ends: u64,
+    /// Per piece: `(index of its read in the batch, bytes)`, to report a read complete when
+    /// the request landing its last byte ends (requests of one read may end in any order).
+    pub(crate) pieces: Vec<(u32, u64)>,
     /// Remote byte range of its first read, for errors.
     pub(crate) range: Range<u64>,
     /// Bytes its pieces move (at most the request size).

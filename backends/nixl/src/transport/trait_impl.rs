@@ -4,8 +4,8 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 use reshard_core::{
-    Capability, ExecutionLog, InFlight, MemoryBlock, OwnerId, PreparedBatch, ReadBatch,
-    Registration, Result, Transport,
+    Capability, CompletionSink, ExecutionLog, InFlight, MemoryBlock, OwnerId, PreparedBatch,
+    ReadBatch, Registration, Result, Transport,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -91,7 +91,15 @@ impl Transport for NixlTransport {
     }
 
     async fn post(&self, prepared: &PreparedBatch) -> Result<Box<dyn InFlight>> {
-        self.post_batch(prepared).await
+        self.post_batch(prepared, None).await
+    }
+
+    async fn post_reporting(
+        &self,
+        prepared: &PreparedBatch,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn InFlight>> {
+        self.post_batch(prepared, Some(sink)).await
     }
 
     fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use reshard_core::{Error, ErrorKind, OwnerId, ReadBatch, WireReport};
+use reshard_core::{CompletionSink, Error, ErrorKind, OwnerId, ReadBatch, WireReport};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
 use super::mailbox::{BatchHold, Cmd};
@@ -38,6 +38,7 @@ pub(super) struct DeferredPost {
     signal: BatchHold,
     pub(super) ack: Reply<()>,
     done: Reply<WireReport>,
+    sink: Option<CompletionSink>,
 }
 
 impl Engine {
@@ -187,6 +188,7 @@ impl Engine {
                 signal,
                 ack,
                 done,
+                sink,
             } => {
                 if let Some(owners) = self.prepared.get(&prepared).map(|e| e.owners.clone()) {
                     self.reconnect_lost(&owners);
@@ -197,6 +199,7 @@ impl Engine {
                     signal,
                     ack,
                     done,
+                    sink,
                 };
                 if self.blocked_by_connect(d.prepared) {
                     self.deferred.push(d);
@@ -263,6 +266,7 @@ impl Engine {
             signal,
             ack,
             done,
+            sink,
         } = d;
         if ack.is_closed() || signal.stopping() {
             // The post was given up, or its handle dropped, before it started: start nothing
@@ -274,7 +278,7 @@ impl Engine {
             .with_backend(SCHEME)));
             return;
         }
-        let _ = ack.send(self.post(prepared, batch, signal, done));
+        let _ = ack.send(self.post(prepared, batch, signal, done, sink));
     }
 
     /// Resolves the deferred prepares, then starts the deferred posts, whose endpoints are

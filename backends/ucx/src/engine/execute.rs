@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use reshard_core::contract::span;
-use reshard_core::{Error, ErrorKind, ExecutionLog, OwnerId, ReadBatch, Result, WireReport};
+use reshard_core::{
+    CompletionSink, Error, ErrorKind, ExecutionLog, OwnerId, ReadBatch, Result, WireReport,
+};
 
 use super::mailbox::BatchHold;
 use super::resolve::Resolved;
@@ -50,6 +52,8 @@ pub(super) struct Running {
     pub(super) log: Option<Arc<ExecutionLog>>,
     /// Test-only: the read this post skips (never issued, copied, counted or recorded).
     skip: Option<u32>,
+    /// Where reads are reported once their last piece completed (`Transport::post_reporting`).
+    sink: Option<CompletionSink>,
 }
 
 impl Running {
@@ -65,17 +69,21 @@ impl Running {
             return;
         };
         self.counted.bytes += op.len as u64;
-        if self.left.is_empty() {
-            self.counted.reads += 1;
-        } else if let Some(l) = self
-            .res
-            .op_read
-            .get(piece as usize)
-            .and_then(|&r| self.left.get_mut(r as usize))
-        {
+        let read = self.res.op_read.get(piece as usize).copied();
+        let whole = if self.left.is_empty() {
+            true
+        } else if let Some(l) = read.and_then(|r| self.left.get_mut(r as usize)) {
             *l -= 1;
-            if *l == 0 {
-                self.counted.reads += 1;
+            *l == 0
+        } else {
+            false
+        };
+        if whole {
+            self.counted.reads += 1;
+            // Only while the batch is unanswered: once `done` is taken (answered, or handed
+            // to quarantine) the batch has ended and reports nothing more.
+            if let (Some(sink), Some(r), true) = (&self.sink, read, self.done.is_some()) {
+                sink.complete(r as usize);
             }
         }
     }
@@ -152,6 +160,7 @@ impl Engine {
         batch: u64,
         signal: BatchHold,
         done: Reply<WireReport>,
+        sink: Option<CompletionSink>,
     ) -> Result<()> {
         let (batch_arc, cached) = {
             let entry = self.prepared.get(&prepared).ok_or_else(|| {
@@ -217,6 +226,7 @@ impl Engine {
             left,
             log: self.opts.log.lock().clone(),
             skip,
+            sink,
             id: batch,
             res,
             batch: batch_arc,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
-use reshard_core::{MemoryBlock, OwnerId, ReadBatch, WireReport};
+use reshard_core::{CompletionSink, MemoryBlock, OwnerId, ReadBatch, WireReport};
 
 use super::Reply;
 use crate::meta::EndpointMeta;
@@ -48,6 +48,8 @@ pub(crate) enum Cmd {
         signal: BatchHold,
         ack: Reply<()>,
         done: Reply<WireReport>,
+        /// Where its reads are reported as they complete (`Transport::post_reporting`).
+        sink: Option<CompletionSink>,
     },
     /// End `batch` as abort does: stop issuing and copying, force-close the endpoints its
     /// gets are outstanding on and answer `done` (and signal quiet) once none is left, or
