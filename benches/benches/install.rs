@@ -41,6 +41,8 @@ fn options(batched_reslice: bool, cache_descriptors: bool) -> ReceiverOptions {
         // Verification neither reads nor writes what these benches time; off, each update is
         // shorter and the run is faster.
         verify_digests: false,
+        // The re-slice as a stage of its own (as the landed bytes come in it has none).
+        verify_while_landing: false,
         ..ReceiverOptions::default()
     }
 }

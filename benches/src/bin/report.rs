@@ -150,9 +150,16 @@ async fn rig_figures(layers: u64, experts: u64, updates: u64) -> Result<RigFigur
         e2e.push(r.e2e_s);
         attr.push(r.attribution);
         cached.push(r.stages.descriptor_build);
-        batched.push(r.stages.reslice);
         wire_bytes = r.wire_bytes;
         reads = r.plan.reads;
+        // The batched re-slice as a stage of its own: by default it runs as the bytes land
+        // and has none.
+        rig.receiver.set_options(ReceiverOptions {
+            verify_while_landing: false,
+            ..ReceiverOptions::default()
+        });
+        let r = rig.receiver.update(&tables).await?;
+        batched.push(r.stages.reslice);
         rig.receiver.set_options(ReceiverOptions {
             batched_reslice: false,
             cache_descriptors: false,

@@ -388,7 +388,10 @@ impl Receiver {
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         // The reshard arm verifies and re-slices as the bytes land; the baseline arm (no
         // dedup, per-copy re-slice) keeps the order it measures: wire leg, re-slice, verify.
-        let overlap = self.opts.dedup && self.opts.batched_reslice && prep.plan.reslice_disjoint;
+        let overlap = self.opts.verify_while_landing
+            && self.opts.dedup
+            && self.opts.batched_reslice
+            && prep.plan.reslice_disjoint;
         let landing = overlap.then(|| {
             let verifier = landing::Verifier {
                 plan: prep.plan.clone(),

@@ -30,6 +30,11 @@ pub struct ReceiverOptions {
     pub batched_reslice: bool,
     /// Reuse descriptors across updates (false: rebuild every update, the baseline).
     pub cache_descriptors: bool,
+    /// Run digest checks and re-slices as the bytes land, while the rest of the batch is on
+    /// the wire (where the plan allows it: dedup, batched re-slice, disjoint re-slices); false:
+    /// after the wire leg, in stages of their own (the baseline's order, and what a benchmark
+    /// of the re-slice stage alone measures).
+    pub verify_while_landing: bool,
     /// Times a wire leg failing with a retryable error is posted again (reads only write the
     /// bank that is not live, so repeating them is safe).
     /// (the receiver's [`RetryLayer`]).
@@ -52,6 +57,7 @@ impl Default for ReceiverOptions {
             min_coverage: None,
             batched_reslice: true,
             cache_descriptors: true,
+            verify_while_landing: true,
             retries: 0,
             retry_backoff: Duration::from_millis(20),
             wire_timeout: None,
