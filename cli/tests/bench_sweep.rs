@@ -6,13 +6,19 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn reshard(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_reshard"))
-        .args(args)
+    reshard_env(args, &[])
+}
+
+fn reshard_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_reshard"));
+    c.args(args)
         .env_remove("RESHARD_CONFIG")
         .env_remove("RESHARD_TRANSPORT__KIND")
-        .current_dir(env!("CARGO_TARGET_TMPDIR"))
-        .output()
-        .expect("run reshard")
+        .current_dir(env!("CARGO_TARGET_TMPDIR"));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run reshard")
 }
 
 fn json(out: &Output) -> Value {
@@ -209,6 +215,51 @@ fn transport_all_runs_every_registered_backend() {
         // backend reaches one.
         assert_eq!(r["publisher_process"], crosses, "{scheme}");
     }
+}
+
+#[test]
+fn transport_all_names_a_backend_whose_runtime_is_missing_and_runs_the_rest() {
+    let schemes = reshard_transports::registry().schemes();
+    if !schemes.contains(&"nixl") {
+        eprintln!("SKIPPED: this build registers no nixl backend to take away");
+        return;
+    }
+    let nowhere = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("no-nixl-here");
+    let v = json(&reshard_env(
+        &[
+            "bench",
+            "--transport",
+            "all",
+            "--layers",
+            "1",
+            "--experts",
+            "8",
+            "--vocab",
+            "4096",
+            "--updates",
+            "1",
+            "--arms",
+            "reshard",
+            "--json",
+        ],
+        &[("RESHARD_NIXL_HOME", nowhere.to_str().expect("utf-8 path"))],
+    ));
+    let skipped = v["skipped"].as_array().expect("skipped");
+    assert_eq!(skipped.len(), 1, "{v}");
+    assert_eq!(skipped[0]["transport"], "nixl");
+    let reason = skipped[0]["reason"].as_str().expect("reason");
+    assert!(reason.contains("RESHARD_NIXL_HOME"), "{reason}");
+    let ran: Vec<&str> = v["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .filter_map(|r| r["transport"].as_str())
+        .collect();
+    assert!(
+        !ran.contains(&"nixl") && ran.contains(&"loopback"),
+        "{ran:?}"
+    );
+    assert_eq!(v["verified"], true);
 }
 
 #[test]
