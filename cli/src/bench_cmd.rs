@@ -280,6 +280,10 @@ fn arm_json(name: &str, s: &ArmSummary, memcpy: f64, verified: bool) -> serde_js
         "resliced_bytes": s.resliced_bytes,
         "reslice_gbytes_per_s": s.reslice_gbps,
         "reslice_fraction_of_memcpy": if memcpy > 0.0 { s.reslice_gbps / memcpy } else { 0.0 },
+        // Work done as the bytes landed, inside the wire leg (issue 29): the re-slice stage is
+        // then 0 and so are its rates.
+        "checks_while_on_wire": s.checks_on_wire,
+        "reslices_while_on_wire": s.reslices_on_wire,
         "median_stages_s": stages,
         "checked_bytes": s.checked,
         "median_verify_s": stage(s, "verify"),

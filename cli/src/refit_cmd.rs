@@ -306,8 +306,13 @@ pub(crate) struct ArmSummary {
     pub checked: u64,
     /// Bytes the re-slice stage wrote, all ranks (last update).
     pub resliced_bytes: u64,
-    /// Re-sliced bytes over the median re-slice stage (GB/s; 0 without re-slices).
+    /// Re-sliced bytes over the median re-slice stage (GB/s; 0 without re-slices, and 0 where
+    /// the re-slices ran as the bytes landed: then they have no stage of their own).
     pub reslice_gbps: f64,
+    /// Digest checks run while the wire leg was in flight, all ranks (last update).
+    pub checks_on_wire: u64,
+    /// Re-slices run while the wire leg was in flight, all ranks (last update).
+    pub reslices_on_wire: u64,
     /// Per rank.
     pub ranks: Vec<RankSummary>,
 }
@@ -387,6 +392,8 @@ pub(crate) fn summarize(run: &RigRun, updates: u32) -> ArmSummary {
         reads: last.iter().map(|r| r.plan.reads).sum(),
         coalesced: last.iter().map(|r| r.plan.coalesced_reads).sum(),
         checked: last.iter().map(|r| r.checked_bytes).sum(),
+        checks_on_wire: last.iter().map(|r| r.checks_while_on_wire).sum(),
+        reslices_on_wire: last.iter().map(|r| r.reslices_while_on_wire).sum(),
         med_stages,
         med_e2e,
         e2e_min_max,
