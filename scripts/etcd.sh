@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A private etcd for tests, CI and the README's multi-process run: on 127.0.0.1, free ports,
+# A private etcd for tests, CI and the multi-process run of docs/cli.md: on 127.0.0.1, free ports,
 # data dirs of its own, never the packaged service (etcd-server, from scripts/install-deps.sh).
 # One member, or a real Raft cluster of N members on this machine (docs/deployment.md, "An etcd
 # cluster"), so leader elections and a lost member can be rehearsed.

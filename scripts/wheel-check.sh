@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The Python package as a user installs it (docs/python.md, "Installing"): built as a wheel
+# The Python package as a user installs it (python/README.md, "Installing"): built as a wheel
 # (maturin), installed with its `nixl` extra into a fresh virtualenv, then used from a shell that
 # has no cargo, no Rust toolchain and no build tree on its PATH or in its environment:
-#   1. the README's Python example (the block after "The examples in `examples/python/`", minus
+#   1. python/README.md's example (the block after "The examples in `examples/python/`", minus
 #      its install line, run with the fresh virtualenv's python);
 #   2. a nixl transport made from the installed package, which must load the NIXL runtime from
 #      the nixl-cu12 package installed in that virtualenv (read off /proc/self/maps), never from
@@ -35,10 +35,10 @@ if "${clean[@]}" bash -c 'command -v cargo || command -v rustc'; then
     exit 1
 fi
 
-echo "== wheel: the README's Python example, from the installed package"
+echo "== wheel: python/README.md's example, from the installed package"
 example=$("$python" - "$work/venv/bin/python" <<'EOF'
 import re, sys
-text = open("README.md").read()
+text = open("python/README.md").read()
 at = text.index("The examples in `examples/python/`")
 block = re.search(r"```sh\n(.*?)```", text[at:], re.S).group(1).splitlines()
 assert block[0].startswith("scripts/install-deps.sh"), block[0]
@@ -69,4 +69,4 @@ for lib in libs:
     assert lib.startswith(venv + "/"), f"NIXL runtime loaded from {lib}, not from {venv}"
 print(f"NIXL runtime: {libs[0]}")
 EOF
-echo "wheel-check: the wheel installs without cargo, runs the README example, finds NIXL in its venv"
+echo "wheel-check: the wheel installs without cargo, runs the python/README.md example, finds NIXL in its venv"

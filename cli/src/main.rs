@@ -43,6 +43,9 @@ enum Command {
     Soak(soak_cmd::SoakArgs),
     /// List the model presets.
     Presets(PresetsArgs),
+    /// List the transports built into this binary (the registry), whether each runtime is
+    /// usable here, and each one's capabilities.
+    Transports(TransportsArgs),
     /// Write a Hugging Face-style safetensors checkpoint of a preset (deployment trials).
     Checkpoint(checkpoint_cmd::CheckpointArgs),
     /// Serve one publisher rank's shard of a checkpoint through a rendezvous until SIGTERM.
@@ -135,6 +138,67 @@ fn presets(args: PresetsArgs) -> reshard_core::Result<Outcome> {
     Ok(Outcome(true))
 }
 
+#[derive(Args)]
+struct TransportsArgs {
+    /// Print JSON: `[{"transport","usable","reason","capabilities"}]`, in registration order.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Every registered transport, probed, with its capabilities (`reshard_transports::available`).
+fn transports(args: TransportsArgs) -> reshard_core::Result<Outcome> {
+    let rows: Vec<serde_json::Value> = reshard_transports::available()
+        .into_iter()
+        .map(|a| match a.capabilities {
+            Ok(c) => serde_json::json!({
+                "transport": a.scheme,
+                "usable": true,
+                "reason": null,
+                "capabilities": {
+                    "one_sided_read": c.one_sided_read,
+                    "one_sided_write": c.one_sided_write,
+                    "vram": c.vram,
+                    "cross_process": c.cross_process,
+                    "max_reads_per_post": c.max_reads_per_post,
+                },
+            }),
+            Err(e) => serde_json::json!({
+                "transport": a.scheme,
+                "usable": false,
+                "reason": e.to_string(),
+                "capabilities": null,
+            }),
+        })
+        .collect();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).unwrap_or_default()
+        );
+        return Ok(Outcome(true));
+    }
+    for r in &rows {
+        let name = r["transport"].as_str().unwrap_or_default();
+        if r["usable"] == true {
+            let c = &r["capabilities"];
+            let mut has: Vec<&str> = ["one_sided_read", "one_sided_write", "vram", "cross_process"]
+                .into_iter()
+                .filter(|k| c[*k] == true)
+                .collect();
+            if has.is_empty() {
+                has.push("-");
+            }
+            println!("{name:<10} usable       {}", has.join(","));
+        } else {
+            println!(
+                "{name:<10} unavailable  {}",
+                r["reason"].as_str().unwrap_or_default()
+            );
+        }
+    }
+    Ok(Outcome(true))
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -147,6 +211,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => plan_cmd::run(a),
         Command::Presets(a) => presets(a),
+        Command::Transports(a) => transports(a),
         Command::Checkpoint(a) => checkpoint_cmd::run(a),
         Command::Publish(a) => publish_cmd::run(a),
         Command::Receive(a) => receive_cmd::run(a),

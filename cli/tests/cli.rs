@@ -329,6 +329,44 @@ fn presets_lists_both_models_with_sources() {
         .all(|p| !p["source"].as_str().unwrap().is_empty()));
 }
 
+/// `reshard transports --json` is the registry, in its order, each probed: docs and tests take
+/// their backend lists from it.
+#[test]
+fn transports_lists_the_registry_with_each_backends_own_capabilities() {
+    let v = json(&reshard(&["transports", "--json"], &[]));
+    let rows = v.as_array().expect("a list");
+    let registry = reshard_transports::registry();
+    let names: Vec<&str> = rows
+        .iter()
+        .filter_map(|r| r["transport"].as_str())
+        .collect();
+    assert_eq!(names, registry.schemes());
+    for r in rows {
+        let scheme = r["transport"].as_str().unwrap();
+        let usable = registry.probe(scheme).is_ok();
+        assert_eq!(r["usable"], usable, "{r}");
+        if usable {
+            let made = registry
+                .create_default(scheme, "test")
+                .unwrap()
+                .capabilities();
+            assert_eq!(
+                r["capabilities"]["cross_process"], made.cross_process,
+                "{r}"
+            );
+            assert_eq!(r["capabilities"]["one_sided_read"], true, "{r}");
+        } else {
+            assert!(!r["reason"].as_str().unwrap_or_default().is_empty(), "{r}");
+        }
+    }
+    // loopback's "network" is one process; every other backend here reaches other processes.
+    assert_eq!(rows[0]["capabilities"]["cross_process"], false);
+    let text = String::from_utf8(reshard(&["transports"], &[]).stdout).unwrap();
+    for n in &names {
+        assert!(text.lines().any(|l| l.starts_with(n)), "{n} in {text}");
+    }
+}
+
 #[test]
 fn table_round_trips_through_binary_and_rejects_garbage() {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-table");
@@ -655,7 +693,7 @@ fn available(backend: &str) -> bool {
     reshard_conformance::backend_available(backend, probe)
 }
 
-/// `reshard refit --transport <backend> --publisher-process process`, as the README runs it
+/// `reshard refit --transport <backend> --publisher-process process`, as docs/cli.md runs it
 /// (scaled down), with the suite's variables set: verified byte-exact, every wire byte
 /// digest-checked, the publishers really in another process.
 fn refit_in_another_process(backend: &str) {

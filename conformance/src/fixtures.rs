@@ -43,7 +43,7 @@ impl Harness {
 
     /// Marks `check` as failing on this backend for `reason` (an open defect): the check must
     /// then fail, and the test fails the day it passes, so the mark cannot outlive the defect.
-    /// Marks are listed in the README's conformance section.
+    /// Marks are listed in conformance/README.md, "What the suite proves".
     pub fn with_known_defect(mut self, check: &str, reason: &str) -> Self {
         self.known_defects.push((check.into(), reason.into()));
         self

@@ -3,7 +3,7 @@ naming: qkv_proj, gate_up_proj, experts w13/w2) and, between generation calls, a
 hook refits them from the trainers with reshard. A vLLM integration hooks in the same way:
 hand reshard the model's named parameters once, call the hook between batches.
 
-Two installs (docs/python.md): "copy" refits the engine's own arrays in place (reshard copies the
+Two installs (python/README.md): "copy" refits the engine's own arrays in place (reshard copies the
 verified step into them); "swap" copies nothing: the hook re-points each named parameter to a
 read-only array over reshard's buffer of the new step (in torch: ``param.data =
 torch.from_numpy(array)``), and drops the old arrays, which reshard reuses two refits later.

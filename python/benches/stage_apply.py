@@ -1,4 +1,4 @@
-"""What apply and rollback cost (docs/python.md, "Stage, apply, roll back"), per install: the
+"""What apply and rollback cost (python/README.md, "Stage, apply, roll back"), per install: the
 rig of refit_overhead.py (publishers and receiver rank 0 in this process, in-process
 rendezvous), a copy-install and a swap-install receiver side by side. Each round the publishers
 advance; each receiver stages the new step (timed, not the subject), applies it, re-points (swap:

@@ -26,7 +26,7 @@ Every failure is a ``reshard.ReshardError`` subclass named after its kind (``res
 weights untouched: the new weights land in reshard's own buffers and are verified against the
 publishers' digests; only then are they copied into the engine's arrays (``install="copy"``,
 ``report.copy_s``), or, with ``install="swap"``, handed to the engine as read-only arrays over
-reshard's buffers (:meth:`Receiver.weights`), copying nothing (docs/python.md).
+reshard's buffers (:meth:`Receiver.weights`), copying nothing (python/README.md).
 The GIL is released while a refit plans, moves bytes and verifies; Ctrl-C cancels it safely.
 """
 
@@ -109,6 +109,7 @@ __all__ = [
     "model_config",
     "receiver_params",
     "publisher_tensors",
+    "transports",
     "numpy_dtype",
     "ReshardError",
     "Aborted",
@@ -357,6 +358,18 @@ def publisher_tensors(model: Model, topology: Union[str, Mapping[str, int]], ran
     the rank's box of the global tensor, starting at ``offset`` in global coordinates."""
     rows = _reshard.publisher_tensors(_model_json(model), _pairs(topology), rank)
     return {name: (tuple(offset), tuple(shape), dtype) for name, dtype, offset, shape in rows}
+
+
+def transports() -> list:
+    """Every transport built into this package, in registry order: ``[{"transport", "usable",
+    "reason", "cross_process"}]``. ``usable`` says whether its runtime loads here (``reason``
+    says why not); ``cross_process`` whether its peers may live in other processes (the
+    backend's own word). Tests and tools take backends from here, never from a list by hand."""
+    return [
+        {"transport": scheme, "usable": reason is None, "reason": reason,
+         "cross_process": cross}
+        for scheme, reason, cross in _reshard.transports()
+    ]
 
 
 class Publisher:
@@ -682,7 +695,7 @@ class Receiver:
         dtypes = {name: dtype for name, _, dtype, _ in rows}
         out = {}
         with warnings.catch_warnings():
-            # Read-only by design (docs/python.md, swap install rule 5).
+            # Read-only by design (python/README.md, swap install rule 5).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             for name, a in arrays.items():
                 if dtypes[name] in _TORCH_DTYPE:

@@ -1,4 +1,4 @@
-//! The swap install's loans (docs/python.md, "Swap install"): the live bank's buffers lent to
+//! The swap install's loans (python/README.md, "Swap install"): the live bank's buffers lent to
 //! Python as read-only arrays, and the count of live loans per buffer that lets a receiver
 //! refuse a refit whose landing bank the engine still reads.
 //!

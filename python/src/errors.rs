@@ -6,7 +6,7 @@
 //! that `except Exception` lets through.
 //!
 //! Where Python has a class for the same failure, a kind's class is also that class, so code that
-//! knows nothing of reshard catches it the standard way (docs/python.md, "Errors"): `Timeout` is a
+//! knows nothing of reshard catches it the standard way (python/README.md, "Errors"): `Timeout` is a
 //! `TimeoutError`, `Transport` a `ConnectionError`, `InvalidInput`, `Layout` and `Config` are
 //! `ValueError`s. An object used from two threads at once is `Busy`, one used after `close()` is
 //! `Closed`: neither is an invalid value.

@@ -382,6 +382,21 @@ fn publisher_tensors<'py>(
     })
 }
 
+/// `(scheme, reason, cross_process)` of every transport built into this module, in registry
+/// order: `reason` is `None` where the runtime is usable here, else why not.
+#[pyfunction]
+fn transports() -> PyResult<Vec<(String, Option<String>, bool)>> {
+    boundary("transports", || {
+        Ok(reshard_transports::available()
+            .into_iter()
+            .map(|a| match a.capabilities {
+                Ok(c) => (a.scheme.to_string(), None, c.cross_process),
+                Err(e) => (a.scheme.to_string(), Some(e.to_string()), false),
+            })
+            .collect())
+    })
+}
+
 /// The native module.
 #[pymodule]
 fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -398,6 +413,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
         m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;
         m.add_function(wrap_pyfunction!(receiver_copies, m)?)?;
+        m.add_function(wrap_pyfunction!(transports, m)?)?;
         Ok(())
     })
 }

@@ -9,7 +9,7 @@
 //! `refcheck=False`, and a torch tensor's storage can be resized or freed under any export
 //! (`untyped_storage().resize_(0)`, as FSDP does). So [`ArrayMemory::check`] asks the exporter
 //! again, and the probe the caller's object, where its bytes are now, and the publisher and
-//! receiver call it before every publish and refit (docs/python.md, "The arrays reshard holds").
+//! receiver call it before every publish and refit (python/README.md, "The arrays reshard holds").
 
 use std::ffi::CStr;
 use std::ops::{Deref, DerefMut};

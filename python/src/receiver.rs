@@ -1,7 +1,7 @@
 //! The native receiver: a [`Subscriber`] (runtime/src/subscriber.rs) that installs every step
 //! into its own double-buffered banks, verified, and then either copies the new weights into
 //! the engine's arrays (copy install) or lends the live bank itself to the engine (swap
-//! install, docs/python.md). The engine's arrays are never a landing zone: a failed refit (dead
+//! install, python/README.md). The engine's arrays are never a landing zone: a failed refit (dead
 //! publisher, digest mismatch, timeout, Ctrl-C) returns before the copy or the swap, so the
 //! engine keeps the previous step's weights bit for bit. The copy's time is reported as
 //! `copy_s`; the swap copies nothing, and refuses to refit into a bank the engine still holds
@@ -9,7 +9,7 @@
 //!
 //! A refit is a stage (moved and verified into the bank that is not live; nothing the engine
 //! sees changes) and an apply (the swap or the copy); `stage`, `apply` and `rollback` make
-//! them apart (docs/python.md, "Stage, apply, roll back"), each under the same guards.
+//! them apart (python/README.md, "Stage, apply, roll back"), each under the same guards.
 //!
 //! The engine's arrays must be its own, one per parameter: arrays sharing bytes are refused when
 //! the receiver is made (the copy writes every parameter in parallel), and each is checked to be
@@ -20,7 +20,7 @@
 //! Making a receiver never waits: it checks its arguments and creates its transport endpoint,
 //! and connects (reaches etcd, waits for the publishers, learns the model they announce) in
 //! `connect`, or in the first `refit` or `stage`, within that call's own timeout
-//! (docs/python.md, "Connecting").
+//! (python/README.md, "Connecting").
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

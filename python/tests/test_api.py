@@ -417,3 +417,16 @@ def test_an_unreachable_etcd_fails_at_connect_not_where_receivers_and_publishers
                                            transport="loopback")):
         with pytest.raises(reshard.Config):
             make()
+
+
+def test_transports_come_from_the_registry_with_their_own_word_on_processes():
+    rows = reshard.transports()
+    names = [r["transport"] for r in rows]
+    # loopback is the registry's first (the default); its "network" is this process.
+    assert names[0] == "loopback" and rows[0]["usable"] and not rows[0]["cross_process"]
+    assert len(set(names)) == len(names) and len(names) >= 2, names
+    for r in rows:
+        assert r["usable"] == (r["reason"] is None), r
+        if r["usable"] and r["transport"] != "loopback":
+            # Every other built-in backend reaches other processes: test_processes runs them.
+            assert r["cross_process"], r

@@ -1,4 +1,4 @@
-"""The README's Python example, run as the README gives it: the shell block after "The examples
+"""The Python example of python/README.md, run as it is given there: the shell block after "The examples
 in `examples/python/`", minus its install line (scripts/test.sh has just installed the package
 into this interpreter). Both toy engine ranks must install step 3, verified, rank 1 by swap."""
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_block():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "python" / "README.md").read_text()
     at = text.index("The examples in `examples/python/`")
     block = re.search(r"```sh\n(.*?)```", text[at:], re.S).group(1)
     lines = block.splitlines()

@@ -1,4 +1,4 @@
-"""The arrays reshard holds (docs/python.md, "The arrays reshard holds"): each stays alive while
+"""The arrays reshard holds (python/README.md, "The arrays reshard holds"): each stays alive while
 reshard holds its address, is checked to be still where it was registered before every publish
 and every refit (a resized array or a re-pointed exporter is refused naming it, and nothing is
 published or written), and engine parameters sharing memory are refused when the receiver is

@@ -1,4 +1,4 @@
-"""Stage, apply, roll back (docs/python.md, "Stage, apply, roll back"): a step staged while the
+"""Stage, apply, roll back (python/README.md, "Stage, apply, roll back"): a step staged while the
 engine serves another leaves the engine's weights bit for bit as they were, throughout; applying
 it makes it the engine's weights bit for bit; a rollback brings the previous step back bit for
 bit with every publisher closed. Handles and rollbacks that cannot be honoured raise typed

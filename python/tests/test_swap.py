@@ -1,4 +1,4 @@
-"""Swap install (docs/python.md): the engine serves from read-only arrays over reshard's own
+"""Swap install (python/README.md): the engine serves from read-only arrays over reshard's own
 buffers, so a refit copies nothing; the arrays of a step stay valid and unchanged until the refit
 after the next one, and a refit that would land in buffers the engine still holds arrays of is
 refused before anything is written."""

@@ -1,4 +1,4 @@
-//! Stage, apply, roll back through a rendezvous (docs/python.md, "Stage, apply, roll back"):
+//! Stage, apply, roll back through a rendezvous (python/README.md, "Stage, apply, roll back"):
 //! a step staged while the engine serves another leaves the live weights bit for bit as they
 //! were; applying it makes it live bit for bit; a rollback brings the previous step back bit
 //! for bit with every publisher gone. Handles and rollbacks that cannot be honoured are typed

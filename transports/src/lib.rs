@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 use reshard_core::registry::Registry;
+use reshard_core::transport::Capability;
 
 /// Every transport built into this binary, loopback first (the default scheme). Each line is
 /// one backend crate's own `register`; a fresh loopback fabric belongs to this registry.
@@ -14,6 +15,33 @@ pub fn registry() -> Registry {
     #[cfg(feature = "nixl")]
     reshard_backend_nixl::register(&mut r);
     r
+}
+
+/// One registered transport as this machine sees it: its scheme, and its capabilities when its
+/// runtime is usable here (else why not).
+#[derive(Debug)]
+pub struct Available {
+    /// The scheme (`transport.kind`).
+    pub scheme: &'static str,
+    /// The backend's own capabilities, read from an endpoint made for the purpose and dropped
+    /// at once; the probe's or the creation's error when the runtime is not usable.
+    pub capabilities: reshard_core::Result<Capability>,
+}
+
+/// Every transport of [`registry`], in its order, probed: the list that docs, tests and the
+/// `reshard transports` command take backends from instead of naming them by hand.
+pub fn available() -> Vec<Available> {
+    let r = registry();
+    r.schemes()
+        .into_iter()
+        .map(|scheme| Available {
+            scheme,
+            capabilities: r
+                .probe(scheme)
+                .and_then(|()| r.create_default(scheme, "reshard-available"))
+                .map(|t| t.capabilities()),
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -216,5 +216,5 @@ pub async fn fault_schedules_never_expose_bad_weights(h: &Harness, cases: u32) {
     );
 }
 
-// ---- The bad-input catalogue's transport rows (README "Bad input", runtime/tests/bad_input.rs),
+// ---- The bad-input catalogue's transport rows (docs/bad-input.md, runtime/tests/bad_input.rs),
 // ---- on every backend.

@@ -4,7 +4,7 @@
 //! re-sliced and verified there, and only a fully successful update swaps it in. A failed update
 //! therefore never touches the live weights.
 //!
-//! An update is two moves, which a caller may make apart (docs/python.md, "Stage, apply,
+//! An update is two moves, which a caller may make apart (python/README.md, "Stage, apply,
 //! roll back"): [`Receiver::stage`] lands and verifies a step in the bank that is not live
 //! while the live weights stay as they are, and [`Receiver::apply`] makes it live (a pointer
 //! swap); [`Receiver::update`] is both. The bank that was live keeps its step until the next

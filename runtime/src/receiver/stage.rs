@@ -1,4 +1,4 @@
-//! Stage, apply, roll back (docs/python.md, "Stage, apply, roll back"): the [`Staged`] handle
+//! Stage, apply, roll back (python/README.md, "Stage, apply, roll back"): the [`Staged`] handle
 //! of a verified step waiting in the bank that is not live, making it live, and making the
 //! previous step live again from the bank that still holds it.
 //!
