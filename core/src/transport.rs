@@ -277,9 +277,11 @@ pub fn new_incarnation() -> u64 {
 ///   the batch: once the batch has ended (in-flight rule 1 below), the sink is not called
 ///   again. A receiver may read a reported read's bytes while the rest of the batch is on the
 ///   wire (docs/in-flight-safety.md, "Completions as they happen").
-/// - Destinations of one batch are normally disjoint. Where they overlap (the benchmark-only
-///   no-dedup arm reads byte-identical replicas into one place), a backend must apply the
-///   overlapping reads in batch order, never as concurrent host writes to the same bytes.
+/// - Destinations of one batch are disjoint: [`crate::contract::validate_batch`] refuses a batch
+///   whose destinations overlap in memory (judged by address, so one memory registered as two
+///   regions counts), so a backend never orders writes to the same bytes. Callers that want
+///   overlapping reads (the benchmark-only no-dedup arm) post them as consecutive disjoint
+///   batches ([`crate::overlap::disjoint_waves`]; the runtime's `WavesLayer`).
 /// - Errors name owner, byte range and backend; `retryable` says whether trying again may help.
 ///
 /// # In-flight rules (docs/in-flight-safety.md)
