@@ -1,7 +1,7 @@
 //! [`forward_transport!`](crate::forward_transport): how a `Transport` wrapper (recording,
 //! fault injection, retry) forwards every method it does not change, so none can be forgotten.
 
-/// Implements [`Transport`] for a wrapper by forwarding every method to one of its fields,
+/// Implements [`Transport`](crate::Transport) for a wrapper by forwarding every method to one of its fields,
 /// except the methods written in the braces, which the wrapper implements itself:
 ///
 /// ```ignore
@@ -21,7 +21,7 @@
 /// default (`allocate_host`, `set_execution_log`) compile when forgotten, silently turning a
 /// wrapped endpoint into one without its shared memory or its execution log. Here every
 /// method is listed once; the unit test `forward_transport_names_every_method` fails until a
-/// method added to [`Transport`] is added here too, and then every wrapper forwards it.
+/// method added to [`Transport`](crate::Transport) is added here too, and then every wrapper forwards it.
 ///
 /// Each override and each trait method costs a few levels of macro recursion (about
 /// 14 × (overrides + 2) in all), well inside the default limit of 128 for up to 6 overrides.
