@@ -121,7 +121,7 @@ impl Default for ReceiverConfig {
 /// Environment variable naming the config file (default `./reshard.toml` when present).
 pub const CONFIG_PATH_ENV: &str = "RESHARD_CONFIG";
 
-/// Prefix of environment overrides: `RESHARD_TRANSPORT__KIND=ucx` sets `transport.kind`.
+/// Prefix of environment overrides: `RESHARD_TRANSPORT__KIND=<scheme>` sets `transport.kind`.
 pub const ENV_PREFIX: &str = "RESHARD_";
 
 /// `RESHARD_*` variables that are not configuration keys (after the prefix): the config file

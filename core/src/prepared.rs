@@ -23,8 +23,8 @@ pub fn check_read_count(backend: &'static str, batch: &ReadBatch) -> Result<()> 
 
 /// The state of type `T` that this endpoint stored in `prepared`, if `mine` accepts it;
 /// otherwise `Unsupported` naming the backend that prepared it, and `endpoint` (e.g.
-/// `"ucx agent"`) with its `name`. `others` says what else could have prepared it (e.g.
-/// `"ucx endpoint"`), for the message: a batch is only valid on the endpoint that prepared it.
+/// `"<scheme> agent"`) with its `name`. `others` says what else could have prepared it (e.g.
+/// `"<scheme> endpoint"`), for the message: a batch is only valid on the endpoint that prepared it.
 pub fn own_state<'a, T: Any>(
     backend: &'static str,
     prepared: &'a PreparedBatch,

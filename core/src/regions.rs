@@ -32,13 +32,14 @@ pub fn check_block(backend: &'static str, block: &dyn MemoryBlock) -> Result<()>
 }
 
 /// Refuses device memory (`Unsupported`: `backend` `how`, e.g. "moves host memory only", and
-/// names nixl, which registers it), then checks the block as [`check_block`] does.
+/// points at the backends whose capabilities include VRAM), then checks the block as
+/// [`check_block`] does.
 pub fn check_host_block(backend: &'static str, how: &str, block: &dyn MemoryBlock) -> Result<()> {
     let kind = block.kind();
     if let MemoryKind::Vram { .. } = kind {
         return Err(Error::new(
             ErrorKind::Unsupported,
-            format!("{backend} {how}; cannot register {kind} (use nixl)"),
+            format!("{backend} {how}; cannot register {kind} (use a transport with the `vram` capability: `reshard transports`)"),
         )
         .with_backend(backend));
     }

@@ -58,4 +58,36 @@ mod tests {
         let t = r.create_default("loopback", "a").unwrap();
         assert_eq!(t.name(), "loopback");
     }
+
+    /// Core names no backend (docs/architecture.md): outside its test modules no registered
+    /// scheme appears as a word in core's sources, except the default `transport.kind`.
+    #[test]
+    fn core_names_no_backend_outside_its_tests() {
+        let core = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/src");
+        let mut files = vec![core];
+        let mut named = Vec::new();
+        while let Some(p) = files.pop() {
+            if p.is_dir() {
+                files.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+                continue;
+            }
+            if p.extension().is_none_or(|e| e != "rs") || p.ends_with("tests.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            // Test modules sit at the end of a file, after their `#[cfg(test)]`.
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            for (n, line) in code.lines().enumerate() {
+                let words = line.split(|c: char| !c.is_ascii_alphanumeric() && c != '_');
+                for w in words {
+                    let w = w.to_ascii_lowercase();
+                    let default_kind = w == "loopback" && p.ends_with("config.rs");
+                    if registry().schemes().contains(&w.as_str()) && !default_kind {
+                        named.push(format!("{}:{}: {w}", p.display(), n + 1));
+                    }
+                }
+            }
+        }
+        assert!(named.is_empty(), "core names a backend: {named:#?}");
+    }
 }
