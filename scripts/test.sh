@@ -29,14 +29,18 @@ export RESHARD_NIXL_HOME=${RESHARD_NIXL_HOME:-$root/.deps/nixl}
 # The in-flight safety tests run under AddressSanitizer instead of here: the same tests, checked
 # the same way (no byte lands after the batch ends), and a read into freed memory caught too
 # (docs/in-flight-safety.md). Once is enough, and they are a fifth of the suite's time.
+echo "test.sh: cargo test at ${SECONDS}s"
 cargo test --workspace --release -- --skip quiesc
+echo "test.sh: AddressSanitizer at ${SECONDS}s"
 bash scripts/asan-quiescence.sh
 
 # The package as users get it: a wheel (maturin, from the virtualenv: install-deps), kept in
 # target/wheels for scripts/wheel-check.sh, installed into the virtualenv.
 wheels=$root/target/wheels
 rm -f "$wheels"/reshard-*.whl
+echo "test.sh: wheel at ${SECONDS}s"
 maturin build --release --quiet -m python/Cargo.toml --out "$wheels"
 "$python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
     "$wheels"/reshard-*.whl
+echo "test.sh: pytest at ${SECONDS}s"
 "$python" -m pytest -q -p no:cacheprovider python/tests

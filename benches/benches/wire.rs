@@ -12,7 +12,7 @@
 //! Groups `prepare_<shape>` time the descriptor build alone (`Transport::prepare`), with the
 //! reads built per second as element throughput.
 //!
-//! Backends come from the transport registry (`reshard_transports::registry`), each with its
+//! Backends come from the transport registry (`reshard::registry`), each with its
 //! default options. `loopback` always runs; the others run when the conformance suite's probe
 //! (`reshard_conformance::backend_available`) finds their runtime, and are skipped with a
 //! `SKIPPED:` line otherwise (unless `RESHARD_REQUIRE_BACKENDS` names them, which fails as in
@@ -49,7 +49,7 @@ struct Backend {
 /// Every backend the registry has, with its default options (the registry's loopback fabric
 /// is shared by the endpoints it makes).
 fn backends() -> Vec<Backend> {
-    let registry = Arc::new(reshard_transports::registry());
+    let registry = Arc::new(reshard::registry());
     registry
         .schemes()
         .into_iter()

@@ -514,7 +514,7 @@ fn points(args: &BenchArgs) -> Result<(Vec<Point>, Vec<Skipped>)> {
     let mut skipped = Vec::new();
     let transports: Vec<Option<String>> = match args.transport.as_deref() {
         Some(ALL_TRANSPORTS) => {
-            let registry = reshard_transports::registry();
+            let registry = reshard::registry();
             let mut ok = Vec::new();
             for scheme in registry.schemes() {
                 match registry.probe(scheme) {
@@ -554,7 +554,7 @@ fn place_for(args: &BenchArgs, cfg: &Config) -> Result<PublisherPlace> {
         (_, true) => {
             // The backend's own word on whether peers may live in other processes: an
             // endpoint's capabilities, dropped before the publishers start.
-            let probe = reshard_transports::registry()
+            let probe = reshard::registry()
                 .create("bench-capabilities", &cfg.transport)?
                 .capabilities();
             Ok(if probe.cross_process {

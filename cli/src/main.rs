@@ -1,13 +1,17 @@
 //! `reshard`: plan a refit, run one, or list the model presets.
 
+#[cfg(feature = "demo")]
 mod bench_cmd;
 mod checkpoint_cmd;
 mod plan_cmd;
 mod publish_cmd;
+#[cfg(feature = "demo")]
 mod ranges_cmd;
 mod receive_cmd;
+#[cfg(feature = "demo")]
 mod refit_cmd;
 mod rendezvous_arg;
+#[cfg(feature = "demo")]
 mod soak_cmd;
 mod status_cmd;
 mod table_cmd;
@@ -31,15 +35,19 @@ enum Command {
     /// Build the fused range plan of every receiver rank and print its statistics.
     Plan(plan_cmd::PlanArgs),
     /// Run a refit end to end: warm-up plus N measured updates, verified byte-exact.
+    #[cfg(feature = "demo")]
     Refit(refit_cmd::RefitArgs),
     /// Measure the baseline and reshard arms and a memcpy ceiling in one run (the seed note's
     /// before/after table).
+    #[cfg(feature = "demo")]
     Bench(bench_cmd::BenchArgs),
     /// Time one transport moving the same bytes as 1k to 1M ranges (prepare, first post,
     /// re-post), next to a memcpy of the same bytes.
+    #[cfg(feature = "demo")]
     BenchRanges(ranges_cmd::RangesArgs),
     /// Run many consecutive verified updates on one cluster and report resident memory,
     /// rebuilds and registration release.
+    #[cfg(feature = "demo")]
     Soak(soak_cmd::SoakArgs),
     /// List the model presets.
     Presets(PresetsArgs),
@@ -57,6 +65,7 @@ enum Command {
     /// Show a publisher's shard table as JSON, write it in binary, or decode a binary one.
     Table(table_cmd::TableArgs),
     /// The child side of `refit --publisher-process process` (not for direct use).
+    #[cfg(feature = "demo")]
     #[command(hide = true)]
     ServePublishers(refit_cmd::ServeArgs),
 }
@@ -145,9 +154,9 @@ struct TransportsArgs {
     json: bool,
 }
 
-/// Every registered transport, probed, with its capabilities (`reshard_transports::available`).
+/// Every registered transport, probed, with its capabilities (`reshard::available`).
 fn transports(args: TransportsArgs) -> reshard_core::Result<Outcome> {
-    let rows: Vec<serde_json::Value> = reshard_transports::available()
+    let rows: Vec<serde_json::Value> = reshard::available()
         .into_iter()
         .map(|a| match a.capabilities {
             Ok(c) => serde_json::json!({
@@ -216,11 +225,16 @@ fn main() -> ExitCode {
         Command::Publish(a) => publish_cmd::run(a),
         Command::Receive(a) => receive_cmd::run(a),
         Command::Status(a) => status_cmd::run(a),
+        #[cfg(feature = "demo")]
         Command::Refit(a) => refit_cmd::run(a),
+        #[cfg(feature = "demo")]
         Command::Bench(a) => bench_cmd::run(a),
+        #[cfg(feature = "demo")]
         Command::BenchRanges(a) => ranges_cmd::run(a),
+        #[cfg(feature = "demo")]
         Command::Soak(a) => soak_cmd::run(a),
         Command::Table(a) => table_cmd::run(a),
+        #[cfg(feature = "demo")]
         Command::ServePublishers(a) => refit_cmd::serve(a),
     };
     match result {
@@ -256,7 +270,7 @@ pub fn load_config(
     file: Option<&std::path::Path>,
 ) -> reshard_core::Result<reshard_core::config::Config> {
     let cli = transport.map(|k| serde_json::json!({"transport": {"kind": k}}));
-    reshard_transports::registry().load_config(file, cli)
+    reshard::registry().load_config(file, cli)
 }
 
 /// `name (N layers, M experts)`, as the commands' summaries name a model.

@@ -878,7 +878,7 @@ async fn publish(args: PublishArgs) -> Result<Outcome> {
         connect(&args.rendezvous).await?;
     }
     let poll = Duration::from_millis(args.poll_ms.max(10));
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     let agent = format!("{}-publisher-{}", args.model, args.rank);
     let transport: Arc<dyn Transport> = registry.create(&agent, &cfg.transport)?;
     let mut running = Running::new(
@@ -979,7 +979,7 @@ mod tests {
     /// Rank 0 of TP1 of model "tiny" over loopback, meeting on `hub`, reading `dir`.
     fn running(hub: &InProcess, dir: &Path) -> Running {
         let cfg = crate::load_config(Some("loopback"), None).unwrap();
-        let transport = reshard_transports::registry()
+        let transport = reshard::registry()
             .create("tiny-publisher-0", &cfg.transport)
             .unwrap();
         Running::new(

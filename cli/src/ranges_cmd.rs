@@ -59,7 +59,7 @@ async fn ranges(args: RangesArgs) -> Result<Outcome> {
     }
     let len = usize::try_from(total)
         .map_err(|_| Error::new(ErrorKind::InvalidInput, "--total-bytes is too large"))?;
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     let publisher = registry.create("ranges-publisher", &cfg.transport)?;
     let receiver = registry.create("ranges-receiver", &cfg.transport)?;
     let src_bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();

@@ -179,7 +179,7 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
     // disagree until one of them is replaced, is reported and waited through.
     let deadline = Instant::now() + timeout;
     let rendezvous = until(&args, deadline, None, |_| connect(&args.rendezvous)).await?;
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     let agent = format!("{}-receiver-{}", args.model, args.rank);
     let transport: Arc<dyn Transport> = registry.create(&agent, &cfg.transport)?;
     let options = ReceiverOptions::from_config(&cfg);

@@ -100,7 +100,7 @@ pub struct ServeArgs {
 /// Runs the publisher side for a parent `reshard refit --publisher-process process`.
 pub fn serve(args: ServeArgs) -> Result<Outcome> {
     let cfg = crate::load_config(args.transport.as_deref(), args.config.as_deref())?;
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     reshard_testkit::remote::serve(|agent| registry.create(agent, &cfg.transport))?;
     Ok(Outcome(true))
 }
@@ -195,7 +195,7 @@ pub(crate) async fn start_bench(
     setup: PublisherSetup,
 ) -> Result<Bench> {
     let (model, pubs, recv) = resolve_scaled(model)?;
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     let cluster = start_publishers(&registry, cfg, config_path, &model, pubs, setup).await?;
     Ok(Bench {
         registry,

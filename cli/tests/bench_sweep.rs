@@ -171,7 +171,7 @@ fn transport_all_runs_every_registered_backend() {
     ]));
     assert_eq!(v["verified"], true);
     assert!(v["sweep"].is_null());
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     // What this machine can run: the suite's rule (a backend RESHARD_REQUIRE_BACKENDS names
     // must be here).
     let (mut here, mut missing) = (Vec::new(), Vec::new());
@@ -219,7 +219,7 @@ fn transport_all_runs_every_registered_backend() {
 
 #[test]
 fn transport_all_names_a_backend_whose_runtime_is_missing_and_runs_the_rest() {
-    let schemes = reshard_transports::registry().schemes();
+    let schemes = reshard::registry().schemes();
     if !schemes.contains(&"nixl") {
         eprintln!("SKIPPED: this build registers no nixl backend to take away");
         return;

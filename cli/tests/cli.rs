@@ -335,7 +335,7 @@ fn presets_lists_both_models_with_sources() {
 fn transports_lists_the_registry_with_each_backends_own_capabilities() {
     let v = json(&reshard(&["transports", "--json"], &[]));
     let rows = v.as_array().expect("a list");
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     let names: Vec<&str> = rows
         .iter()
         .filter_map(|r| r["transport"].as_str())
@@ -689,7 +689,7 @@ fn bad_usage_exits_2_with_the_problem_on_stderr() {
 /// Whether `backend` can run here: the conformance suite's rule (skip with a `SKIPPED:` line,
 /// or fail when `RESHARD_REQUIRE_BACKENDS` names it).
 fn available(backend: &str) -> bool {
-    let probe = reshard_transports::registry().probe(backend);
+    let probe = reshard::registry().probe(backend);
     reshard_conformance::backend_available(backend, probe)
 }
 
@@ -739,7 +739,7 @@ fn refit_in_another_process(backend: &str) {
 /// is covered by registering it).
 #[test]
 fn refit_over_every_cross_process_backend_with_publishers_in_another_process_is_byte_exact() {
-    let registry = reshard_transports::registry();
+    let registry = reshard::registry();
     let mut ran = Vec::new();
     for scheme in registry.schemes() {
         if !available(scheme) {

@@ -61,7 +61,7 @@ fn rigs() -> Vec<Rig> {
 /// Every registered backend usable here, with its default options, as the registry lists them
 /// (the registry's loopback fabric lives as long as the harnesses that share it).
 fn harnesses() -> Vec<Harness> {
-    let registry = Arc::new(reshard_transports::registry());
+    let registry = Arc::new(reshard::registry());
     let mut out = Vec::new();
     for scheme in registry.schemes() {
         if backend_available(scheme, registry.probe(scheme)) {

@@ -1,5 +1,5 @@
 //! The transport registry: one factory per scheme, filled by the backend crates' own `register`
-//! functions (the `reshard-transports` facade calls them), so core names no backend. Config
+//! functions (the `reshard` facade calls them), so core names no backend. Config
 //! sections and `RESHARD_*` variables are checked against what is registered, and an unknown
 //! scheme is an error naming every scheme that exists in this binary.
 

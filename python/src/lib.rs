@@ -57,7 +57,7 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime> {
 /// receiver reach each other.
 fn registry() -> &'static Registry {
     static REG: OnceLock<Registry> = OnceLock::new();
-    REG.get_or_init(reshard_transports::registry)
+    REG.get_or_init(reshard::registry)
 }
 
 /// A transport agent name unique in this process (`base`, the pid and a counter): endpoints of
@@ -387,7 +387,7 @@ fn publisher_tensors<'py>(
 #[pyfunction]
 fn transports() -> PyResult<Vec<(String, Option<String>, bool)>> {
     boundary("transports", || {
-        Ok(reshard_transports::available()
+        Ok(reshard::available()
             .into_iter()
             .map(|a| match a.capabilities {
                 Ok(c) => (a.scheme.to_string(), None, c.cross_process),

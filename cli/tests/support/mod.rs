@@ -43,7 +43,7 @@ pub fn scripts() -> PathBuf {
 /// Whether `transport` and etcd are here. Skips loudly where one is missing, unless
 /// `RESHARD_REQUIRE_BACKENDS` asks for every backend (then a missing one fails).
 pub fn available(transport: &str) -> bool {
-    let probe = reshard_transports::registry().probe(transport);
+    let probe = reshard::registry().probe(transport);
     if !reshard_conformance::backend_available(transport, probe) {
         return false;
     }

@@ -1,8 +1,23 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
-use reshard_core::registry::Registry;
+pub use reshard_core::registry::Registry;
 use reshard_core::transport::Capability;
+
+/// The shared types: model, shard tables, the `Transport` and `Rendezvous` contracts, config and
+/// the one public error.
+pub use reshard_core as core;
+pub use reshard_core::{Error, ErrorKind, Result};
+/// Model presets, publisher topologies and receiver layouts.
+pub use reshard_planner as planner;
+/// Where publishers and receivers meet: in-process and etcd.
+pub use reshard_rendezvous as rendezvous;
+/// The receiver and publishers themselves, and the wire-leg layers.
+pub use reshard_runtime as runtime;
+pub use reshard_runtime::{
+    Receiver, ReceiverOptions, ShardPublisher, StagedStep, StepReport, Subscriber, TensorPublisher,
+    UpdateReport,
+};
 
 /// Every transport built into this binary, loopback first (the default scheme). Each line is
 /// one backend crate's own `register`; a fresh loopback fabric belongs to this registry.
