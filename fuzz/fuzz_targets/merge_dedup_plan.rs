@@ -8,8 +8,8 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use reshard_core::encoding::{decode_table, encode_table};
 use reshard_core::{
-    dedup, keep_all, merge, DType, DedupOptions, Digest, MemoryKind, OfferLocation, PartDigests,
-    ParamSpec, ShardOffer, ShardTable, TensorBox, TensorSpec, WantedCopy, WantedLayout,
+    dedup, keep_all, merge, DType, DedupOptions, Digest, MemoryKind, OfferLocation, ParamSpec,
+    PartDigests, ShardOffer, ShardTable, TensorBox, TensorSpec, WantedCopy, WantedLayout,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 

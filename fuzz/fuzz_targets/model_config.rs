@@ -16,7 +16,10 @@ use reshard_planner::topology::ReceiverTopology;
 /// Everything a publisher and a receiver build from an accepted model, checked against the
 /// model's own formulas.
 fn build(model: &ModelConfig) {
-    assert!(model.out_of_bounds().is_none(), "accepted out of bounds: {model:?}");
+    assert!(
+        model.out_of_bounds().is_none(),
+        "accepted out of bounds: {model:?}"
+    );
     let tensors = model.tensors();
     assert_eq!(tensors.len(), model.tensor_count());
     assert!(tensors.len() as u64 <= MAX_TENSORS);

@@ -1,18 +1,10 @@
 //! Decoders the fuzz targets reach that their crates keep private.
 //!
-//! The UCX backend's metadata module is private to `reshard-backend-ucx` (its public API
-//! decodes peer metadata only inside `load_peer`, which needs libucp and a live worker), so the
-//! very source file the backend compiles, `backends/ucx/src/meta.rs`, is compiled into this
-//! crate as well: the target fuzzes the real decoder, not a copy, and needs no UCX runtime.
-//!
-//! Likewise the etcd rendezvous' member-record decoder, `rendezvous/src/etcd/record.rs`, and
-//! the key layout it checks records against, `keys.rs`: private to `reshard-rendezvous`, and
-//! free of its etcd client, so they compile here unchanged without one.
-
-/// The UCX backend's metadata codec (`backends/ucx/src/meta.rs`, compiled here unchanged).
-#[path = "../../backends/ucx/src/meta.rs"]
-#[allow(dead_code, unreachable_pub)]
-mod ucx_meta;
+//! The backends export their metadata decoders (`reshard_backend_<scheme>::decode_metadata`),
+//! which the targets call directly. The etcd rendezvous' member-record decoder,
+//! `rendezvous/src/etcd/record.rs`, and the key layout it checks records against, `keys.rs`, are
+//! private to `reshard-rendezvous` and free of its etcd client, so the very source files compile
+//! here unchanged, and the fuzz build needs neither etcd-client nor protoc.
 
 /// The etcd rendezvous' key layout (`rendezvous/src/etcd/keys.rs`, compiled here unchanged).
 #[path = "../../rendezvous/src/etcd/keys.rs"]
@@ -25,58 +17,13 @@ mod keys;
 #[allow(dead_code, unreachable_pub)]
 mod record;
 
-/// What `meta.rs` names in its errors as `crate::SCHEME`.
-const SCHEME: &str = "ucx";
-
 /// Decodes UCX peer metadata from untrusted bytes and returns its canonical encoding (regions
 /// ascending by id); any defect is a typed `Decode` error, never a panic.
-pub fn ucx_decode_metadata(bytes: &[u8]) -> reshard_core::Result<bytes::Bytes> {
-    ucx_meta::EndpointMeta::decode(bytes).map(|m| m.encode())
-}
+pub use reshard_backend_ucx::decode_metadata as ucx_decode_metadata;
 
-/// Metadata as a real UCX endpoint exports it: an agent name, an opaque worker address, and
-/// three regions (DRAM inside a larger UCX allocation, an empty one without a key, VRAM that is
-/// its own key's whole range), encoded by the backend's own encoder: the seed corpus entry
+/// Metadata as a real UCX endpoint exports it: the seed corpus entry
 /// `fuzz/corpus/ucx_metadata/seed-three-regions`.
-pub fn ucx_seed() -> bytes::Bytes {
-    use reshard_core::MemoryKind;
-    use ucx_meta::{EndpointMeta, RegionMeta};
-    EndpointMeta {
-        agent: "publisher-3".into(),
-        incarnation: 0x5eed_0003,
-        worker_address: (0..61u8).map(|i| i.wrapping_mul(37)).collect(),
-        regions: vec![
-            RegionMeta {
-                id: 1,
-                base: 0x7f00_0000_1000,
-                len: 4096,
-                key_base: 0x7f00_0000_0000,
-                key_len: 0x10_0000,
-                kind: MemoryKind::Dram,
-                rkey: vec![0x11; 24],
-            },
-            RegionMeta {
-                id: 2,
-                base: 0,
-                len: 0,
-                key_base: 0,
-                key_len: 0,
-                kind: MemoryKind::Dram,
-                rkey: vec![],
-            },
-            RegionMeta {
-                id: 3,
-                base: 0x2000,
-                len: 64,
-                key_base: 0x2000,
-                key_len: 64,
-                kind: MemoryKind::Vram { device: 1 },
-                rkey: vec![0x22; 16],
-            },
-        ],
-    }
-    .encode()
-}
+pub use reshard_backend_ucx::example_metadata as ucx_seed;
 
 pub use record::{CHUNK_BYTES as ETCD_CHUNK_BYTES, MAX_BLOB_BYTES as ETCD_MAX_BLOB_BYTES};
 

@@ -31,6 +31,58 @@ pub fn probe() -> Result<()> {
     raw::lib().map(|_| ())
 }
 
+/// Decodes ucx peer metadata (what [`Transport::load_peer`] is given) from untrusted bytes and
+/// returns its canonical encoding (regions ascending by id); any defect is a typed
+/// [`reshard_core::ErrorKind::Decode`] error, never a panic. Needs no UCX runtime. For fuzzing
+/// and inspection tools.
+pub fn decode_metadata(bytes: &[u8]) -> Result<bytes::Bytes> {
+    meta::EndpointMeta::decode(bytes).map(|m| m.encode())
+}
+
+/// Metadata as a real UCX endpoint exports it: an agent name, an opaque worker address, and
+/// three regions (DRAM inside a larger UCX allocation, an empty one without a key, VRAM that is
+/// its own key's whole range), written by this backend's own encoder. The seed of the fuzz
+/// corpus (`fuzz/corpus/ucx_metadata/seed-three-regions`) and a fixture for tools.
+pub fn example_metadata() -> bytes::Bytes {
+    use meta::{EndpointMeta, RegionMeta};
+    use reshard_core::MemoryKind;
+    EndpointMeta {
+        agent: "publisher-3".into(),
+        incarnation: 0x5eed_0003,
+        worker_address: (0..61u8).map(|i| i.wrapping_mul(37)).collect(),
+        regions: vec![
+            RegionMeta {
+                id: 1,
+                base: 0x7f00_0000_1000,
+                len: 4096,
+                key_base: 0x7f00_0000_0000,
+                key_len: 0x10_0000,
+                kind: MemoryKind::Dram,
+                rkey: vec![0x11; 24],
+            },
+            RegionMeta {
+                id: 2,
+                base: 0,
+                len: 0,
+                key_base: 0,
+                key_len: 0,
+                kind: MemoryKind::Dram,
+                rkey: vec![],
+            },
+            RegionMeta {
+                id: 3,
+                base: 0x2000,
+                len: 64,
+                key_base: 0x2000,
+                key_len: 64,
+                kind: MemoryKind::Vram { device: 1 },
+                rkey: vec![0x22; 16],
+            },
+        ],
+    }
+    .encode()
+}
+
 /// `major.minor.release` of the loaded UCX library.
 pub fn ucx_version() -> Result<(u32, u32, u32)> {
     raw::lib().map(|u| u.version)
