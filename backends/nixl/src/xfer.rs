@@ -162,7 +162,7 @@ impl NixlInFlight {
     /// failure (the requests posted before it stay pending).
     ///
     /// Lanes: every lane holding a queued request posts its own requests from its own thread
-    /// (lane 0's and a single lane's on this one; the others on scoped threads joined before
+    /// (the first lane's on this one; the others on scoped threads joined before
     /// this returns), because NIXL's UCX copies over cross-memory attach on the posting
     /// thread. The per-owner window is shared by the lanes: a request being posted holds a
     /// slot of its owner until its post returns, so no more than `requests_in_flight`
@@ -521,7 +521,9 @@ impl NixlInFlight {
             if let Some(e) = self.poll_once() {
                 return Err(self.after_failure(e).await);
             }
-            if self.pending.len() < before {
+            // Also when nothing is pending but requests are queued (a lane thread that could
+            // not be started left its requests queued).
+            if self.pending.len() < before || (self.pending.is_empty() && self.queued()) {
                 backoff.reset();
                 if let Err(e) = self.refill() {
                     return Err(self.after_failure(e).await);
@@ -670,7 +672,12 @@ impl Dispatch<'_> {
                     self.turn.wait(&mut st);
                 }
             };
-            let r = agent.agent.post(&self.reqs[g]);
+            // A panic on a lane thread must not lose what was posted: it counts as a plugin
+            // failure part-way (the batch is then kept for the life of the process).
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                agent.agent.post(&self.reqs[g])
+            }))
+            .unwrap_or(Err(nixl_sys::NixlError::BackendError));
             if matches!(r, Ok(false)) {
                 // Complete inside the post: this lane's agent moved it; its reads are reported
                 // now, while the other lanes still copy.
