@@ -14,7 +14,7 @@ use reshard_core::{Result, Transport};
 use std::sync::{Arc, OnceLock};
 
 pub use options::NixlOptions;
-pub use transport::{NixlTransport, PreparedStats};
+pub use transport::{LaneStats, NixlTransport, PreparedStats};
 
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
 pub const SCHEME: &str = "nixl";

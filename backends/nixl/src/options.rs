@@ -4,6 +4,12 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// Default of [`NixlOptions::lanes`] (measured: BENCHMARKS.md, "NIXL lanes").
+pub(crate) const DEFAULT_LANES: usize = 1;
+
+/// Most lanes an endpoint may have (each is a NIXL agent with its own progress thread).
+pub(crate) const MAX_LANES: usize = 16;
+
 /// Options of the NIXL transport; every key is optional and an unknown key is a `Config` error.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -41,6 +47,12 @@ pub struct NixlOptions {
     /// then. `abort`, which cannot stop a posted read, waits for at most this many requests
     /// of `request_bytes` per owner; raise both on fast fabrics with few owners.
     pub requests_in_flight: usize,
+    /// NIXL agents per endpoint ("lanes", 1..=16): every local region is registered and every
+    /// peer loaded on each, a prepared batch's requests are spread over them by bytes, and a
+    /// post starts the requests of different lanes from different threads, so copies that
+    /// NIXL's UCX makes on the posting thread (cross-memory attach on one host) run in
+    /// parallel. Each lane has its own agent lock, UCX worker and progress thread.
+    pub lanes: usize,
 }
 
 impl Default for NixlOptions {
@@ -55,6 +67,7 @@ impl Default for NixlOptions {
             progress_delay_us: 100,
             request_bytes: 16 << 20,
             requests_in_flight: 2,
+            lanes: DEFAULT_LANES,
         }
     }
 }

@@ -103,7 +103,15 @@ impl Entry {
         // `Ok(false)`: still in progress. Completion and any error (including a request
         // never posted) end it.
         let mut pending = self.pending.lock();
-        pending.retain(|&g| matches!(p.shared.agent.done(&reqs[g]), Ok(false)));
+        pending.retain(|&g| {
+            // Each request is polled on the lane whose agent it was posted on.
+            let lane = p.groups.get(g).and_then(|gr| p.shared.lanes.get(gr.lane));
+            match lane {
+                Some(l) => matches!(l.agent.done(&reqs[g]), Ok(false)),
+                // Cannot happen (prepare assigns existing lanes); kept, never released.
+                None => true,
+            }
+        });
         pending.is_empty()
     }
 }

@@ -9,13 +9,14 @@
 //! its reads touch, and the error says so (`is_quarantined`, never retryable).
 
 use async_trait::async_trait;
+use parking_lot::{Condvar, Mutex};
 use reshard_core::{CompletionSink, Countdown, Error, ErrorKind, InFlight, Result, WireReport};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::agent::{plugin_failed, status_name};
+use crate::agent::{plugin_failed, status_name, Request};
 use crate::quarantine;
 use crate::transport::{Prepared, IDLE, QUARANTINED};
 use crate::SCHEME;
@@ -159,11 +160,17 @@ impl NixlInFlight {
     /// Posts queued requests of every owner while it has fewer than `requests_in_flight` in
     /// flight (a request that completes inside the post takes no slot); stops at the first
     /// failure (the requests posted before it stay pending).
+    ///
+    /// Lanes: every lane holding a queued request posts its own requests from its own thread
+    /// (the first lane's on this one; the others on scoped threads joined before
+    /// this returns), because NIXL's UCX copies over cross-memory attach on the posting
+    /// thread. The per-owner window is shared by the lanes: a request being posted holds a
+    /// slot of its owner until its post returns, so no more than `requests_in_flight`
+    /// requests of an owner are ever in flight, over all lanes (the bound of abort).
     fn refill(&mut self) -> Result<()> {
         if self.queues.iter().all(|(_, q)| q.is_empty()) {
             return Ok(());
         }
-        let window = self.p.shared.requests_in_flight;
         let nixl = self.p.nixl.lock();
         let Some(reqs) = nixl.as_ref().and_then(|n| n.requests.as_ref()) else {
             return Err(
@@ -172,46 +179,82 @@ impl NixlInFlight {
             );
         };
         let log = self.p.shared.log.lock().clone();
-        let mut posted = Vec::new();
-        let mut started = Vec::new();
-        let mut result = Ok(());
-        'owners: for (owner, queue) in &mut self.queues {
-            let groups = &self.p.groups;
-            let mut busy = self
-                .pending
-                .iter()
-                .filter(|&&g| groups[g].owner == *owner)
-                .count();
-            while busy < window {
-                let Some(g) = queue.pop_front() else {
-                    break;
-                };
-                let group = &groups[g];
-                if busy == 0 {
-                    // The owner's timer starts with its first request in flight.
-                    started.push(*owner);
+        let groups = &self.p.groups;
+        let busy = self
+            .queues
+            .iter()
+            .map(|(owner, _)| {
+                self.pending
+                    .iter()
+                    .filter(|&&g| groups[g].owner == *owner)
+                    .count()
+            })
+            .collect();
+        let mut lanes: Vec<usize> = self
+            .queues
+            .iter()
+            .flat_map(|(_, q)| q.iter().map(|&g| groups[g].lane))
+            .collect();
+        lanes.sort_unstable();
+        lanes.dedup();
+        let dispatch = Dispatch {
+            state: Mutex::new(DispatchState {
+                queues: std::mem::take(&mut self.queues),
+                busy,
+                in_post: 0,
+                stop: false,
+                outcomes: Vec::new(),
+                started: Vec::new(),
+            }),
+            turn: Condvar::new(),
+            p: &self.p,
+            reqs,
+            completions: &self.completions,
+        };
+        match lanes.split_first() {
+            Some((&first, [])) => dispatch.run(first),
+            Some((&first, others)) => std::thread::scope(|scope| {
+                for &lane in others {
+                    let dispatch = &dispatch;
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("reshard-nixl-lane{lane}"))
+                        .spawn_scoped(scope, move || dispatch.run(lane));
+                    if let Err(e) = spawned {
+                        // That lane's requests stay queued; this thread posts its own, and
+                        // the next refill (after a completion) tries that lane again.
+                        tracing::warn!(%e, lane, "nixl: cannot start a lane thread");
+                    }
                 }
-                match self.p.shared.agent.post(&reqs[g]) {
-                    Ok(true) => {
-                        self.pending.push(g);
-                        posted.push(g);
-                        busy += 1;
-                    }
-                    Ok(false) => {
-                        // Complete at once: counted now.
-                        self.counted.reads += group.reads();
-                        self.counted.bytes += group.bytes;
-                        report(&self.completions, group);
-                        posted.push(g);
-                    }
-                    Err(e) => {
-                        // NIXL records the failed post as the request's status (it reports
-                        // that error from now on). Errors of NIXL's own checks (invalid
-                        // parameter, unknown agent) come before anything is handed to the
-                        // plugin. A plugin error (NIXL_ERR_BACKEND) may come part-way: the UCX
-                        // plugin then releases the gets of this request it already started,
-                        // which do not stop.
-                        self.unobservable = plugin_failed(&e);
+                dispatch.run(first);
+            }),
+            None => {}
+        }
+        let state = dispatch.state.into_inner();
+        self.queues = state.queues;
+        drop(nixl);
+        let mut posted = Vec::new();
+        let mut result = Ok(());
+        for (g, outcome) in state.outcomes {
+            let group = &self.p.groups[g];
+            match outcome {
+                Ok(true) => {
+                    self.pending.push(g);
+                    posted.push(g);
+                }
+                Ok(false) => {
+                    // Complete at once: counted now (reported by the posting lane).
+                    self.counted.reads += group.reads();
+                    self.counted.bytes += group.bytes;
+                    posted.push(g);
+                }
+                Err(e) => {
+                    // NIXL records the failed post as the request's status (it reports that
+                    // error from now on). Errors of NIXL's own checks (invalid parameter,
+                    // unknown agent) come before anything is handed to the plugin. A plugin
+                    // error (NIXL_ERR_BACKEND) may come part-way: the UCX plugin then releases
+                    // the gets of this request it already started, which do not stop.
+                    self.unobservable |= plugin_failed(&e);
+                    if result.is_ok() {
                         result = Err(Error::new(
                             ErrorKind::Transport,
                             format!("NIXL postXferReq (READ) failed: {}", status_name(&e)),
@@ -221,13 +264,11 @@ impl NixlInFlight {
                         .with_backend(SCHEME)
                         .with_source(e)
                         .set_retryable(true));
-                        break 'owners;
                     }
                 }
             }
         }
-        drop(nixl);
-        self.advanced(started);
+        self.advanced(state.started);
         if let Some(log) = log {
             self.p.record(&log, &posted);
         }
@@ -267,7 +308,8 @@ impl NixlInFlight {
         let completions = &self.completions;
         let mut ended = Vec::new();
         self.pending.retain(|&g| {
-            let r = p.shared.agent.done(&reqs[g]);
+            let lane = &p.shared.lanes[p.groups[g].lane];
+            let r = lane.agent.done(&reqs[g]);
             if !matches!(r, Ok(false)) {
                 ended.push(p.groups[g].owner);
             }
@@ -276,6 +318,7 @@ impl NixlInFlight {
                     if done {
                         // A request completes whole: its descriptors and bytes are counted.
                         let group = &p.groups[g];
+                        lane.completed(group.bytes);
                         counted.reads += group.reads();
                         counted.bytes += group.bytes;
                         report(completions, group);
@@ -478,7 +521,9 @@ impl NixlInFlight {
             if let Some(e) = self.poll_once() {
                 return Err(self.after_failure(e).await);
             }
-            if self.pending.len() < before {
+            // Also when nothing is pending but requests are queued (a lane thread that could
+            // not be started left its requests queued).
+            if self.pending.len() < before || (self.pending.is_empty() && self.queued()) {
                 backoff.reset();
                 if let Err(e) = self.refill() {
                     return Err(self.after_failure(e).await);
@@ -549,6 +594,109 @@ impl NixlInFlight {
             e = e.with_owner(g.owner).with_range(g.range.clone());
         }
         e
+    }
+}
+
+/// The requests one [`NixlInFlight::refill`] posts, shared by its lane threads.
+struct Dispatch<'a> {
+    state: Mutex<DispatchState>,
+    /// Signalled whenever a post returns (a slot may have come free, or the refill stops).
+    turn: Condvar,
+    p: &'a Prepared,
+    reqs: &'a [Request],
+    completions: &'a Option<(CompletionSink, Countdown)>,
+}
+
+struct DispatchState {
+    /// Requests not posted yet, per owner, in batch order (taken from the handle).
+    queues: Vec<(reshard_core::OwnerId, VecDeque<usize>)>,
+    /// Per queue: the owner's requests in flight, or being posted.
+    busy: Vec<usize>,
+    /// Posts under way on any lane.
+    in_post: usize,
+    /// A post failed: no lane starts another.
+    stop: bool,
+    /// Every post's result, in the order they returned.
+    outcomes: Vec<(usize, std::result::Result<bool, nixl_sys::NixlError>)>,
+    /// Owners whose first request in flight this refill posted (their timer starts).
+    started: Vec<reshard_core::OwnerId>,
+}
+
+impl Dispatch<'_> {
+    /// Posts the requests of lane `lane` while their owners have room in the window: takes
+    /// the first queued request of this lane of the first owner with room, posts it on the
+    /// lane's agent, and records the outcome. Waits while this lane's requests are held back
+    /// only by posts under way on other lanes (which may free a slot); returns once none is
+    /// left, no slot can free up during this refill, or a post failed.
+    fn run(&self, lane: usize) {
+        let window = self.p.shared.requests_in_flight;
+        let groups = &self.p.groups;
+        let agent = &self.p.shared.lanes[lane];
+        loop {
+            let (qi, g) = {
+                let mut st = self.state.lock();
+                loop {
+                    if st.stop {
+                        return;
+                    }
+                    let mut mine = false;
+                    let mut pick = None;
+                    for (qi, (_, q)) in st.queues.iter().enumerate() {
+                        let Some(pos) = q.iter().position(|&g| groups[g].lane == lane) else {
+                            continue;
+                        };
+                        mine = true;
+                        if st.busy[qi] < window {
+                            pick = Some((qi, pos));
+                            break;
+                        }
+                    }
+                    if let Some((qi, pos)) = pick {
+                        let Some(g) = st.queues[qi].1.remove(pos) else {
+                            return;
+                        };
+                        if st.busy[qi] == 0 {
+                            // The owner's timer starts with its first request in flight.
+                            let owner = st.queues[qi].0;
+                            st.started.push(owner);
+                        }
+                        st.busy[qi] += 1;
+                        st.in_post += 1;
+                        break (qi, g);
+                    }
+                    if !mine || st.in_post == 0 {
+                        // Nothing of this lane left, or every slot it waits for is held by a
+                        // request in flight, which only the waiter's polling frees.
+                        return;
+                    }
+                    self.turn.wait(&mut st);
+                }
+            };
+            // A panic on a lane thread must not lose what was posted: it counts as a plugin
+            // failure part-way (the batch is then kept for the life of the process).
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                agent.agent.post(&self.reqs[g])
+            }))
+            .unwrap_or(Err(nixl_sys::NixlError::BackendError));
+            if matches!(r, Ok(false)) {
+                // Complete inside the post: this lane's agent moved it; its reads are reported
+                // now, while the other lanes still copy.
+                let group = &groups[g];
+                agent.completed(group.bytes);
+                report(self.completions, group);
+            }
+            let mut st = self.state.lock();
+            st.in_post -= 1;
+            if !matches!(r, Ok(true)) {
+                st.busy[qi] -= 1;
+            }
+            if r.is_err() {
+                st.stop = true;
+            }
+            st.outcomes.push((g, r));
+            drop(st);
+            self.turn.notify_all();
+        }
     }
 }
 

@@ -61,3 +61,48 @@ mod stall {
         requires = reshard_backend_nixl::probe()
     );
 }
+
+/// The suite again with three lanes (NIXL agents) per endpoint, so every lane posts, polls,
+/// aborts, drains and quarantines: the checks, the fault property, the quiescence family (also
+/// run over TCP by `quiescence_over_tcp`, whose filter matches these names too) and the
+/// cross-process quiescence checks that kill or stop the publishers.
+mod lanes {
+    use super::*;
+
+    fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
+        let options = NixlOptions {
+            lanes: 3,
+            ..NixlOptions::default()
+        };
+        Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
+    }
+
+    fn harness() -> Harness {
+        Harness::new("nixl", endpoint)
+    }
+
+    reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_nixl::probe());
+
+    reshard_conformance::fault_tests!(harness(), requires = reshard_backend_nixl::probe());
+
+    reshard_conformance::quiescence_tests!(harness(), requires = reshard_backend_nixl::probe());
+
+    mod stall {
+        use super::*;
+
+        fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
+            let options = NixlOptions {
+                timeout_ms: 2_000,
+                lanes: 3,
+                ..NixlOptions::default()
+            };
+            Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
+        }
+
+        reshard_conformance::cross_process_quiescence_tests!(
+            "nixl",
+            endpoint,
+            requires = reshard_backend_nixl::probe()
+        );
+    }
+}

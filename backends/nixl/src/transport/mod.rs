@@ -27,7 +27,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::agent::NixlAgent;
-use crate::options::NixlOptions;
+use crate::options::{NixlOptions, MAX_LANES};
 use crate::{quarantine, runtime, SCHEME};
 
 use peers::Peer;
@@ -68,8 +68,37 @@ pub(crate) struct Shared {
     /// Test-only: index of a read `prepare` leaves out of every request (`u64::MAX`: none).
     #[cfg(feature = "fault-injection")]
     skip_read: AtomicU64,
-    /// Declared last: dropped after every registration in `state`.
+    /// The lanes: one NIXL agent each ([`NixlOptions::lanes`]); lane 0's agent is the one
+    /// peers know (its name is `nixl_name`, its metadata is exported). Declared last: dropped
+    /// after every registration in `state`.
+    pub(crate) lanes: Vec<Lane>,
+}
+
+/// One lane of an endpoint: a NIXL agent (its own lock, UCX worker and progress thread) and
+/// what its agent reported complete.
+pub(crate) struct Lane {
     pub(crate) agent: NixlAgent,
+    /// Requests, and their bytes, that this lane's agent reported complete (at post or when
+    /// polled): what [`NixlTransport::lane_stats`] reads.
+    requests: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Lane {
+    /// Counts a request of `bytes` this lane's agent reported complete.
+    pub(crate) fn completed(&self, bytes: u64) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// What one lane of an endpoint moved ([`NixlTransport::lane_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LaneStats {
+    /// Requests the lane's NIXL agent reported complete.
+    pub requests: u64,
+    /// Bytes of those requests.
+    pub bytes: u64,
 }
 
 #[derive(Default)]
@@ -90,6 +119,15 @@ fn oob(owner: OwnerId, range: Range<u64>, msg: String) -> Error {
         .with_owner(owner)
         .with_range(range)
         .with_backend(SCHEME)
+}
+
+/// NIXL name of lane `k` of the endpoint whose lane 0 is `base`.
+fn lane_name(base: &str, k: usize) -> String {
+    if k == 0 {
+        base.to_owned()
+    } else {
+        format!("{base}.lane{k}")
+    }
 }
 
 /// A name no other NIXL agent (in this or another process or host) is likely to carry, so a
@@ -119,6 +157,16 @@ impl NixlTransport {
             )
             .with_backend(SCHEME));
         }
+        if options.lanes == 0 || options.lanes > MAX_LANES {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "backends.nixl.lanes must be 1..={MAX_LANES} (got {})",
+                    options.lanes
+                ),
+            )
+            .with_backend(SCHEME));
+        }
         if options.request_bytes < 1 << 20 || options.requests_in_flight == 0 {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -134,8 +182,24 @@ impl NixlTransport {
         static NEXT_UID: AtomicU64 = AtomicU64::new(1);
         let uid = NEXT_UID.fetch_add(1, Ordering::Relaxed);
         let nixl_name = unique_name(agent, uid);
-        let nixl = NixlAgent::new(&nixl_name, options)?;
-        tracing::debug!(agent, nixl = %nixl_name, plugin = %options.backend, "nixl agent");
+        // Lane 0 carries the endpoint's name; the others derive theirs from it (unique too).
+        let lanes = (0..options.lanes)
+            .map(|k| {
+                let name = lane_name(&nixl_name, k);
+                Ok(Lane {
+                    agent: NixlAgent::new(&name, options)?,
+                    requests: AtomicU64::new(0),
+                    bytes: AtomicU64::new(0),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        tracing::debug!(
+            agent,
+            nixl = %nixl_name,
+            plugin = %options.backend,
+            lanes = options.lanes,
+            "nixl agent"
+        );
         Ok(NixlTransport {
             shared: Arc::new(Shared {
                 name: agent.to_owned(),
@@ -156,7 +220,7 @@ impl NixlTransport {
                 log: Mutex::new(None),
                 #[cfg(feature = "fault-injection")]
                 skip_read: AtomicU64::new(u64::MAX),
-                agent: nixl,
+                lanes,
             }),
         })
     }
@@ -164,6 +228,25 @@ impl NixlTransport {
     /// The name NIXL knows this endpoint's agent by (unique per process and creation).
     pub fn nixl_name(&self) -> &str {
         &self.shared.nixl_name
+    }
+
+    /// Number of lanes (NIXL agents) of this endpoint ([`NixlOptions::lanes`]).
+    pub fn lanes(&self) -> usize {
+        self.shared.lanes.len()
+    }
+
+    /// Per lane, the requests and bytes its NIXL agent reported complete since the endpoint
+    /// was created: counted where that agent's `postXferReq` or `getXferStatus` reported a
+    /// request done, so it shows how posted reads really spread over the lanes.
+    pub fn lane_stats(&self) -> Vec<LaneStats> {
+        self.shared
+            .lanes
+            .iter()
+            .map(|l| LaneStats {
+                requests: l.requests.load(Ordering::Relaxed),
+                bytes: l.bytes.load(Ordering::Relaxed),
+            })
+            .collect()
     }
 
     /// The no-progress bound of `wait` and of `abort`'s drain: how long they go on while no
@@ -201,13 +284,17 @@ impl NixlTransport {
     /// What a batch prepared by a NIXL endpoint holds (`None` for other batches).
     pub fn prepared_stats(batch: &PreparedBatch) -> Option<PreparedStats> {
         let p = batch.state::<Arc<Prepared>>()?;
-        let (local_lists, remote_lists) = p
-            .nixl
-            .lock()
-            .as_ref()
-            .map_or((0, 0), |n| (n.local_lists.len(), n.remote_lists.len()));
+        let (local_lists, remote_lists) = p.nixl.lock().as_ref().map_or((0, 0), |n| {
+            n.lists.iter().fold((0, 0), |(l, r), x| {
+                (l.max(x.local.len()), r.max(x.remote.len()))
+            })
+        });
+        let mut lanes: Vec<usize> = p.groups.iter().map(|g| g.lane).collect();
+        lanes.sort_unstable();
+        lanes.dedup();
         Some(PreparedStats {
             requests: p.groups.len(),
+            lanes: lanes.len(),
             local_lists,
             remote_lists,
             request_builds: p.builds.load(Ordering::Relaxed),
@@ -229,9 +316,13 @@ impl Drop for NixlTransport {
 pub struct PreparedStats {
     /// NIXL transfer requests (per owner and memory kind, one per `request_bytes`).
     pub requests: usize,
-    /// Prepared local descriptor lists (one per local memory kind).
+    /// Lanes holding at least one of those requests (each request lives on one lane).
+    pub lanes: usize,
+    /// Prepared local descriptor lists per lane holding requests (one per local memory kind;
+    /// each such lane prepares the same lists on its own agent).
     pub local_lists: usize,
-    /// Prepared remote descriptor lists (one per owner and memory kind).
+    /// Prepared remote descriptor lists per lane holding requests (one per owner and memory
+    /// kind).
     pub remote_lists: usize,
     /// Times the requests were made: 1 while every post reuses them.
     pub request_builds: u64,
@@ -240,6 +331,16 @@ pub struct PreparedStats {
 }
 
 impl Shared {
+    /// Lane 0's agent: the one peers know and whose metadata is exported.
+    pub(crate) fn agent(&self) -> &NixlAgent {
+        &self.lanes[0].agent
+    }
+
+    /// Every lane's agent, lane 0 first.
+    pub(crate) fn agents(&self) -> impl Iterator<Item = &NixlAgent> {
+        self.lanes.iter().map(|l| &l.agent)
+    }
+
     fn bump(&self) {
         self.epoch.fetch_add(1, Ordering::AcqRel);
     }

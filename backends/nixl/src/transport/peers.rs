@@ -9,7 +9,7 @@ use std::sync::{Arc, Weak};
 
 use super::prepared::{Prepared, BUSY, IDLE, QUARANTINED, RETIRED};
 use super::regions::space;
-use super::{oob, NixlTransport, State};
+use super::{oob, NixlTransport, Shared, State};
 use crate::agent::NixlAgent;
 use crate::meta::{incarnation_of, AgentMeta, RegionMeta};
 use crate::SCHEME;
@@ -52,20 +52,28 @@ impl NixlTransport {
                     // remote keys those requests read with, and their completion could no
                     // longer be observed).
                     retire_users(&mut st, &meta.nixl_name, owner)?;
-                    s.agent
-                        .invalidate_remote(&meta.nixl_name)
+                    s.invalidate_remote(&meta.nixl_name)
                         .map_err(|e| e.with_owner(owner))?;
                     st.loaded.remove(&meta.nixl_name);
                 }
-                let name = s
-                    .agent
-                    .load_remote(&meta.nixl_md)
-                    .map_err(|e| e.with_owner(owner))?;
+                let name = match s.load_remote(&meta.nixl_md) {
+                    Ok(name) => name,
+                    Err((e, loaded)) => {
+                        // A later lane refused what lane 0 loaded: forget it on the lanes that
+                        // took it, unless that agent is one this endpoint already uses.
+                        if let Some(name) = loaded {
+                            if !st.loaded.contains_key(&name) && !has_users(&mut st, &name) {
+                                let _ = s.invalidate_remote(&name);
+                            }
+                        }
+                        return Err(e.with_owner(owner));
+                    }
+                };
                 if name != meta.nixl_name {
                     // Forget what was just loaded, unless that agent is one this endpoint
                     // already uses (its batches' requests need its keys).
                     if !st.loaded.contains_key(&name) && !has_users(&mut st, &name) {
-                        let _ = s.agent.invalidate_remote(&name);
+                        let _ = s.invalidate_remote(&name);
                     }
                     return Err(Error::new(
                         ErrorKind::Decode,
@@ -81,9 +89,9 @@ impl NixlTransport {
                 // The envelope's regions are the peer's claim; NIXL's own metadata holds the
                 // descriptors it registered. A region advertised beyond them is refused here,
                 // before any read is prepared against it.
-                if let Err(e) = check_regions(&s.agent, &name, owner, &meta.regions) {
+                if let Err(e) = check_regions(s.agent(), &name, owner, &meta.regions) {
                     if !st.loaded.contains_key(&name) && !has_users(&mut st, &name) {
-                        let _ = s.agent.invalidate_remote(&name);
+                        let _ = s.invalidate_remote(&name);
                     }
                     return Err(e);
                 }
@@ -110,6 +118,44 @@ impl NixlTransport {
         drop(st);
         s.bump();
         Ok(())
+    }
+}
+
+impl Shared {
+    /// Loads a peer's NIXL metadata on every lane; returns the agent name NIXL read from it.
+    /// On failure, also the name lanes already loaded, if any, for the caller to forget.
+    fn load_remote(&self, md: &[u8]) -> std::result::Result<String, (Error, Option<String>)> {
+        let name = self.agent().load_remote(md).map_err(|e| (e, None))?;
+        for (k, lane) in self.lanes.iter().enumerate().skip(1) {
+            match lane.agent.load_remote(md) {
+                Ok(n) if n == name => {}
+                Ok(n) => {
+                    let _ = lane.agent.invalidate_remote(&n);
+                    let e = Error::new(
+                        ErrorKind::Internal,
+                        format!("NIXL read agent {n:?} on lane {k} but {name:?} on lane 0"),
+                    )
+                    .with_backend(SCHEME);
+                    return Err((e, Some(name)));
+                }
+                Err(e) => return Err((e, Some(name))),
+            }
+        }
+        Ok(name)
+    }
+
+    /// Forgets a peer agent's NIXL metadata on every lane that holds it; the first error, if
+    /// any, after trying every lane.
+    fn invalidate_remote(&self, name: &str) -> Result<()> {
+        let mut first = Ok(());
+        for agent in self.agents() {
+            if let Err(e) = agent.invalidate_remote(name) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
     }
 }
 

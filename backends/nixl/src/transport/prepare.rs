@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::Arc;
 
 use super::peers::Peer;
-use super::prepared::{Group, NixlObjects, Prepared, RemoteList, IDLE};
+use super::prepared::{Group, LaneLists, NixlObjects, Prepared, RemoteList, IDLE};
 use super::regions::{space, LocalMem};
 use super::{oob, NixlTransport};
 use crate::SCHEME;
@@ -166,44 +166,6 @@ impl NixlTransport {
             )
             .with_backend(SCHEME));
         }
-        let local_lists = local_keys
-            .iter()
-            .zip(&local_descs)
-            .map(|(&k, d)| s.agent.prep_dlist("", k, d))
-            .collect::<Result<Vec<_>>>()?;
-        let remote_lists = remote_keys
-            .iter()
-            .zip(&remote_descs)
-            .map(|(&(owner, k), d)| {
-                let name = &peers[&owner].1;
-                s.agent.prep_dlist(name, k, d).map_err(|e| {
-                    // NIXL checks every remote descriptor against the registrations in the
-                    // peer's NIXL metadata. Name the first read it refuses (trying each alone:
-                    // the error path only) as out of bounds: the peer's envelope advertised
-                    // bytes it did not register.
-                    let bad = resolved.iter().find(|r| {
-                        r.owner == owner
-                            && r.remote_kind == k
-                            && s.agent
-                                .prep_dlist(name, k, &[(r.remote_addr, r.len)])
-                                .is_err()
-                    });
-                    match bad {
-                        Some(r) => oob(
-                            owner,
-                            r.remote_range.clone(),
-                            format!(
-                                "NIXL refuses remote bytes {}..{} of owner {owner}: they are not \
-                                 inside memory its agent registered ({e})",
-                                r.remote_range.start, r.remote_range.end
-                            ),
-                        )
-                        .with_source(e),
-                        None => e.with_owner(owner),
-                    }
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
         // Destinations are disjoint (validated), so every request may be in flight at once.
         let mut groups: Vec<Group> = Vec::new();
         for (i, r) in resolved.iter().enumerate() {
@@ -231,6 +193,7 @@ impl NixlTransport {
                     }
                     None => groups.push(Group {
                         owner: r.owner,
+                        lane: 0,
                         local_list: l,
                         remote_list: m,
                         local_ix: vec![li],
@@ -243,6 +206,61 @@ impl NixlTransport {
                     }),
                 }
             }
+        }
+        // Lanes: each request goes to the lane with the fewest bytes so far (ties: the lowest),
+        // in batch order, so every lane gets an even share of the bytes and of each owner.
+        let lanes = s.lanes.len();
+        let mut load = vec![0u64; lanes];
+        for g in &mut groups {
+            let lane = (0..lanes).min_by_key(|&k| (load[k], k)).unwrap_or(0);
+            load[lane] += g.bytes;
+            g.lane = lane;
+        }
+        // Lists on every lane holding a request (lane 0 always: its errors name the culprit).
+        let mut lists: Vec<LaneLists> = (0..lanes).map(|_| LaneLists::default()).collect();
+        for (lane, agent) in s.agents().enumerate() {
+            if lane > 0 && !groups.iter().any(|g| g.lane == lane) {
+                continue;
+            }
+            let local = local_keys
+                .iter()
+                .zip(&local_descs)
+                .map(|(&k, d)| agent.prep_dlist("", k, d))
+                .collect::<Result<Vec<_>>>()?;
+            let remote = remote_keys
+                .iter()
+                .zip(&remote_descs)
+                .map(|(&(owner, k), d)| {
+                    let name = &peers[&owner].1;
+                    agent.prep_dlist(name, k, d).map_err(|e| {
+                        // NIXL checks every remote descriptor against the registrations in the
+                        // peer's NIXL metadata. Name the first read it refuses (trying each
+                        // alone: the error path only) as out of bounds: the peer's envelope
+                        // advertised bytes it did not register.
+                        let bad = resolved.iter().find(|r| {
+                            r.owner == owner
+                                && r.remote_kind == k
+                                && agent
+                                    .prep_dlist(name, k, &[(r.remote_addr, r.len)])
+                                    .is_err()
+                        });
+                        match bad {
+                            Some(r) => oob(
+                                owner,
+                                r.remote_range.clone(),
+                                format!(
+                                    "NIXL refuses remote bytes {}..{} of owner {owner}: they are \
+                                     not inside memory its agent registered ({e})",
+                                    r.remote_range.start, r.remote_range.end
+                                ),
+                            )
+                            .with_source(e),
+                            None => e.with_owner(owner),
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            lists[lane] = LaneLists { local, remote };
         }
         let remote_info = remote_keys
             .iter()
@@ -293,8 +311,7 @@ impl NixlTransport {
         };
         let mut objects = NixlObjects {
             requests: None,
-            local_lists,
-            remote_lists,
+            lists,
         };
         objects.requests = Some(prepared.make_requests(&objects)?);
         *prepared.nixl.lock() = Some(objects);

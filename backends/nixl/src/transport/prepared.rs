@@ -19,6 +19,8 @@ use crate::SCHEME;
 /// this or the following groups of its owner); every field below is per piece.
 pub(crate) struct Group {
     pub(crate) owner: OwnerId,
+    /// The lane whose agent the request is made, posted and polled on.
+    pub(crate) lane: usize,
     pub(super) local_list: usize,
     pub(super) remote_list: usize,
     pub(super) local_ix: Vec<i32>,
@@ -63,8 +65,16 @@ pub(crate) struct NixlObjects {
     /// One request per group. `None` after a failure that every pending request was seen to
     /// end: the next post re-makes them from the prepared lists.
     pub(crate) requests: Option<Vec<Request>>,
-    pub(super) local_lists: Vec<Prepped>,
-    pub(super) remote_lists: Vec<Prepped>,
+    /// Per lane, the lists prepared on its agent (empty for a lane that holds no request).
+    pub(super) lists: Vec<LaneLists>,
+}
+
+/// The descriptor lists of one lane, prepared on its agent: the same descriptors on every
+/// lane, so a group's list and descriptor indices hold on whichever lane it is.
+#[derive(Default)]
+pub(crate) struct LaneLists {
+    pub(super) local: Vec<Prepped>,
+    pub(super) remote: Vec<Prepped>,
 }
 
 /// [`Prepared::phase`]: no request in progress; `post` may take it.
@@ -125,18 +135,27 @@ impl Prepared {
     /// Makes every request from the prepared lists (at prepare, and after a failure that
     /// every pending request was seen to end).
     pub(crate) fn make_requests(&self, nixl: &NixlObjects) -> Result<Vec<Request>> {
-        let agent = &self.shared.agent;
         self.builds.fetch_add(1, Ordering::Relaxed);
         self.groups
             .iter()
             .map(|g| {
-                agent
-                    .make_read(
-                        &nixl.local_lists[g.local_list],
-                        &g.local_ix,
-                        &nixl.remote_lists[g.remote_list],
-                        &g.remote_ix,
+                // `prepare` gives every lane holding a group its lists; a miss is internal.
+                let found = nixl.lists.get(g.lane).and_then(|l| {
+                    Some((
+                        self.shared.lanes.get(g.lane)?,
+                        l.local.get(g.local_list)?,
+                        l.remote.get(g.remote_list)?,
+                    ))
+                });
+                let Some((lane, local, remote)) = found else {
+                    return Err(Error::new(
+                        ErrorKind::Internal,
+                        format!("nixl lane {} has no descriptor lists", g.lane),
                     )
+                    .with_backend(SCHEME));
+                };
+                lane.agent
+                    .make_read(local, &g.local_ix, remote, &g.remote_ix)
                     .map_err(|e| e.with_owner(g.owner).with_range(g.range.clone()))
             })
             .collect()

@@ -22,7 +22,9 @@ pub(super) struct Local {
 /// entry and every prepared batch that reads into the region (and so by a quarantined one):
 /// the last holder deregisters, and only then lets go of the memory.
 pub(crate) struct LocalMem {
-    reg: Option<Reg>,
+    /// One registration per lane (the same memory on every lane's agent); empty for a
+    /// zero-length block.
+    regs: Vec<Reg>,
     /// Only held: released after `reg` (see `Drop`).
     _block: Arc<dyn MemoryBlock>,
     registrations: Arc<AtomicUsize>,
@@ -31,9 +33,9 @@ pub(crate) struct LocalMem {
 impl Drop for LocalMem {
     fn drop(&mut self) {
         // Deregister first, explicitly: the block (a field, dropped after this body) must
-        // outlive its registration.
-        if let Some(reg) = self.reg.take() {
-            drop(reg);
+        // outlive its registrations.
+        if !self.regs.is_empty() {
+            self.regs.clear();
             self.registrations.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -67,25 +69,29 @@ impl NixlTransport {
         regions::check_block(SCHEME, block.as_ref())?;
         // Zero-length blocks get an id (ids stay aligned across backends) but nothing to
         // register: no read can touch them.
-        let reg = if len == 0 {
-            None
+        // Every lane registers the block: each lane's agent writes into it. A failure on any
+        // lane drops (deregisters) the lanes already registered: nothing is half-installed.
+        let regs = if len == 0 {
+            Vec::new()
         } else {
-            Some(s.agent.register(addr, len, kind).map_err(|e| {
-                match kind {
-                    MemoryKind::Dram => e,
-                    MemoryKind::Vram { .. } => Error::new(
-                        ErrorKind::Unsupported,
-                        format!("NIXL could not register {kind} memory (no usable GPU?): {e}"),
-                    )
-                    .with_backend(SCHEME),
-                }
-            })?)
+            s.agents()
+                .map(|agent| {
+                    agent.register(addr, len, kind).map_err(|e| match kind {
+                        MemoryKind::Dram => e,
+                        MemoryKind::Vram { .. } => Error::new(
+                            ErrorKind::Unsupported,
+                            format!("NIXL could not register {kind} memory (no usable GPU?): {e}"),
+                        )
+                        .with_backend(SCHEME),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
         };
-        if reg.is_some() {
+        if !regs.is_empty() {
             s.registrations.fetch_add(1, Ordering::AcqRel);
         }
         let mem = Arc::new(LocalMem {
-            reg,
+            regs,
             _block: block,
             registrations: Arc::clone(&s.registrations),
         });

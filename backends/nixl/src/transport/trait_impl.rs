@@ -72,7 +72,7 @@ impl Transport for NixlTransport {
             .collect();
         regions.sort_unstable_by_key(|r| r.id);
         // Under the lock: the NIXL metadata matches the region list exactly.
-        let nixl_md = s.agent.local_md()?;
+        let nixl_md = s.agent().local_md()?;
         Ok(AgentMeta {
             agent: s.name.clone(),
             nixl_name: s.nixl_name.clone(),
