@@ -30,6 +30,12 @@ use crate::sys;
 use crate::transport::Prepared;
 use crate::SCHEME;
 
+/// Most bytes one `process_vm_readv` moves when the batch carries a hash plan: small enough that
+/// the block is still in this core's cache when its segments are hashed right after
+/// (docs/in-flight-safety.md, "Hashing while copying"). A call of `piece_bytes` then takes
+/// several system calls.
+pub(crate) const HASH_BLOCK: u64 = 256 << 10;
+
 /// One posted batch, shared by its copy jobs and its handle.
 pub(crate) struct Run {
     /// Holds the peers (their pidfds) and the destination blocks alive while any job may run:
@@ -271,9 +277,24 @@ impl Run {
             _ => all,
         };
         let total: u64 = segs.iter().map(|s| s.len).sum();
+        // One hasher per segment (a contiguous part of one read) when the batch carries a
+        // hash plan: each system call then moves one block, hashed right after it lands.
+        let sink = self
+            .completions
+            .as_ref()
+            .map(|(s, _)| s)
+            .filter(|s| s.hashes());
+        let mut hashers: Vec<_> = match sink {
+            Some(s) => segs
+                .iter()
+                .map(|g| s.piece_hasher(g.read as usize, g.off))
+                .collect(),
+            None => Vec::new(),
+        };
+        let block = if sink.is_some() { HASH_BLOCK } else { u64::MAX };
         let mut done = 0u64;
         while done < total {
-            let (remote, local) = plan::spans(segs, done);
+            let (remote, local) = plan::spans_upto(segs, done, block);
             // SAFETY: every local span lies inside a destination block registered on this
             // endpoint (checked at prepare, re-checked at post when the epoch moved) and kept
             // alive by `self.prepared`; while the batch is in flight nobody else touches those
@@ -285,7 +306,11 @@ impl Run {
                 Err(e) => Err(e),
             };
             match n {
-                Ok(n) => done += n,
+                Ok(n) => {
+                    let from = done;
+                    done += n;
+                    hash_landed(segs, &mut hashers, from, done);
+                }
                 Err(e) => {
                     let seg = plan::seg_at(segs, done);
                     return Err(self.os_error(*owner, peer, seg, e));
@@ -344,6 +369,40 @@ impl Run {
         };
         self.name_read(Error::new(kind, msg).with_source(e), owner, seg)
             .set_retryable(false)
+    }
+}
+
+/// Feeds the hashers of the segments (of one call) that bytes `from..to` of the call's stream
+/// reached, each with its segment's destination bytes landed so far.
+fn hash_landed(
+    segs: &[Seg],
+    hashers: &mut [Option<reshard_core::PieceHasher<'_>>],
+    from: u64,
+    to: u64,
+) {
+    let mut at = 0u64;
+    for (s, h) in segs.iter().zip(hashers.iter_mut()) {
+        let (start, end) = (at, at + s.len);
+        at = end;
+        if end <= from {
+            continue;
+        }
+        if start >= to {
+            break;
+        }
+        if let Some(h) = h {
+            let landed = to.min(end) - start;
+            // SAFETY: the segment's local bytes lie inside a destination block registered on
+            // this endpoint and kept alive by the batch (checked at prepare); the system call
+            // that returned just before this wrote its first `landed` bytes, on this thread,
+            // and no one else writes them while the batch is in flight (destinations of one
+            // batch are disjoint), so a shared view is sound. The hashes are of the bytes as
+            // they landed, read back after the copy.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(s.local as usize as *const u8, landed as usize)
+            };
+            h.landed(bytes);
+        }
     }
 }
 
