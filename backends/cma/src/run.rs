@@ -570,3 +570,69 @@ impl Drop for CmaInFlight {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard_core::{HashPlan, SegmentTask};
+
+    /// Blocks landing in steps that cut segments (of one call's two segments, the second a
+    /// part of its read from offset 100): every planned segment is hashed once its last byte
+    /// landed, from the landed bytes, and one reaching past its segment never is.
+    #[test]
+    fn blocks_hash_the_segments_they_complete() {
+        let dst: Vec<u8> = (0..600u32).map(|i| (i * 13 % 256) as u8).collect();
+        let base = dst.as_ptr() as u64;
+        let segs = [
+            Seg {
+                read: 0,
+                remote: 0,
+                local: base,
+                off: 0,
+                len: 300,
+                last: true,
+            },
+            Seg {
+                read: 1,
+                remote: 0,
+                local: base + 300,
+                off: 100,
+                len: 300,
+                last: false,
+            },
+        ];
+        let t = |offset, len, slot| (offset, len, slot);
+        let plan = HashPlan::new(
+            2,
+            6,
+            [
+                (0, t(0, 120, 0)),
+                (0, t(120, 180, 1)),
+                (1, t(50, 10, 2)),
+                (1, t(100, 250, 3)),
+                (1, t(350, 50, 4)),
+                (1, t(390, 20, 5)),
+            ]
+            .map(|(r, (offset, len, slot))| (r, SegmentTask { offset, len, slot })),
+        );
+        let mut hashers: Vec<_> = segs
+            .iter()
+            .map(|g| Some(plan.piece(g.read as usize, g.off)))
+            .collect();
+        for (from, to) in [(0, 100), (100, 350), (350, 500), (500, 600)] {
+            hash_landed(&segs, &mut hashers, from, to);
+        }
+        let h = |r: std::ops::Range<usize>| {
+            let mut f = reshard_core::SegmentFold::new();
+            f.segment(&dst[r]);
+            Some(u64::from_le_bytes(f.hashes().try_into().unwrap()))
+        };
+        assert_eq!(plan.hash(0, 120), h(0..120));
+        assert_eq!(plan.hash(1, 180), h(120..300));
+        assert_eq!(plan.hash(2, 10), None, "before this piece");
+        // Read 1's offset 100 is the call's byte 300.
+        assert_eq!(plan.hash(3, 250), h(300..550));
+        assert_eq!(plan.hash(4, 50), h(550..600));
+        assert_eq!(plan.hash(5, 20), None, "reaches past the piece");
+    }
+}
