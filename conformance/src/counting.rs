@@ -11,8 +11,9 @@
 use std::sync::Arc;
 
 use reshard_core::{
-    CompletionSink, ErrorKind, ExecutionLog, HostBuffer, MemoryBlock, OwnerId, PreparedBatch,
-    ReadBatch, ReadDesc, Registration, Result, Transport, WireReport,
+    CompletionSink, ErrorKind, ExecutionLog, HashPlan, HostBuffer, MemoryBlock, OwnerId,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, SegmentFold, SegmentTask, Transport,
+    WireReport,
 };
 use reshard_runtime::{Layer, Receiver, ReceiverOptions, WavesLayer};
 
@@ -88,6 +89,11 @@ pub struct Counting {
     /// A single read the backend cuts into pieces, whose execution log must still hold it
     /// once, whole.
     pub split_read: Option<ReadAt>,
+    /// `Some(reads)` for a backend that hashes while copying (`Transport::post_reporting`,
+    /// "Hashing while copying"): a batch whose reads it copies each as one piece, so that
+    /// every planned segment of a read must be stored by the time the read is reported.
+    /// `None`: the backend does not hash (any hash it stores must still be right).
+    pub hashed_reads: Option<Vec<ReadAt>>,
 }
 
 impl Counting {
@@ -107,6 +113,7 @@ impl Counting {
             dst_lens: [1 << 20; 2],
             reads: Vec::new(),
             split_read: None,
+            hashed_reads: None,
         }
     }
 
@@ -625,5 +632,152 @@ pub async fn overlapping_destinations_are_refused_and_land_in_order_as_waves(c: 
             last.0
         );
         assert!(s.dst_bufs[1].read()[..len as usize] == fill(other.0, 1)[..]);
+    }
+}
+
+/// A hash plan over `reads`: per read, segments of 1000, 1, 4096 and 333 bytes in turn (so
+/// many straddle any block boundary), from a small offset on, with gaps between some; slots
+/// numbered in batch order. Returns the plan and, per read, its tasks.
+fn segment_plan(reads: &[ReadAt]) -> (Arc<HashPlan>, Vec<Vec<SegmentTask>>) {
+    const LENS: [u32; 4] = [1000, 1, 4096, 333];
+    let mut per_read = Vec::new();
+    let mut slot = 0u32;
+    for (i, r) in reads.iter().enumerate() {
+        let mut tasks = Vec::new();
+        let mut at = (i as u64 * 7) % 50;
+        for k in 0.. {
+            let len = LENS[k % LENS.len()];
+            if at + u64::from(len) > r.len {
+                break;
+            }
+            tasks.push(SegmentTask {
+                offset: at,
+                len,
+                slot,
+            });
+            slot += 1;
+            // A gap after every third segment: bytes no segment covers.
+            at += u64::from(len) + if k % 3 == 2 { 17 } else { 0 };
+        }
+        per_read.push(tasks);
+    }
+    let all = per_read
+        .iter()
+        .enumerate()
+        .flat_map(|(i, t)| t.iter().map(move |t| (i, *t)))
+        .collect::<Vec<_>>();
+    (
+        Arc::new(HashPlan::new(reads.len(), slot as usize, all)),
+        per_read,
+    )
+}
+
+/// Hashing while copying (`Transport::post_reporting` with a sink carrying a [`HashPlan`]):
+/// every hash a backend stores is XXH3-64 of its segment's bytes as they landed in the
+/// destination (which held other bytes before the post), in the segment's own slot, so the
+/// stored hashes of a read fold ([`SegmentFold`]) to the fold of its landed bytes; hashes of
+/// an earlier post never count for a later one. For a backend that hashes
+/// ([`Counting::hashed_reads`]), every planned segment of a read is stored by the time the
+/// read is reported (checked on the backend's thread, as the report arrives).
+pub async fn copy_hashes_are_the_landed_bytes_and_stored_before_the_report(c: &Counting) {
+    let s = setup(c).await;
+    let mut batches = vec![(c.reads.clone(), false)];
+    if let Some(split) = c.split_read {
+        batches.push((vec![split], false));
+    }
+    if let Some(reads) = &c.hashed_reads {
+        batches.push((reads.clone(), true));
+    }
+    for (reads, strict) in &batches {
+        let (plan, tasks) = segment_plan(reads);
+        let tasks = Arc::new(tasks);
+        let prepared = s.receiver.prepare(s.batch(reads)).await.unwrap();
+        for round in 0..3u8 {
+            // Bytes that are not the source's: a hash taken before the copy is wrong.
+            s.dst_bufs.iter().for_each(|b| b.write().fill(0xA5 ^ round));
+            plan.begin();
+            let missing = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+            let sink = {
+                let (p, tasks, missing) = (plan.clone(), tasks.clone(), missing.clone());
+                let strict = *strict;
+                CompletionSink::new(move |i| {
+                    let Some(t) = tasks.get(i) else { return };
+                    let unstored = t
+                        .iter()
+                        .filter(|t| p.hash(t.slot as usize, u64::from(t.len)).is_none())
+                        .count();
+                    if strict && unstored > 0 {
+                        missing.lock().push(format!(
+                            "read {i} reported with {unstored} of its {} segment hashes not stored",
+                            t.len()
+                        ));
+                    }
+                })
+                .with_hashes(plan.clone())
+            };
+            let report = s
+                .receiver
+                .post_reporting(&prepared, sink)
+                .await
+                .expect("post")
+                .wait()
+                .await
+                .expect("wait");
+            assert_eq!(report.reads, reads.len() as u64);
+            assert_eq!(*missing.lock(), Vec::<String>::new(), "round {round}");
+            let mut stored_bytes = 0u64;
+            for (i, (r, t)) in reads.iter().zip(tasks.iter()).enumerate() {
+                let landed = s.dst_bufs[r.dst].read();
+                let landed = &landed[r.dst_offset as usize..(r.dst_offset + r.len) as usize];
+                let (owner, j) = (s.src[r.src].0, r.src % 2);
+                assert_eq!(
+                    landed,
+                    &source_bytes(owner, j, r.src_offset, r.len)[..],
+                    "read {i} landed"
+                );
+                let (mut from_bytes, mut from_hashes) = (SegmentFold::new(), SegmentFold::new());
+                let mut all = true;
+                for t in t {
+                    let seg = &landed[t.offset as usize..(t.offset + u64::from(t.len)) as usize];
+                    from_bytes.segment(seg);
+                    match plan.hash(t.slot as usize, u64::from(t.len)) {
+                        Some(h) => {
+                            assert_eq!(
+                                h,
+                                xxhash_rust::xxh3::xxh3_64(seg),
+                                "round {round}: the hash in slot {} (read {i}, {} bytes at \
+                                 {}) is not the hash of the bytes that landed there",
+                                t.slot,
+                                t.len,
+                                t.offset
+                            );
+                            from_hashes.segment_hash(h);
+                            stored_bytes += u64::from(t.len);
+                        }
+                        None => all = false,
+                    }
+                }
+                if all {
+                    assert_eq!(from_hashes.part(), from_bytes.part(), "read {i}");
+                }
+                assert!(!strict || all, "read {i}: every segment stored");
+            }
+            if *strict {
+                let planned: u64 = tasks.iter().flatten().map(|t| u64::from(t.len)).sum();
+                assert_eq!(stored_bytes, planned, "round {round}");
+                assert!(planned > 0);
+            }
+        }
+        // Without a hash plan the same batch stores nothing: hashes of the last post stop
+        // counting at the next `begin`.
+        plan.begin();
+        s.post_and_wait(&prepared).await;
+        assert!(
+            tasks
+                .iter()
+                .flatten()
+                .all(|t| plan.hash(t.slot as usize, u64::from(t.len)).is_none()),
+            "a post without a hash plan stored hashes"
+        );
     }
 }

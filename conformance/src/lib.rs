@@ -189,7 +189,8 @@ macro_rules! conformance_tests {
 /// `the_execution_log_holds_the_reads_posted_with_region_ids_per_endpoint`,
 /// `unknown_peer_names_owner_range_and_backend`,
 /// `overlapping_destinations_are_refused_and_land_in_order_as_waves` and
-/// `reads_are_reported_once_each_only_after_their_bytes_landed` (the completion contract). With `requires = $probe`, each first asks
+/// `reads_are_reported_once_each_only_after_their_bytes_landed` (the completion contract) and
+/// `copy_hashes_are_the_landed_bytes_and_stored_before_the_report` (hashing while copying). With `requires = $probe`, each first asks
 /// [`backend_available`]. Use it in the backend's `tests/counting.rs`:
 ///
 /// ```text
@@ -205,6 +206,7 @@ macro_rules! counting_tests {
             unknown_peer_names_owner_range_and_backend,
             overlapping_destinations_are_refused_and_land_in_order_as_waves,
             reads_are_reported_once_each_only_after_their_bytes_landed,
+            copy_hashes_are_the_landed_bytes_and_stored_before_the_report,
         );
     };
     ($make:expr) => {

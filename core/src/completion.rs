@@ -2,11 +2,15 @@
 //! batch, as soon as that read's bytes are all in place ([`crate::Transport::post_reporting`]),
 //! so a receiver can verify and re-slice what landed while the rest is still on the wire
 //! (docs/in-flight-safety.md, "Completions as they happen"), and the countdown a backend that cuts reads into pieces uses to know
-//! when the last piece of a read has finished.
+//! when the last piece of a read has finished. A sink may carry a [`HashPlan`]: the segments a
+//! backend that copies with its own CPU hashes right after copying them (docs/in-flight-safety.md,
+//! "Hashing while copying").
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+use crate::copyhash::{HashPlan, PieceHasher};
 
 /// Where a backend reports the reads of one posted batch as they complete, by index into
 /// [`crate::PreparedBatch::batch`]'s reads. See [`crate::Transport::post_reporting`] for when a
@@ -15,6 +19,7 @@ use std::sync::Arc;
 pub struct CompletionSink {
     report: Arc<dyn Fn(usize) + Send + Sync>,
     base: usize,
+    hashes: Option<Arc<HashPlan>>,
 }
 
 impl CompletionSink {
@@ -25,7 +30,27 @@ impl CompletionSink {
         CompletionSink {
             report: Arc::new(report),
             base: 0,
+            hashes: None,
         }
+    }
+
+    /// This sink carrying `plan`: the segments of each read to hash while copying, indexed
+    /// like the reads this sink reports (see [`crate::Transport::post_reporting`]).
+    pub fn with_hashes(mut self, plan: Arc<HashPlan>) -> Self {
+        self.hashes = Some(plan);
+        self
+    }
+
+    /// Whether this sink carries a [`HashPlan`].
+    pub fn hashes(&self) -> bool {
+        self.hashes.is_some()
+    }
+
+    /// The hasher of one piece of read `read` (of the posted batch): the bytes from `offset`
+    /// in the read on, copied in order by one thread; `None` when the sink carries no plan.
+    pub fn piece_hasher(&self, read: usize, offset: u64) -> Option<PieceHasher<'_>> {
+        let plan = self.hashes.as_deref()?;
+        Some(plan.piece(self.base + read, offset))
     }
 
     /// Reports read `read` of the posted batch complete: every byte of it is in place and no
@@ -40,13 +65,19 @@ impl CompletionSink {
         CompletionSink {
             report: Arc::clone(&self.report),
             base: self.base + base,
+            hashes: self.hashes.clone(),
         }
     }
 }
 
 impl fmt::Debug for CompletionSink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CompletionSink(base {})", self.base)
+        write!(
+            f,
+            "CompletionSink(base {}, hashes {})",
+            self.base,
+            self.hashes.is_some()
+        )
     }
 }
 
@@ -105,5 +136,29 @@ mod tests {
         );
         assert!(c.landed(1, 4));
         assert!(!c.landed(7, 1), "no such read");
+    }
+
+    #[test]
+    fn a_part_sink_hashes_the_reads_of_its_part() {
+        use crate::copyhash::{HashPlan, SegmentTask};
+        let plan = Arc::new(HashPlan::new(
+            3,
+            2,
+            [(
+                2,
+                SegmentTask {
+                    offset: 0,
+                    len: 4,
+                    slot: 1,
+                },
+            )],
+        ));
+        let s = CompletionSink::new(|_| {}).with_hashes(plan.clone());
+        assert!(s.hashes() && !CompletionSink::new(|_| {}).hashes());
+        // Read 0 of the part from read 2 is read 2 of the batch.
+        let part = s.offset(2);
+        part.piece_hasher(0, 0).unwrap().landed(b"abcd");
+        assert_eq!(plan.hash(1, 4), Some(xxhash_rust::xxh3::xxh3_64(b"abcd")));
+        assert!(CompletionSink::new(|_| {}).piece_hasher(0, 0).is_none());
     }
 }

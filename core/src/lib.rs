@@ -6,6 +6,7 @@
 pub mod completion;
 pub mod config;
 pub mod contract;
+pub mod copyhash;
 pub mod digest;
 pub mod encoding;
 pub mod error;
@@ -28,6 +29,7 @@ pub mod stats;
 pub mod transport;
 
 pub use completion::{CompletionSink, Countdown};
+pub use copyhash::{HashPlan, PieceHasher, SegmentTask};
 pub use digest::{Digest, SegmentFold};
 pub use error::{Error, ErrorContext, ErrorDetail, ErrorKind, NoRollback, NotApplicable, Result};
 pub use layout::{ParamSpec, WantedCopy, WantedLayout};

@@ -277,6 +277,19 @@ pub fn new_incarnation() -> u64 {
 ///   the batch: once the batch has ended (in-flight rule 1 below), the sink is not called
 ///   again. A receiver may read a reported read's bytes while the rest of the batch is on the
 ///   wire (docs/in-flight-safety.md, "Completions as they happen").
+/// - Hashing while copying: a sink may carry a [`crate::HashPlan`] (the receiver's digest
+///   segments, per read, each with a slot). A backend whose own CPU copies the bytes hashes
+///   them as it copies: it takes a [`CompletionSink::piece_hasher`] for each contiguous piece
+///   of a read it copies on one thread, and right after copying each block (at most a few
+///   hundred KiB, so it is still in cache) passes the piece's destination bytes landed so far
+///   to [`crate::PieceHasher::landed`], which stores the hash of every planned segment now
+///   wholly inside them. Hashes are of the *destination* bytes read back after the copy,
+///   never of the source nor before the copy, and every hash of a read is stored before the
+///   read is reported. A backend that hashes while copying stores every planned segment that
+///   lies inside one piece; segments straddling two pieces or two reads may stay unstored. A
+///   backend whose bytes are copied out of its sight (a NIC, a library's own progress) ignores
+///   the plan. The receiver hashes every segment not stored, so a check's digest is the
+///   publisher's either way.
 /// - Destinations of one batch are disjoint: [`crate::contract::validate_batch`] refuses a batch
 ///   whose destinations overlap in memory (judged by address, so one memory registered as two
 ///   regions counts), so a backend never orders writes to the same bytes. Callers that want

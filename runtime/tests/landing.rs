@@ -188,3 +188,74 @@ async fn a_buffer_is_verified_only_after_every_read_into_it_was_reported() {
         }
     }
 }
+
+/// Hashing while copying: over loopback (which hashes each block right after copying it), the
+/// checks fold the hashes the copy stored (`copy_hashed_bytes`) and every byte is still
+/// compared with the publisher's digests; a byte corrupted in publisher memory after the
+/// digests were published lands corrupted, is hashed as it landed, and fails the update with
+/// the tensor named, the live weights untouched. With hashing off the same bytes are checked,
+/// all hashed by the verifier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_byte_is_caught_when_the_hashes_come_from_the_copy() {
+    let fabric = LoopbackFabric::new();
+    let f = fabric.clone();
+    let mut cluster = SyntheticCluster::new(
+        reshard_testkit::models::tiny_moe(8),
+        "ep=4,dp=4".parse().unwrap(),
+        1,
+        move |r| Ok(Arc::new(LoopbackTransport::new(&f, &format!("pub-{r}"), 2)?) as _),
+    )
+    .await
+    .expect("cluster");
+    let t: Arc<dyn Transport> = Arc::new(LoopbackTransport::new(&fabric, "rx", 2).unwrap());
+    cluster.connect(t.as_ref()).await.expect("connect");
+    let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(2), 0).unwrap();
+    let mut rx = Receiver::new(t, layout, ReceiverOptions::default()).unwrap();
+    for step in 0..3 {
+        if step > 0 {
+            cluster.publish_step(step);
+        }
+        let r = rx.update(&cluster.tables()).await.expect("update");
+        assert!(r.fully_checked(), "{} of {}", r.checked_bytes, r.wire_bytes);
+        assert_eq!(
+            r.copy_hashed_bytes, r.checked_bytes,
+            "step {step}: every segment here lies inside one piece of one read, so the copy \
+             hashed all of them"
+        );
+        let want = cluster.expected_params(rx.layout()).unwrap();
+        for (got, want) in rx.live_params().unwrap().iter().zip(&want) {
+            assert!(got.read()[..] == want[..], "step {step} byte-exact");
+        }
+    }
+    let live: Vec<Vec<u8>> = rx
+        .live_params()
+        .unwrap()
+        .iter()
+        .map(|b| b.read().to_vec())
+        .collect();
+    cluster.publish_step(3);
+    let name = "model.layers.0.mlp.experts.1.up_proj.weight";
+    cluster.corrupt(name, 777).expect("corrupt");
+    let e = rx
+        .update(&cluster.tables())
+        .await
+        .expect_err("a corrupted byte hashed as it was copied");
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Verification, "{e}");
+    assert_eq!(e.context().tensor.as_deref(), Some(name), "{e}");
+    let now: Vec<Vec<u8>> = rx
+        .live_params()
+        .unwrap()
+        .iter()
+        .map(|b| b.read().to_vec())
+        .collect();
+    assert!(now == live, "live weights untouched");
+    // Hashing off: the same checks, every byte hashed by the verifier.
+    cluster.publish_step(4);
+    rx.set_options(ReceiverOptions {
+        hash_while_copying: false,
+        ..ReceiverOptions::default()
+    });
+    let r = rx.update(&cluster.tables()).await.expect("update");
+    assert!(r.fully_checked());
+    assert_eq!(r.copy_hashed_bytes, 0);
+}

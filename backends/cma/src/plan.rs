@@ -20,6 +20,8 @@ pub(crate) struct Seg {
     pub(crate) remote: u64,
     /// Address in this process.
     pub(crate) local: u64,
+    /// Offset of the segment's first byte in its read.
+    pub(crate) off: u64,
     pub(crate) len: u64,
     /// This segment ends its read: the call that moves it completes the read.
     pub(crate) last: bool,
@@ -143,6 +145,7 @@ impl Builder {
                 read: w.read,
                 remote,
                 local,
+                off: off - take,
                 len: take,
                 last: off == w.len,
             });
@@ -152,17 +155,29 @@ impl Builder {
 
 /// The iovecs of `segs` after their first `skip` bytes, coalesced as the builder counted them
 /// (so never more than the call's limit).
+#[cfg(test)]
 pub(crate) fn spans(segs: &[Seg], skip: u64) -> (Vec<Span>, Vec<Span>) {
+    spans_upto(segs, skip, u64::MAX)
+}
+
+/// Like [`spans`], but at most `max` bytes (a block hashed right after it lands).
+pub(crate) fn spans_upto(segs: &[Seg], skip: u64, max: u64) -> (Vec<Span>, Vec<Span>) {
     let mut remote = Vec::new();
     let mut local = Vec::new();
     let mut skip = skip;
+    let mut left = max;
     for s in segs {
+        if left == 0 {
+            break;
+        }
         if skip >= s.len {
             skip -= s.len;
             continue;
         }
-        append(&mut remote, s.remote + skip, s.len - skip);
-        append(&mut local, s.local + skip, s.len - skip);
+        let n = (s.len - skip).min(left);
+        append(&mut remote, s.remote + skip, n);
+        append(&mut local, s.local + skip, n);
+        left -= n;
         skip = 0;
     }
     (remote, local)
@@ -214,6 +229,7 @@ mod tests {
             let mut off = 0;
             for (k, s) in mine.iter().enumerate() {
                 assert_eq!((s.remote, s.local), (x.remote + off, x.local + off));
+                assert_eq!(s.off, off, "the segment's offset in its read");
                 off += s.len;
                 assert_eq!(s.last, k + 1 == mine.len());
             }
@@ -275,6 +291,7 @@ mod tests {
                 read: 0,
                 remote: 100,
                 local: 1000,
+                off: 0,
                 len: 10,
                 last: true,
             },
@@ -282,6 +299,7 @@ mod tests {
                 read: 1,
                 remote: 500,
                 local: 1010,
+                off: 0,
                 len: 10,
                 last: true,
             },
@@ -292,5 +310,9 @@ mod tests {
         assert_eq!(seg_at(&segs, 9).unwrap().read, 0);
         assert_eq!(seg_at(&segs, 10).unwrap().read, 1);
         assert_eq!(seg_at(&segs, 99).unwrap().read, 1);
+        // At most 6 bytes from byte 7: the last 3 of the first segment, 3 of the second.
+        let (r, l) = spans_upto(&segs, 7, 6);
+        assert_eq!(r, [Span { addr: 107, len: 3 }, Span { addr: 500, len: 3 }]);
+        assert_eq!(l, [Span { addr: 1007, len: 6 }]);
     }
 }

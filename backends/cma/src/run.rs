@@ -30,6 +30,12 @@ use crate::sys;
 use crate::transport::Prepared;
 use crate::SCHEME;
 
+/// Most bytes one `process_vm_readv` moves when the batch carries a hash plan: small enough that
+/// the block is still in this core's cache when its segments are hashed right after
+/// (docs/in-flight-safety.md, "Hashing while copying"). A call of `piece_bytes` then takes
+/// several system calls.
+pub(crate) const HASH_BLOCK: u64 = 256 << 10;
+
 /// One posted batch, shared by its copy jobs and its handle.
 pub(crate) struct Run {
     /// Holds the peers (their pidfds) and the destination blocks alive while any job may run:
@@ -271,9 +277,24 @@ impl Run {
             _ => all,
         };
         let total: u64 = segs.iter().map(|s| s.len).sum();
+        // One hasher per segment (a contiguous part of one read) when the batch carries a
+        // hash plan: each system call then moves one block, hashed right after it lands.
+        let sink = self
+            .completions
+            .as_ref()
+            .map(|(s, _)| s)
+            .filter(|s| s.hashes());
+        let mut hashers: Vec<_> = match sink {
+            Some(s) => segs
+                .iter()
+                .map(|g| s.piece_hasher(g.read as usize, g.off))
+                .collect(),
+            None => Vec::new(),
+        };
+        let block = if sink.is_some() { HASH_BLOCK } else { u64::MAX };
         let mut done = 0u64;
         while done < total {
-            let (remote, local) = plan::spans(segs, done);
+            let (remote, local) = plan::spans_upto(segs, done, block);
             // SAFETY: every local span lies inside a destination block registered on this
             // endpoint (checked at prepare, re-checked at post when the epoch moved) and kept
             // alive by `self.prepared`; while the batch is in flight nobody else touches those
@@ -285,7 +306,11 @@ impl Run {
                 Err(e) => Err(e),
             };
             match n {
-                Ok(n) => done += n,
+                Ok(n) => {
+                    let from = done;
+                    done += n;
+                    hash_landed(segs, &mut hashers, from, done);
+                }
                 Err(e) => {
                     let seg = plan::seg_at(segs, done);
                     return Err(self.os_error(*owner, peer, seg, e));
@@ -344,6 +369,40 @@ impl Run {
         };
         self.name_read(Error::new(kind, msg).with_source(e), owner, seg)
             .set_retryable(false)
+    }
+}
+
+/// Feeds the hashers of the segments (of one call) that bytes `from..to` of the call's stream
+/// reached, each with its segment's destination bytes landed so far.
+fn hash_landed(
+    segs: &[Seg],
+    hashers: &mut [Option<reshard_core::PieceHasher<'_>>],
+    from: u64,
+    to: u64,
+) {
+    let mut at = 0u64;
+    for (s, h) in segs.iter().zip(hashers.iter_mut()) {
+        let (start, end) = (at, at + s.len);
+        at = end;
+        if end <= from {
+            continue;
+        }
+        if start >= to {
+            break;
+        }
+        if let Some(h) = h {
+            let landed = to.min(end) - start;
+            // SAFETY: the segment's local bytes lie inside a destination block registered on
+            // this endpoint and kept alive by the batch (checked at prepare); the system call
+            // that returned just before this wrote its first `landed` bytes, on this thread,
+            // and no one else writes them while the batch is in flight (destinations of one
+            // batch are disjoint), so a shared view is sound. The hashes are of the bytes as
+            // they landed, read back after the copy.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(s.local as usize as *const u8, landed as usize)
+            };
+            h.landed(bytes);
+        }
     }
 }
 
@@ -509,5 +568,71 @@ impl Drop for CmaInFlight {
                 tracing::error!("cma batch dropped in flight: {what}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard_core::{HashPlan, SegmentTask};
+
+    /// Blocks landing in steps that cut segments (of one call's two segments, the second a
+    /// part of its read from offset 100): every planned segment is hashed once its last byte
+    /// landed, from the landed bytes, and one reaching past its segment never is.
+    #[test]
+    fn blocks_hash_the_segments_they_complete() {
+        let dst: Vec<u8> = (0..600u32).map(|i| (i * 13 % 256) as u8).collect();
+        let base = dst.as_ptr() as u64;
+        let segs = [
+            Seg {
+                read: 0,
+                remote: 0,
+                local: base,
+                off: 0,
+                len: 300,
+                last: true,
+            },
+            Seg {
+                read: 1,
+                remote: 0,
+                local: base + 300,
+                off: 100,
+                len: 300,
+                last: false,
+            },
+        ];
+        let t = |offset, len, slot| (offset, len, slot);
+        let plan = HashPlan::new(
+            2,
+            6,
+            [
+                (0, t(0, 120, 0)),
+                (0, t(120, 180, 1)),
+                (1, t(50, 10, 2)),
+                (1, t(100, 250, 3)),
+                (1, t(350, 50, 4)),
+                (1, t(390, 20, 5)),
+            ]
+            .map(|(r, (offset, len, slot))| (r, SegmentTask { offset, len, slot })),
+        );
+        let mut hashers: Vec<_> = segs
+            .iter()
+            .map(|g| Some(plan.piece(g.read as usize, g.off)))
+            .collect();
+        for (from, to) in [(0, 100), (100, 350), (350, 500), (500, 600)] {
+            hash_landed(&segs, &mut hashers, from, to);
+        }
+        let h = |r: std::ops::Range<usize>| {
+            let mut f = reshard_core::SegmentFold::new();
+            f.segment(&dst[r]);
+            Some(u64::from_le_bytes(f.hashes().try_into().unwrap()))
+        };
+        assert_eq!(plan.hash(0, 120), h(0..120));
+        assert_eq!(plan.hash(1, 180), h(120..300));
+        assert_eq!(plan.hash(2, 10), None, "before this piece");
+        // Read 1's offset 100 is the call's byte 300.
+        assert_eq!(plan.hash(3, 250), h(300..550));
+        assert_eq!(plan.hash(4, 50), h(550..600));
+        assert_eq!(plan.hash(5, 20), None, "reaches past the piece");
     }
 }

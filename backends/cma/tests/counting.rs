@@ -40,6 +40,14 @@ fn counting() -> Counting {
             at(0, 30_000, 1, 20_000, 300_000),
         ],
         split_read: Some(at(1, 0, 0, 0, 1 << 20)),
+        // Two reads per owner, under 256 KiB and 4 iovecs per call: each read is one segment
+        // of one call, hashed as that call's blocks land.
+        hashed_reads: Some(vec![
+            at(0, 100, 0, 0, 1000),
+            at(1, 0, 0, 4096, 100_000),
+            at(2, 7, 1, 0, 5000),
+            at(3, 20_000, 1, 8192, 150_000),
+        ]),
         ..Counting::new(harness, endpoint, SkipAt::Post)
     }
 }

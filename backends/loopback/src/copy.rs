@@ -20,6 +20,11 @@ use crate::SCHEME;
 /// Bytes copied between two looks at the abort flag.
 pub(crate) const COPY_CHUNK: u64 = 1 << 20;
 
+/// Bytes copied between two hashing steps when the batch carries a hash plan: small enough
+/// that a block is still in this core's cache when its segments are hashed right after
+/// (docs/in-flight-safety.md, "Hashing while copying").
+pub(crate) const HASH_BLOCK: u64 = 256 << 10;
+
 /// A region resolved at post time: the live block and the owner it belongs to.
 pub(crate) struct Live {
     pub(crate) owner: Option<OwnerId>,
@@ -176,6 +181,15 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
         ctx.faults.before_piece(k);
         let src = ctx.srcs[p.src as usize].addr + p.src_off as usize;
         let dst = ctx.dsts[p.dst as usize].addr + p.dst_off as usize;
+        let mut hasher = ctx
+            .completions
+            .as_ref()
+            .and_then(|(sink, _)| sink.piece_hasher(p.read as usize, p.off));
+        let block = if hasher.is_some() {
+            HASH_BLOCK
+        } else {
+            COPY_CHUNK
+        };
         let mut done = 0u64;
         while done < p.len {
             if ctx.abort.load(Ordering::Acquire) {
@@ -183,7 +197,7 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
                 let e = piece_error(ctx, p, ErrorKind::Aborted, "read aborted".into());
                 return Err(e.set_retryable(true));
             }
-            let n = (p.len - done).min(COPY_CHUNK) as usize;
+            let n = (p.len - done).min(block) as usize;
             let s = (src + done as usize) as *const u8;
             let d = (dst + done as usize) as *mut u8;
             if (s as usize) < (d as usize) + n && (d as usize) < (s as usize) + n {
@@ -201,6 +215,15 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
                 unsafe { std::ptr::copy_nonoverlapping(s, d, n) };
             }
             done += n as u64;
+            if let Some(h) = &mut hasher {
+                // SAFETY: the piece's first `done` destination bytes lie inside a live
+                // registered block kept alive by `ctx` (checked at post); this thread has just
+                // written them and no one else writes them while the batch is in flight
+                // (destinations of one batch are disjoint), so a shared view is sound. The
+                // hashes are of the bytes as they landed, read back after the copy.
+                let landed = unsafe { std::slice::from_raw_parts(dst as *const u8, done as usize) };
+                h.landed(landed);
+            }
         }
         // The piece is complete: count its bytes, and its read once its last piece is done.
         counted.bytes += done;

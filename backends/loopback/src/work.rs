@@ -21,6 +21,8 @@ pub(crate) struct Piece {
     pub(crate) src_off: u64,
     /// Byte offset in the destination region.
     pub(crate) dst_off: u64,
+    /// Offset of the piece's first byte in its read.
+    pub(crate) off: u64,
     /// Bytes to copy.
     pub(crate) len: u64,
     /// This piece ends its read: its completion completes the read (counted once).
@@ -62,6 +64,7 @@ pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
                 lists[w].push(Piece {
                     src_off: r.src_off + off,
                     dst_off: r.dst_off + off,
+                    off: r.off + off,
                     len: take,
                     last: r.last && off + take == r.len,
                     ..*r
@@ -93,6 +96,7 @@ mod tests {
                     dst: 0,
                     src_off: 1000 + at,
                     dst_off: at,
+                    off: 0,
                     len,
                     last: true,
                 };
@@ -113,6 +117,7 @@ mod tests {
                 assert_eq!((p.read, p.src, p.dst), (r.read, r.src, r.dst));
                 assert_eq!(p.src_off, r.src_off + off);
                 assert_eq!(p.dst_off, r.dst_off + off);
+                assert_eq!(p.off, off, "the piece's offset in its read");
                 assert!(p.len > 0);
                 off += p.len;
                 assert_eq!(

@@ -34,6 +34,14 @@ fn counting() -> Counting {
             at(0, 30_000, 1, 20_000, 11_000),
         ],
         split_read: Some(at(1, 0, 0, 0, 1 << 20)),
+        // Reads below 512 KiB stay whole with one worker; the 400 000-byte one is copied (and
+        // hashed) in two blocks, with segments across the block boundary.
+        hashed_reads: Some(vec![
+            at(0, 100, 0, 0, 1000),
+            at(2, 7, 1, 0, 5000),
+            at(1, 3, 0, 8192, 400_000),
+            at(3, 20_000, 1, 8192, 70_000),
+        ]),
         ..Counting::new(harness, endpoint, SkipAt::Post)
     }
 }

@@ -10,6 +10,7 @@ use reshard_core::{
     Registration, Result,
 };
 
+use super::hashes::CopyHashes;
 use super::options::Arm;
 use super::Receiver;
 
@@ -32,6 +33,9 @@ pub(super) struct Prepared {
     pub(super) _staging_regs: Vec<Registration>,
     pub(super) staging_ids: Vec<u64>,
     pub(super) descriptors: [Option<Cached>; 2],
+    /// The plan's segments for the backend to hash while copying, built at the first update
+    /// that hands them over ([`super::ReceiverOptions::hash_while_copying`]).
+    pub(super) copy_hashes: Option<Arc<CopyHashes>>,
     /// Bank that receives the next update.
     pub(super) next: usize,
     /// Which allocation of banks this is (a stage, the live step and a rollback target name
@@ -89,6 +93,7 @@ impl Receiver {
             _staging_regs: staging_regs,
             staging_ids,
             descriptors: [None, None],
+            copy_hashes: None,
             next: 0,
             generation,
         })

@@ -24,7 +24,8 @@ use rayon::prelude::*;
 
 use reshard_core::{Dest, Error, ErrorKind, HostBuffer, Plan, Result, SegmentFold};
 
-use super::verify::{dest, run_check, Digests, Verdict};
+use super::hashes::CopyHashes;
+use super::verify::{dest, run_check, Checked, Digests, Verdict};
 use crate::copy;
 
 /// What the verifier thread hears: a read reported complete, or the wire leg's end (`true`:
@@ -174,6 +175,9 @@ pub(super) struct Verifier {
     pub(super) staging: Vec<Arc<HostBuffer>>,
     pub(super) digests: Digests,
     pub(super) schedule: Schedule,
+    /// The segment hashes the backend stores while copying, when the receiver handed it a
+    /// hash plan with the batch (its checks then fold them instead of re-reading the bytes).
+    pub(super) hashes: Option<Arc<CopyHashes>>,
 }
 
 impl Verifier {
@@ -228,13 +232,18 @@ impl Verifier {
     /// Runs `units` in parallel, adding the checks' outcomes to `verdict`.
     fn run_units(&self, units: &[Unit], verdict: &mut Verdict) -> Result<()> {
         let (plan, params, staging) = (&*self.plan, &self.params, &self.staging);
-        let results: Vec<Result<Option<u64>>> = units
+        let results: Vec<Result<Option<Checked>>> = units
             .par_iter()
             .map_init(SegmentFold::new, |fold, &u| match u {
                 Unit::Check(i) => {
                     debug_assert!(self.schedule.verifies());
                     let c = &plan.checks[i as usize];
-                    run_check(plan, &self.digests, c, dest(c.dst, params, staging), fold)
+                    let hashes = self
+                        .hashes
+                        .as_deref()
+                        .map(|h| (&*h.plan, h.first_slot[i as usize]));
+                    let buf = dest(c.dst, params, staging);
+                    run_check(plan, &self.digests, c, buf, fold, hashes)
                 }
                 Unit::Reslice(i) => {
                     let r = &plan.reslices[i as usize];

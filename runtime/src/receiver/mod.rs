@@ -21,8 +21,8 @@ use std::time::Instant;
 
 use reshard_core::{
     dedup, keep_all, merge, table_geometry_key, CompletionSink, DedupOptions, DedupReport, Error,
-    ErrorKind, HostBuffer, MergedTable, Plan, PreparedBatch, ReplicaGroups, Result, ShardTable,
-    Transport, WantedLayout, WireReport,
+    ErrorKind, HashPlan, HostBuffer, MergedTable, Plan, PreparedBatch, ReplicaGroups, Result,
+    ShardTable, Transport, WantedLayout, WireReport,
 };
 use reshard_planner::plan::plan;
 
@@ -30,6 +30,7 @@ use crate::layers;
 
 mod banks;
 mod checks;
+mod hashes;
 mod landing;
 mod options;
 mod report;
@@ -346,6 +347,14 @@ impl Receiver {
             }
             tracing::debug!(rank = self.layout.receiver_rank, epoch, "descriptors built");
         }
+        if self.opts.hash_while_copying
+            && self.opts.verify_digests
+            && Self::overlaps_with(&self.opts, &prep.plan)
+            && prep.copy_hashes.is_none()
+        {
+            // Once per plan, timed with the descriptors it goes with.
+            prep.copy_hashes = Some(Arc::new(hashes::CopyHashes::of(&prep.plan)));
+        }
         st.descriptor_build = watch.lap();
         Ok(Front {
             stages: st,
@@ -388,10 +397,15 @@ impl Receiver {
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         // The reshard arm verifies and re-slices as the bytes land; the baseline arm (no
         // dedup, per-copy re-slice) keeps the order it measures: wire leg, re-slice, verify.
-        let overlap = self.opts.verify_while_landing
-            && self.opts.dedup
-            && self.opts.batched_reslice
-            && prep.plan.reslice_disjoint;
+        let overlap = Self::overlaps_with(&self.opts, &prep.plan);
+        let hashes = match &prep.copy_hashes {
+            Some(h) if overlap && self.opts.verify_digests && self.opts.hash_while_copying => {
+                // Hashes stored by an earlier post no longer count.
+                h.plan.begin();
+                Some(h.clone())
+            }
+            _ => None,
+        };
         let landing = overlap.then(|| {
             let verifier = landing::Verifier {
                 plan: prep.plan.clone(),
@@ -403,6 +417,7 @@ impl Receiver {
                     Default::default()
                 },
                 schedule: landing::Schedule::new(&prep.plan, self.opts.verify_digests),
+                hashes: hashes.clone(),
             };
             let (tx, rx) = std::sync::mpsc::channel();
             let thread = std::thread::Builder::new()
@@ -422,7 +437,13 @@ impl Receiver {
         };
         let wire_t0 = Instant::now();
         self.wire_leg_open = true;
-        let outcome = wire_leg(transport.as_ref(), &cached.batch, tx.clone()).await;
+        let outcome = wire_leg(
+            transport.as_ref(),
+            &cached.batch,
+            tx.clone(),
+            hashes.map(|h| h.plan.clone()),
+        )
+        .await;
         self.wire_leg_open = false;
         // The verifier only reads and re-slices buffers whose reads all reported; it is
         // joined before this update returns either way, so no later update writes a bank
@@ -506,6 +527,7 @@ impl Receiver {
             wire_gbytes_per_s: gbytes,
             checks_passed: verdict.passed,
             checked_bytes: verdict.bytes,
+            copy_hashed_bytes: verdict.from_copy,
             checks_without_digest: verdict.without_digest,
             checks_while_on_wire: early.0,
             reslices_while_on_wire: early.1,
@@ -516,6 +538,15 @@ impl Receiver {
                 .sum(),
         };
         Ok(self.hold_staged(bank, generation, step, report))
+    }
+}
+
+impl Receiver {
+    /// Whether checks and re-slices of `plan` run as the bytes land under `opts` (the reshard
+    /// arm); the baseline arm (no dedup, per-copy re-slice) keeps its order: wire leg,
+    /// re-slice, verify.
+    fn overlaps_with(opts: &ReceiverOptions, plan: &Plan) -> bool {
+        opts.verify_while_landing && opts.dedup && opts.batched_reslice && plan.reslice_disjoint
     }
 }
 
@@ -554,11 +585,13 @@ impl Stopwatch {
 
 /// Posts the prepared batch and waits, through the receiver's stack of wire-leg policies
 /// (retries and the timeout are layers of the transport: [`crate::layers`]).
-/// With `landed`, reads are reported to it as they complete.
+/// With `landed`, reads are reported to it as they complete, and with `hashes` the backend
+/// may hash their digest segments as it copies them.
 async fn wire_leg(
     transport: &dyn Transport,
     batch: &PreparedBatch,
     landed: Option<std::sync::mpsc::Sender<landing::Msg>>,
+    hashes: Option<Arc<HashPlan>>,
 ) -> Result<WireReport> {
     let flight = match landed {
         Some(tx) => {
@@ -566,6 +599,10 @@ async fn wire_leg(
                 // The verifier may have stopped (a check failed): nothing listens any more.
                 let _ = tx.send(landing::Msg::Read(i));
             });
+            let sink = match hashes {
+                Some(h) => sink.with_hashes(h),
+                None => sink,
+            };
             transport.post_reporting(batch, sink).await?
         }
         None => transport.post(batch).await?,

@@ -35,6 +35,12 @@ pub struct ReceiverOptions {
     /// after the wire leg, in stages of their own (the baseline's order, and what a benchmark
     /// of the re-slice stage alone measures).
     pub verify_while_landing: bool,
+    /// With checks run as the bytes land: hand the backend the digest segments of each read
+    /// (a [`reshard_core::HashPlan`]), so a backend that copies with its own CPU hashes them
+    /// right after copying them and a check folds those hashes instead of reading its bytes
+    /// again (docs/in-flight-safety.md, "Hashing while copying"); false: every check hashes
+    /// its bytes from the destination.
+    pub hash_while_copying: bool,
     /// Times a wire leg failing with a retryable error is posted again (reads only write the
     /// bank that is not live, so repeating them is safe).
     /// (the receiver's [`RetryLayer`]).
@@ -58,6 +64,7 @@ impl Default for ReceiverOptions {
             batched_reslice: true,
             cache_descriptors: true,
             verify_while_landing: true,
+            hash_while_copying: true,
             retries: 0,
             retry_backoff: Duration::from_millis(20),
             wire_timeout: None,

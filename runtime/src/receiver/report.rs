@@ -119,6 +119,10 @@ pub struct UpdateReport {
     pub checks_passed: u64,
     /// Bytes verified against publisher digests.
     pub checked_bytes: u64,
+    /// Of `checked_bytes`, bytes whose segment hashes the backend computed while copying them
+    /// (docs/in-flight-safety.md, "Hashing while copying"): their checks only folded the
+    /// hashes and read no byte again. The rest were hashed from the destination.
+    pub copy_hashed_bytes: u64,
     /// Checks skipped because the publisher sent no digest.
     pub checks_without_digest: u64,
     /// Bytes the re-slice stage wrote into parameters (the re-slice rate's numerator).

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use reshard_core::{
-    CheckedPart, Dest, Digest, DigestCheck, Error, ErrorKind, HostBuffer, OwnerId, PartDigests,
-    Plan, Result, SegmentFold, ShardTable, WireReport,
+    CheckedPart, Dest, Digest, DigestCheck, Error, ErrorKind, HashPlan, HostBuffer, OwnerId,
+    PartDigests, Plan, Result, SegmentFold, ShardTable, WireReport,
 };
 
 /// The wire-leg guards, before anything is re-sliced or installed: the backend must have moved
@@ -71,6 +71,55 @@ fn gather_fold(bytes: &[u8], c: &DigestCheck, fold: &mut SegmentFold) -> Option<
     Some(())
 }
 
+/// Folds a check's rows like [`gather_fold`], taking each segment's hash from `hashes` (slots
+/// from `first`, in fold order) where the backend stored it while copying, and hashing the
+/// others from `bytes`; `None` when a row lies outside the buffer.
+fn gather_hashed(
+    bytes: &[u8],
+    c: &DigestCheck,
+    fold: &mut SegmentFold,
+    hashes: &HashPlan,
+    first: usize,
+) -> Option<Checked> {
+    fold.clear();
+    let seg = usize::try_from(c.seg_bytes.max(1)).ok()?;
+    let per_row = usize::try_from(super::hashes::segments_per_row(c)).ok()?;
+    let mut out = Checked::default();
+    for i in 0..c.rows {
+        let s = c.dst_offset.checked_add(i.checked_mul(c.row_stride)?)?;
+        let s = usize::try_from(s).ok()?;
+        // Only borrowed: a segment whose hash was stored is not read again.
+        let row = bytes.get(s..s.checked_add(usize::try_from(c.row_bytes).ok()?)?)?;
+        if row.is_empty() {
+            fold.segment(row);
+            continue;
+        }
+        let base = first.checked_add(usize::try_from(i).ok()?.checked_mul(per_row)?)?;
+        for (j, part) in row.chunks(seg).enumerate() {
+            let len = part.len() as u64;
+            match hashes.hash(base + j, len) {
+                Some(h) => {
+                    fold.segment_hash(h);
+                    out.from_copy += len;
+                }
+                None => {
+                    fold.segment(part);
+                    out.hashed_here += len;
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Bytes of one check whose hashes were compared: hashed by the backend as it copied them, or
+/// here from the destination.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Checked {
+    pub(super) from_copy: u64,
+    pub(super) hashed_here: u64,
+}
+
 /// The owner's bytes a digest check covers, for error messages: the whole offer, chunk `k`'s
 /// rows, or column block `j`'s bytes of the offer's first row (the block takes the same
 /// columns of every row).
@@ -118,17 +167,21 @@ impl Want {
 #[derive(Default)]
 pub(super) struct Verdict {
     pub(super) passed: u64,
+    /// Bytes whose segment hashes were compared (measured as they were hashed).
     pub(super) bytes: u64,
+    /// Of those, bytes the backend hashed while copying them.
+    pub(super) from_copy: u64,
     pub(super) without_digest: u64,
 }
 
 impl Verdict {
     /// Adds the outcome of one check: `Some(bytes)` hashed and matched, `None` no digest.
-    pub(super) fn add(&mut self, checked: Option<u64>) {
+    pub(super) fn add(&mut self, checked: Option<Checked>) {
         match checked {
-            Some(len) => {
+            Some(c) => {
                 self.passed += 1;
-                self.bytes += len;
+                self.bytes += c.from_copy + c.hashed_here;
+                self.from_copy += c.from_copy;
             }
             None => self.without_digest += 1,
         }
@@ -156,21 +209,30 @@ pub(super) fn digests_of(tables: &[ShardTable]) -> Digests {
 
 /// Runs check `c` over `buf` (its destination): `Some(bytes)` when its bytes hash to the
 /// publisher's digest, `None` when the publisher sent none, a `Verification` error naming
-/// tensor, owner and byte range when they differ.
+/// tensor, owner and byte range when they differ. With `hashes` (the plan and the check's
+/// first slot), segment hashes the backend stored while copying are folded as they are.
 pub(super) fn run_check(
     plan: &Plan,
     digests: &Digests,
     c: &DigestCheck,
     buf: &HostBuffer,
     fold: &mut SegmentFold,
-) -> Result<Option<u64>> {
+    hashes: Option<(&HashPlan, usize)>,
+) -> Result<Option<Checked>> {
     let offer = digests.get(&(c.owner, c.src_region, c.src_offset));
     let parts = offer.and_then(|(_, p)| p.as_ref());
     let Some(want) = Want::of(c, offer.and_then(|(d, _)| *d), parts) else {
         return Ok(None);
     };
     let bytes = buf.read();
-    gather_fold(&bytes, c, fold).ok_or_else(|| {
+    let checked = match hashes {
+        Some((h, first)) => gather_hashed(&bytes, c, fold, h, first),
+        None => gather_fold(&bytes, c, fold).map(|()| Checked {
+            from_copy: 0,
+            hashed_here: c.bytes(),
+        }),
+    }
+    .ok_or_else(|| {
         Error::new(ErrorKind::Internal, "digest check outside its buffer")
             .with_tensor(plan.tensors[c.tensor as usize].clone())
     })?;
@@ -192,7 +254,7 @@ pub(super) fn run_check(
         .with_owner(c.owner)
         .with_range(checked_source_range(c, parts)));
     }
-    Ok(Some(c.bytes()))
+    Ok(Some(checked))
 }
 
 /// The destination buffer of `dst`.
@@ -215,11 +277,11 @@ pub(super) fn verify(
     staging: &[Arc<HostBuffer>],
 ) -> Result<Verdict> {
     let digests = digests_of(tables);
-    let results: Vec<Result<Option<u64>>> = plan
+    let results: Vec<Result<Option<Checked>>> = plan
         .checks
         .par_iter()
         .map_init(SegmentFold::new, |fold, c| {
-            run_check(plan, &digests, c, dest(c.dst, params, staging), fold)
+            run_check(plan, &digests, c, dest(c.dst, params, staging), fold, None)
         })
         .collect();
     let mut v = Verdict::default();

@@ -123,6 +123,7 @@ impl LoopbackTransport {
                 dst: d,
                 src_off: r.remote_offset,
                 dst_off: r.local_offset,
+                off: 0,
                 len: r.len,
                 last: true,
             });
