@@ -60,7 +60,7 @@ import reshard
 venv = sys.argv[1]
 model = reshard.model_config("qwen3-30b-a3b", layers=1, experts=2, vocab=64, dtype="f32")
 # Making the publisher makes its transport, which loads the runtime.
-with reshard.Publisher(model=model, topology={"tp": 1}, rank=0,
+with reshard.Publisher(model="wheel-check", architecture=model, topology={"tp": 1}, rank=0,
                        rendezvous=reshard.InProcessHub(), transport="nixl"):
     maps = open("/proc/self/maps").read().splitlines()
     libs = sorted({line.split()[-1] for line in maps if line.endswith("libnixl_capi.so")})
