@@ -286,6 +286,7 @@ fn arm_json(name: &str, s: &ArmSummary, memcpy: f64, verified: bool) -> serde_js
         "reslices_while_on_wire": s.reslices_on_wire,
         "median_stages_s": stages,
         "checked_bytes": s.checked,
+        "copy_hashed_bytes": s.copy_hashed,
         "median_verify_s": stage(s, "verify"),
         "e2e_over_wire": r.e2e_over_wire,
         "memcpy_s": r.memcpy_s,

@@ -313,6 +313,9 @@ pub(crate) struct ArmSummary {
     pub checks_on_wire: u64,
     /// Re-slices run while the wire leg was in flight, all ranks (last update).
     pub reslices_on_wire: u64,
+    /// Of `checked`, bytes whose segment hashes the backend computed while copying them, all
+    /// ranks (last update; `UpdateReport::copy_hashed_bytes`).
+    pub copy_hashed: u64,
     /// Per rank.
     pub ranks: Vec<RankSummary>,
 }
@@ -394,6 +397,7 @@ pub(crate) fn summarize(run: &RigRun, updates: u32) -> ArmSummary {
         checked: last.iter().map(|r| r.checked_bytes).sum(),
         checks_on_wire: last.iter().map(|r| r.checks_while_on_wire).sum(),
         reslices_on_wire: last.iter().map(|r| r.reslices_while_on_wire).sum(),
+        copy_hashed: last.iter().map(|r| r.copy_hashed_bytes).sum(),
         med_stages,
         med_e2e,
         e2e_min_max,
@@ -470,6 +474,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
         wire_bytes,
         gbps,
         checked,
+        copy_hashed,
         ranks,
         ..
     } = summarize(&run, args.updates);
@@ -502,6 +507,7 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             "median_stages_s": stages_map,
             "median_e2e_s": med_e2e,
             "checked_bytes": checked,
+            "copy_hashed_bytes": copy_hashed,
             "publisher_arena_bytes": cluster.arena_bytes(),
             "publisher_process": cluster.is_remote(),
             "publisher_memory": match args.memory {
