@@ -83,6 +83,12 @@ pub struct ReceiverConfig {
     pub retry_backoff_ms: u64,
     /// Bound on one wire leg including its retries and backoff (off when unset).
     pub wire_timeout_ms: Option<u64>,
+    /// Run digest checks and re-slices as the bytes land, overlapping the wire leg (false:
+    /// after it; worth it where the transport's copy does not need every core).
+    pub verify_while_landing: bool,
+    /// Let a backend whose CPU copies the bytes hash them as it copies (with checks run as
+    /// the bytes land).
+    pub hash_while_copying: bool,
 }
 
 impl Default for TransportConfig {
@@ -114,6 +120,8 @@ impl Default for ReceiverConfig {
             retries: 0,
             retry_backoff_ms: 20,
             wire_timeout_ms: None,
+            verify_while_landing: true,
+            hash_while_copying: true,
         }
     }
 }

@@ -259,3 +259,72 @@ async fn a_corrupted_byte_is_caught_when_the_hashes_come_from_the_copy() {
     assert!(r.fully_checked());
     assert_eq!(r.copy_hashed_bytes, 0);
 }
+
+/// Dense TP down (trainer TP4 with DP2, receiver TP2): the strided column blocks of several
+/// trainer ranks re-slice into one receiver parameter, so the plan's re-slices are not
+/// disjoint. Checks still run as the bytes land (a held read keeps one buffer on the wire while
+/// the others are checked), the re-slices of each parameter run in plan order, the copy hashes
+/// its blocks when nothing stands between it and the receiver, and every step installs byte
+/// for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dense_tp_down_verifies_as_the_bytes_land_with_overlapping_reslices() {
+    let fabric = LoopbackFabric::new();
+    let f = fabric.clone();
+    let mut cluster = SyntheticCluster::new(
+        reshard_testkit::models::tiny_dense(4),
+        "tp=4,dp=2".parse().unwrap(),
+        1,
+        move |r| Ok(Arc::new(LoopbackTransport::new(&f, &format!("pub-{r}"), 2)?) as _),
+    )
+    .await
+    .expect("cluster");
+    let hold = Arc::new(HoldBack {
+        inner: Arc::new(LoopbackTransport::new(&fabric, "rx", 2).expect("endpoint")),
+        regions: Mutex::default(),
+        armed: Mutex::default(),
+    });
+    cluster.connect(hold.as_ref()).await.expect("connect");
+    let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(2), 0).unwrap();
+    let mut rx = Receiver::new(hold.clone(), layout, ReceiverOptions::default()).unwrap();
+    let first = rx.update(&cluster.tables()).await.expect("first update");
+    assert!(first.fully_checked());
+    let plan = rx.plan().expect("planned").clone();
+    assert!(
+        !plan.reslice_disjoint && !plan.reslices.is_empty(),
+        "this layout re-slices several trainer blocks into one parameter"
+    );
+    for step in 1..5 {
+        cluster.publish_step(step);
+        // Steps 1-3 hold a read back (the wrapper reports through a sink of its own, so the
+        // copy hashes nothing); step 4 goes straight to loopback, which hashes as it copies.
+        let held = step < 4;
+        *hold.armed.lock().unwrap() = if held {
+            rx.landing_params()
+                .expect("prepared")
+                .iter()
+                .map(|b| (b.addr(), b.clone()))
+                .collect()
+        } else {
+            HashMap::new()
+        };
+        let r = rx.update(&cluster.tables()).await.expect("update");
+        assert!(
+            r.fully_checked(),
+            "checked {} of {}",
+            r.checked_bytes,
+            r.wire_bytes
+        );
+        if held {
+            assert!(
+                r.checks_while_on_wire > 0,
+                "checks of the other buffers ran while the held read was on the wire"
+            );
+        } else {
+            assert!(r.copy_hashed_bytes > 0, "the copy hashed its blocks");
+        }
+        let want = cluster.expected_params(rx.layout()).unwrap();
+        for (got, want) in rx.live_params().unwrap().iter().zip(&want) {
+            assert!(got.read()[..] == want[..], "step {step} byte-exact");
+        }
+    }
+}

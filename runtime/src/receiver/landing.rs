@@ -9,7 +9,11 @@
 //! its buffer has landed, so every read it covers is complete and none still writes the
 //! memory it reads (other buffers may still be written: the verifier only takes the locks of
 //! buffers nothing writes any more). A re-slice runs once its staging buffer and its parameter
-//! have both landed. Reads with no report (a layer that reports nothing: several waves,
+//! have both landed. Where the plan's re-slice destinations may overlap (`reslice_disjoint`
+//! false: strided column blocks of a dense layout whose receiver TP is smaller than the
+//! trainer's, or offers that land on the same bytes), the re-slices into one parameter run as
+//! one unit in plan order once that parameter and every staging buffer they read have landed,
+//! so the last writer still wins as planned and other parameters go on landing. Reads with no report (a layer that reports nothing: several waves,
 //! retries) land when `wait` returns `Ok`, and the rest runs then, as before.
 //!
 //! Checks read bytes no read writes again, and re-slices write parameter bytes no read writes
@@ -44,6 +48,10 @@ pub(super) enum Unit {
     Check(u32),
     /// Re-slice `i` of the plan.
     Reslice(u32),
+    /// Group `i` of a plan whose re-slices may overlap: every re-slice into one parameter, run
+    /// in plan order (the last writer wins, as planned) once the parameter and every staging
+    /// buffer they read have landed.
+    Group(u32),
 }
 
 /// Which units wait for which buffers, and how many reads each buffer still waits for.
@@ -59,6 +67,10 @@ pub(super) struct Schedule {
     waiting: Vec<Vec<Unit>>,
     /// Per re-slice: its buffers not yet landed (1 or 2).
     reslice_wait: Vec<u8>,
+    /// Per group (plans whose re-slices may overlap): its re-slices, in plan order.
+    groups: Vec<Vec<u32>>,
+    /// Per group: its buffers not yet landed.
+    group_wait: Vec<u32>,
     /// Checks are run (verification on).
     verify: bool,
 }
@@ -89,11 +101,39 @@ impl Schedule {
             }
         }
         let mut reslice_wait = Vec::with_capacity(plan.reslices.len());
-        for (i, r) in plan.reslices.iter().enumerate() {
-            let (s, p) = (key(Dest::Staging(r.staging)), key(Dest::Param(r.param)));
-            waiting[s].push(Unit::Reslice(i as u32));
-            waiting[p].push(Unit::Reslice(i as u32));
-            reslice_wait.push(2);
+        let mut groups = Vec::new();
+        let mut group_wait = Vec::new();
+        if plan.reslice_disjoint {
+            // Every re-slice writes bytes no other writes: each runs on its own.
+            for (i, r) in plan.reslices.iter().enumerate() {
+                let (s, p) = (key(Dest::Staging(r.staging)), key(Dest::Param(r.param)));
+                waiting[s].push(Unit::Reslice(i as u32));
+                waiting[p].push(Unit::Reslice(i as u32));
+                reslice_wait.push(2);
+            }
+        } else {
+            // Destinations may overlap, but only within one parameter (the planner compares
+            // spans per parameter): the re-slices of a parameter run together, in plan order,
+            // and parameters stay independent of each other.
+            let mut by_param: std::collections::BTreeMap<u32, Vec<u32>> = Default::default();
+            for (i, r) in plan.reslices.iter().enumerate() {
+                by_param.entry(r.param).or_default().push(i as u32);
+            }
+            for (param, members) in by_param {
+                let g = Unit::Group(groups.len() as u32);
+                let mut bufs: Vec<usize> = members
+                    .iter()
+                    .map(|&i| key(Dest::Staging(plan.reslices[i as usize].staging)))
+                    .collect();
+                bufs.push(key(Dest::Param(param)));
+                bufs.sort_unstable();
+                bufs.dedup();
+                for &b in &bufs {
+                    waiting[b].push(g);
+                }
+                group_wait.push(bufs.len() as u32);
+                groups.push(members);
+            }
         }
         Schedule {
             seen: vec![false; read_buf.len()],
@@ -101,6 +141,8 @@ impl Schedule {
             left,
             waiting,
             reslice_wait,
+            groups,
+            group_wait,
             verify,
         }
     }
@@ -147,8 +189,20 @@ impl Schedule {
                         ready.push(u);
                     }
                 }
+                Unit::Group(g) => {
+                    let w = &mut self.group_wait[g as usize];
+                    *w -= 1;
+                    if *w == 0 {
+                        ready.push(u);
+                    }
+                }
             }
         }
+    }
+
+    /// The re-slices group `g` runs, in plan order.
+    pub(super) fn group(&self, g: u32) -> &[u32] {
+        &self.groups[g as usize]
     }
 
     /// Whether checks are run.
@@ -191,7 +245,7 @@ impl Verifier {
         self.schedule.start(&mut ready);
         let ok = loop {
             if !ready.is_empty() {
-                let (checks, reslices) = count(&ready);
+                let (checks, reslices) = self.count(&ready);
                 self.run_units(&ready, &mut out.verdict)?;
                 out.early_checks += checks;
                 out.early_reslices += reslices;
@@ -252,6 +306,19 @@ impl Verifier {
                     copy::reslice(r, &src, &mut dst, &plan.tensors[r.tensor as usize])?;
                     Ok(None)
                 }
+                Unit::Group(g) => {
+                    let members = self.schedule.group(g);
+                    let Some(&first) = members.first() else {
+                        return Ok(None);
+                    };
+                    let mut dst = params[plan.reslices[first as usize].param as usize].write();
+                    for &i in members {
+                        let r = &plan.reslices[i as usize];
+                        let src = staging[r.staging as usize].read();
+                        copy::reslice(r, &src, &mut dst, &plan.tensors[r.tensor as usize])?;
+                    }
+                    Ok(None)
+                }
             })
             .collect();
         for (u, r) in units.iter().zip(results) {
@@ -264,10 +331,15 @@ impl Verifier {
     }
 }
 
-/// Checks and re-slices among `units`.
-fn count(units: &[Unit]) -> (u64, u64) {
-    let checks = units.iter().filter(|u| matches!(u, Unit::Check(_))).count() as u64;
-    (checks, units.len() as u64 - checks)
+impl Verifier {
+    /// Checks and re-slices among `units` (a group counts each of its re-slices).
+    fn count(&self, units: &[Unit]) -> (u64, u64) {
+        units.iter().fold((0, 0), |(c, r), u| match u {
+            Unit::Check(_) => (c + 1, r),
+            Unit::Reslice(_) => (c, r + 1),
+            Unit::Group(g) => (c, r + self.schedule.group(*g).len() as u64),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -395,22 +467,40 @@ mod tests {
 
     #[test]
     fn a_unit_runs_once_and_only_after_every_read_it_depends_on_completed() {
-        let p = plan();
+        every_order_runs_each_unit_once_after_its_reads(&plan());
+    }
+
+    #[test]
+    fn overlapping_reslices_run_per_parameter_in_plan_order_after_every_read_they_touch() {
+        let mut p = plan();
+        p.reslice_disjoint = false;
+        let s = Schedule::new(&p, true);
+        // Parameter 0 takes re-slice 0; parameter 2 takes re-slices 1 and 2, in plan order.
+        assert_eq!((s.group(0), s.group(1)), (&[0u32][..], &[1u32, 2][..]));
+        every_order_runs_each_unit_once_after_its_reads(&p);
+    }
+
+    fn every_order_runs_each_unit_once_after_its_reads(p: &Plan) {
         let n = p.reads.len();
+        let groups = Schedule::new(p, true).groups.clone();
         // Every order of completion (7! = 5040), with reports repeated once in some orders.
         let mut order: Vec<usize> = (0..n).collect();
         let mut orders = 0;
         permute(&mut order, 0, &mut |order| {
             orders += 1;
-            let mut s = Schedule::new(&p, true);
+            let mut s = Schedule::new(p, true);
             let mut done = vec![false; n];
             let mut ran = Vec::new();
             let mut ready = Vec::new();
             let check_ready = |ready: &mut Vec<Unit>, done: &[bool], ran: &mut Vec<Unit>| {
                 for u in ready.drain(..) {
                     let deps = match u {
-                        Unit::Check(i) => covering(&p, &p.checks[i as usize]),
-                        Unit::Reslice(i) => touching(&p, &p.reslices[i as usize]),
+                        Unit::Check(i) => covering(p, &p.checks[i as usize]),
+                        Unit::Reslice(i) => touching(p, &p.reslices[i as usize]),
+                        Unit::Group(g) => groups[g as usize]
+                            .iter()
+                            .flat_map(|&i| touching(p, &p.reslices[i as usize]))
+                            .collect(),
                     };
                     for d in deps {
                         assert!(
@@ -437,10 +527,16 @@ mod tests {
             ran.sort_by_key(|u| match u {
                 Unit::Check(i) => (0, *i),
                 Unit::Reslice(i) => (1, *i),
+                Unit::Group(i) => (2, *i),
             });
+            let reslices: Vec<Unit> = if p.reslice_disjoint {
+                (0..p.reslices.len() as u32).map(Unit::Reslice).collect()
+            } else {
+                (0..groups.len() as u32).map(Unit::Group).collect()
+            };
             let want: Vec<Unit> = (0..p.checks.len() as u32)
                 .map(Unit::Check)
-                .chain((0..p.reslices.len() as u32).map(Unit::Reslice))
+                .chain(reslices)
                 .collect();
             assert_eq!(ran, want, "every unit runs exactly once ({order:?})");
         });

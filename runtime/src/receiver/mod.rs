@@ -349,7 +349,7 @@ impl Receiver {
         }
         if self.opts.hash_while_copying
             && self.opts.verify_digests
-            && Self::overlaps_with(&self.opts, &prep.plan)
+            && Self::overlaps_with(&self.opts)
             && prep.copy_hashes.is_none()
         {
             // Once per plan, timed with the descriptors it goes with.
@@ -397,7 +397,7 @@ impl Receiver {
             .ok_or_else(|| Error::new(ErrorKind::Internal, "descriptors missing"))?;
         // The reshard arm verifies and re-slices as the bytes land; the baseline arm (no
         // dedup, per-copy re-slice) keeps the order it measures: wire leg, re-slice, verify.
-        let overlap = Self::overlaps_with(&self.opts, &prep.plan);
+        let overlap = Self::overlaps_with(&self.opts);
         let hashes = match &prep.copy_hashes {
             Some(h) if overlap && self.opts.verify_digests && self.opts.hash_while_copying => {
                 // Hashes stored by an earlier post no longer count.
@@ -542,11 +542,12 @@ impl Receiver {
 }
 
 impl Receiver {
-    /// Whether checks and re-slices of `plan` run as the bytes land under `opts` (the reshard
-    /// arm); the baseline arm (no dedup, per-copy re-slice) keeps its order: wire leg,
+    /// Whether checks and re-slices run as the bytes land under `opts` (the reshard arm, on
+    /// every plan: re-slices that may overlap run per parameter in plan order,
+    /// [`landing`]); the baseline arm (no dedup, per-copy re-slice) keeps its order: wire leg,
     /// re-slice, verify.
-    fn overlaps_with(opts: &ReceiverOptions, plan: &Plan) -> bool {
-        opts.verify_while_landing && opts.dedup && opts.batched_reslice && plan.reslice_disjoint
+    fn overlaps_with(opts: &ReceiverOptions) -> bool {
+        opts.verify_while_landing && opts.dedup && opts.batched_reslice
     }
 }
 

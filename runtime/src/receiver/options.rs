@@ -31,15 +31,16 @@ pub struct ReceiverOptions {
     /// Reuse descriptors across updates (false: rebuild every update, the baseline).
     pub cache_descriptors: bool,
     /// Run digest checks and re-slices as the bytes land, while the rest of the batch is on
-    /// the wire (where the plan allows it: dedup, batched re-slice, disjoint re-slices); false:
-    /// after the wire leg, in stages of their own (the baseline's order, and what a benchmark
-    /// of the re-slice stage alone measures).
+    /// the wire (with dedup and batched re-slice; re-slices whose destinations may overlap run
+    /// per parameter in plan order); false: after the wire leg, in stages of their own (the
+    /// baseline's order, and what a benchmark of the re-slice stage alone measures).
+    /// `[receiver] verify_while_landing`.
     pub verify_while_landing: bool,
     /// With checks run as the bytes land: hand the backend the digest segments of each read
     /// (a [`reshard_core::HashPlan`]), so a backend that copies with its own CPU hashes them
     /// right after copying them and a check folds those hashes instead of reading its bytes
     /// again (docs/in-flight-safety.md, "Hashing while copying"); false: every check hashes
-    /// its bytes from the destination.
+    /// its bytes from the destination. `[receiver] hash_while_copying`.
     pub hash_while_copying: bool,
     /// Times a wire leg failing with a retryable error is posted again (reads only write the
     /// bank that is not live, so repeating them is safe).
@@ -88,6 +89,8 @@ impl ReceiverOptions {
             retries: cfg.receiver.retries,
             retry_backoff: Duration::from_millis(cfg.receiver.retry_backoff_ms),
             wire_timeout: cfg.receiver.wire_timeout_ms.map(Duration::from_millis),
+            verify_while_landing: cfg.receiver.verify_while_landing,
+            hash_while_copying: cfg.receiver.hash_while_copying,
             ..ReceiverOptions::default()
         }
     }
@@ -146,4 +149,29 @@ pub(super) struct Arm {
     spread_owners: bool,
     /// [`PlanOptions::full_pull_threshold`]: where strided reads become full pulls.
     full_pull_threshold: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn landing_and_copy_hashing_come_from_the_receiver_section() {
+        let on = ReceiverOptions::from_config(&Config::default());
+        assert!(on.verify_while_landing && on.hash_while_copying);
+        let cfg = Config::from_toml(
+            "[receiver]\nverify_while_landing = false\nhash_while_copying = false\n",
+        )
+        .unwrap();
+        let off = ReceiverOptions::from_config(&cfg);
+        assert!(!off.verify_while_landing && !off.hash_while_copying);
+        assert_eq!(
+            ReceiverOptions {
+                verify_while_landing: true,
+                hash_while_copying: true,
+                ..off
+            },
+            on
+        );
+    }
 }
