@@ -47,6 +47,13 @@ fn counting() -> Counting {
             at(3, 20_000, 1, 18 * MIB, 7000),
             at(1, 30_000, 1, 19 * MIB, 11_000),
         ],
+        // Reads of owner 9's shared memory, copied directly and hashed block by block as they
+        // land: each under the copy pool's 4 MiB split (one piece, one hasher), several
+        // 256 KiB blocks each, with segments across block boundaries.
+        hashed_reads: Some(vec![
+            at(2, 7, 1, 0, 3 * MIB + 5),
+            at(3, 20_000, 1, 8 * MIB, 700_000),
+        ]),
         ..Counting::new(harness, endpoint, SkipAt::Post)
     }
 }
@@ -79,6 +86,13 @@ mod small_pieces {
         Counting {
             endpoint: Arc::new(endpoint),
             harness,
+            // Reads of shared memory under one 64 KiB piece: each is one piece of one copy,
+            // so every segment is hashed (longer reads leave segments across pieces unstored,
+            // which the verifier hashes).
+            hashed_reads: Some(vec![
+                at(2, 7, 1, 0, 60_000),
+                at(3, 20_000, 1, 8 * MIB, 40_000),
+            ]),
             ..super::counting()
         }
     }

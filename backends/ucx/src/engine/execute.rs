@@ -348,6 +348,8 @@ impl Engine {
                 dst: op.local,
                 src: op.direct,
                 len: op.len,
+                read: run.res.op_read[piece as usize],
+                off: run.res.op_off[piece as usize],
             });
             bytes += op.len;
             run.pos += 1;
@@ -370,7 +372,17 @@ impl Engine {
         // registration. Reads of one batch have pairwise disjoint destinations (validated at
         // prepare), and no other read of this batch is outstanding on those bytes, so the
         // copies are independent.
-        let all = unsafe { raw::copy_all(self.copy_pool.as_ref(), &tasks, &run.signal.stop) };
+        // With a hash plan in the sink the copy hashes each block's digest segments as it
+        // lands; every hash of a piece is stored before `copy_all` returns, so before its read
+        // is reported below.
+        let all = unsafe {
+            raw::copy_all(
+                self.copy_pool.as_ref(),
+                &tasks,
+                &run.signal.stop,
+                run.sink.as_ref(),
+            )
+        };
         if all {
             for piece in copied {
                 run.complete(piece);

@@ -25,6 +25,8 @@ pub(super) struct Resolved {
     pub(super) ops: Vec<GetOp>,
     /// The batch read each piece belongs to (errors name the read's owner and range).
     pub(super) op_read: Vec<u32>,
+    /// Offset of each piece's first byte in its read (where a hasher of the read starts).
+    pub(super) op_off: Vec<u64>,
     /// Issue order of the pieces (round-robin by owner).
     pub(super) order: Vec<u32>,
     /// Pieces of each read, when some read was cut into several (else empty: one piece is
@@ -164,6 +166,7 @@ impl Engine {
         };
         let mut ops = Vec::with_capacity(batch.reads.len());
         let mut op_read = Vec::with_capacity(batch.reads.len());
+        let mut op_off = Vec::with_capacity(batch.reads.len());
         let mut piece_owner = Vec::with_capacity(batch.reads.len());
         let mut peers: HashMap<OwnerId, Rc<Peer>> = HashMap::new();
         let mut regions: HashMap<u64, Rc<LocalRegion>> = HashMap::new();
@@ -250,6 +253,7 @@ impl Engine {
                 });
                 piece_owner.push(r.owner);
                 op_read.push(i as u32);
+                op_off.push(done);
                 done += n;
             }
         }
@@ -273,6 +277,7 @@ impl Engine {
         Ok(Resolved {
             ops,
             op_read,
+            op_off,
             order,
             read_pieces,
             peers,

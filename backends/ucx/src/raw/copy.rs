@@ -1,5 +1,9 @@
 //! The copy behind reads from shared memory a peer's UCX mapped into this process
-//! (`ucp_rkey_ptr`): large copies use non-temporal (streaming) stores.
+//! (`ucp_rkey_ptr`): large copies use non-temporal (streaming) stores, unless the receiver
+//! asked for digest hashes while copying (a hash plan in the batch's sink): then each block is
+//! copied through the cache and its landed bytes hashed right after, while they are still in
+//! cache, so verification costs no second pass over memory (docs/in-flight-safety.md,
+//! "Hashing while copying").
 //!
 //! Why not UCX's own `ucp_get_nbx` over sysv/posix: it copies each piece with glibc's
 //! `memcpy`, which switches to streaming stores only above its non-temporal threshold (three
@@ -13,6 +17,12 @@
 const STREAM_MIN: usize = 1 << 20;
 
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use reshard_core::CompletionSink;
+
+/// Block of a hashed copy: copied with plain stores, then its landed bytes hashed while they
+/// are still in cache (small enough to stay in L2 between the copy and the hash).
+const HASH_BLOCK: usize = 256 << 10;
 
 /// Copies `len` bytes from `src` to `dst`, with streaming stores for large copies.
 ///
@@ -39,6 +49,10 @@ pub(crate) struct CopyTask {
     pub(crate) src: *const u8,
     /// Bytes to copy.
     pub(crate) len: usize,
+    /// The batch read the bytes belong to, and the offset of `dst` in it (for the hasher).
+    pub(crate) read: u32,
+    /// Offset of this task's first byte in its read.
+    pub(crate) off: u64,
 }
 
 // SAFETY: a task is two addresses and a length; `copy_all`'s caller guarantees the ranges are
@@ -54,6 +68,9 @@ const SPLIT: usize = 4 << 20;
 
 /// Copies every task, spread over `pool`'s threads when there is one, in pieces of at most
 /// [`SPLIT`] bytes; once `stop` is set no further piece starts (pieces already running finish).
+/// With `sink` carrying a hash plan, each piece is copied in [`HASH_BLOCK`]s whose planned
+/// digest segments are hashed from the landed bytes right after the copy, on the copying
+/// thread, before the piece counts as copied (so before its read is reported).
 /// Returns whether every piece was copied.
 ///
 /// Why a pool: one thread's streaming copy reaches about half of what the machine's memory
@@ -69,6 +86,7 @@ pub(crate) unsafe fn copy_all(
     pool: Option<&rayon::ThreadPool>,
     tasks: &[CopyTask],
     stop: &AtomicBool,
+    sink: Option<&CompletionSink>,
 ) -> bool {
     let mut parts = Vec::with_capacity(tasks.len());
     for t in tasks {
@@ -77,7 +95,13 @@ pub(crate) unsafe fn copy_all(
             let n = (t.len - off).min(SPLIT);
             // SAFETY: `off < len`: inside both ranges of the task.
             let (dst, src) = unsafe { (t.dst.add(off), t.src.add(off)) };
-            parts.push(CopyTask { dst, src, len: n });
+            parts.push(CopyTask {
+                dst,
+                src,
+                len: n,
+                read: t.read,
+                off: t.off + off as u64,
+            });
             off += n;
         }
     }
@@ -85,8 +109,26 @@ pub(crate) unsafe fn copy_all(
         if stop.load(Ordering::Acquire) {
             return false;
         }
-        // SAFETY: each part is a sub-range of one caller task (disjoint destinations).
-        unsafe { stream_copy(t.dst, t.src, t.len) };
+        match sink.and_then(|s| s.piece_hasher(t.read as usize, t.off)) {
+            Some(mut hasher) => {
+                let mut done = 0;
+                while done < t.len {
+                    let n = (t.len - done).min(HASH_BLOCK);
+                    // SAFETY: a sub-range of one caller task (disjoint destinations); plain
+                    // stores, so the block is still in cache for the hash below.
+                    unsafe { std::ptr::copy_nonoverlapping(t.src.add(done), t.dst.add(done), n) };
+                    done += n;
+                    // SAFETY: the part's first `done` destination bytes were just written by
+                    // this thread and no one else writes them while the batch runs (the
+                    // caller's guarantee), so a shared view of them is sound. The hashes are
+                    // of the bytes as they landed, read back after the copy.
+                    let landed = unsafe { std::slice::from_raw_parts(t.dst as *const u8, done) };
+                    hasher.landed(landed);
+                }
+            }
+            // SAFETY: each part is a sub-range of one caller task (disjoint destinations).
+            None => unsafe { stream_copy(t.dst, t.src, t.len) },
+        }
         true
     };
     let Some(pool) = pool else {
@@ -198,6 +240,8 @@ mod tests {
                 dst: unsafe { dst.as_mut_ptr().add(d) },
                 src: unsafe { src.as_ptr().add(s) },
                 len,
+                read: 0,
+                off: 0,
             })
             .collect();
         for &(s, d, len) in &layout {
@@ -206,7 +250,7 @@ mod tests {
         for pool in [Some(&pool), None] {
             dst.iter_mut().for_each(|b| *b = 0);
             // SAFETY: destinations are disjoint ranges of `dst`, sources ranges of `src`.
-            assert!(unsafe { copy_all(pool, &tasks, &AtomicBool::new(false)) });
+            assert!(unsafe { copy_all(pool, &tasks, &AtomicBool::new(false), None) });
             for &(s, d, len) in &layout {
                 assert_eq!(dst[d..d + len], src[s..s + len]);
             }
@@ -215,7 +259,7 @@ mod tests {
         // A set stop flag starts no piece.
         dst.iter_mut().for_each(|b| *b = 0);
         // SAFETY: as above.
-        assert!(!unsafe { copy_all(Some(&pool), &tasks, &AtomicBool::new(true)) });
+        assert!(!unsafe { copy_all(Some(&pool), &tasks, &AtomicBool::new(true), None) });
         assert!(dst.iter().all(|&b| b == 0));
     }
 
