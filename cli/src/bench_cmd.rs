@@ -210,6 +210,12 @@ struct Measured {
     arms: Vec<(String, ArmSummary, bool)>,
     ceiling_bytes: u64,
     memcpy: f64,
+    /// Median wire leg of the reshard arm's plan with verification off: the transport alone
+    /// moving the same bytes, with nothing overlapped (the reshard arm's wire leg contains the
+    /// checks run as the bytes land).
+    transport_wire: Option<f64>,
+    /// Bytes that run digest-checked (0: verification was off, as it must be).
+    transport_wire_checked: u64,
 }
 
 /// Median seconds of the stage named `name` (see [`StageTimes::NAMES`]); 0 if there is none.
@@ -316,10 +322,19 @@ impl Measured {
         }
     }
 
+    /// The reshard arm's end to end over the transport's own wire leg of the same plan.
+    fn e2e_over_transport_wire(&self) -> Option<f64> {
+        let (r, t) = (self.find("reshard")?, self.transport_wire?);
+        (t > 0.0).then(|| r.med_e2e / t)
+    }
+
     /// The run's JSON object: the keys `reshard bench --json` has always printed, and more.
     fn json(&self, updates: u32) -> serde_json::Value {
         let (speedup, wire_speedup) = self.speedups();
         json!({
+            "transport_wire_s": self.transport_wire,
+            "transport_wire_checked_bytes": self.transport_wire_checked,
+            "e2e_over_transport_wire": self.e2e_over_transport_wire(),
             "verified": self.verified(),
             "transport": self.transport,
             "publisher_process": self.remote,
@@ -453,6 +468,13 @@ impl Measured {
             "memcpy ceiling (one thread, {:.3} GiB, same run): {memcpy:.2} GB/s",
             gib(self.ceiling_bytes)
         );
+        if let (Some(t), Some(x)) = (self.transport_wire, self.e2e_over_transport_wire()) {
+            println!(
+                "transport alone (reshard plan, verification off): {:.1} ms wire leg; reshard \
+                 e2e / that = {x:.2}",
+                ms(t)
+            );
+        }
         let (speedup, wire_speedup) = self.speedups();
         if let Some(x) = speedup {
             println!(
@@ -595,7 +617,16 @@ async fn measure(args: &BenchArgs, point: &Point) -> Result<Measured> {
     )
     .await?;
     let per_arm = (args.updates as u64 + 1) * recv.world() as u64;
-    let bar = progress(per_arm * opts.len() as u64, args.json, "bench");
+    // The reshard arm once more without verification: the transport's own wire leg.
+    let bare = opts
+        .iter()
+        .find(|(n, _)| n == "reshard")
+        .map(|(_, o)| ReceiverOptions {
+            verify_digests: false,
+            ..o.clone()
+        });
+    let runs = opts.len() as u64 + u64::from(bare.is_some());
+    let bar = progress(per_arm * runs, args.json, "bench");
     let mut arms = Vec::new();
     let mut step = 0;
     for (name, o) in &opts {
@@ -613,6 +644,23 @@ async fn measure(args: &BenchArgs, point: &Point) -> Result<Measured> {
         step += args.updates as u64 + 1;
         arms.push((name.clone(), summarize(&run, args.updates), run.verified));
     }
+    let (mut transport_wire, mut transport_wire_checked) = (None, 0);
+    if let Some(o) = bare {
+        let run = run_arm(
+            &registry,
+            &mut cluster,
+            &cfg,
+            &recv,
+            o,
+            args.updates,
+            step,
+            &bar,
+        )
+        .await?;
+        let bare = summarize(&run, args.updates);
+        transport_wire = Some(stage(&bare, "wire"));
+        transport_wire_checked = bare.checked;
+    }
     bar.finish_and_clear();
     let remote = cluster.is_remote();
     // The publishers' memory is released before the ceiling's two buffers are allocated, so a
@@ -629,6 +677,8 @@ async fn measure(args: &BenchArgs, point: &Point) -> Result<Measured> {
         arms,
         ceiling_bytes,
         memcpy,
+        transport_wire,
+        transport_wire_checked,
     })
 }
 
@@ -698,7 +748,7 @@ fn print_summary(runs: &[Measured], skipped: &[Skipped]) {
         "side by side (per update, all ranks; ratios within each run; cost per GiB of wire bytes)"
     );
     println!(
-        "{:<10} {:>7} {:>8} {:>9} {:>10} {:>10} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11} {:>11}",
+        "{:<10} {:>7} {:>8} {:>9} {:>10} {:>10} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11} {:>11} {:>10}",
         "transport",
         "layers",
         "experts",
@@ -711,13 +761,14 @@ fn print_summary(runs: &[Measured], skipped: &[Skipped]) {
         "e2e/memcpy",
         "verify ms",
         "wire ms/GiB",
-        "e2e ms/GiB"
+        "e2e ms/GiB",
+        "e2e/xport"
     );
     for m in runs {
         for (name, s, _) in &m.arms {
             let r = Ratios::of(s, m.memcpy);
             println!(
-                "{:<10} {:>7} {:>8} {:>9} {:>10.3} {:>10.1} {:>9.1} {:>9.2} {:>10.2}x {:>10.2} {:>9.1} {:>11.1} {:>11.1}",
+                "{:<10} {:>7} {:>8} {:>9} {:>10.3} {:>10.1} {:>9.1} {:>9.2} {:>10.2}x {:>10.2} {:>9.1} {:>11.1} {:>11.1} {:>10}",
                 m.transport,
                 m.model.layers,
                 m.model
@@ -735,6 +786,11 @@ fn print_summary(runs: &[Measured], skipped: &[Skipped]) {
                 ms(stage(s, "verify")),
                 ms(r.wire_s_per_gib),
                 ms(r.e2e_s_per_gib),
+                // The reshard arm against the transport alone moving its plan.
+                match (name.as_str(), m.e2e_over_transport_wire()) {
+                    ("reshard", Some(x)) => format!("{x:.2}"),
+                    _ => "-".into(),
+                },
             );
         }
     }

@@ -516,6 +516,23 @@ fn bench_reports_both_arms_and_the_memcpy_ceiling() {
     }
     assert!(v["memcpy_gbytes_per_s"].as_f64().expect("memcpy") > 0.0);
     assert!(v["speedup_e2e"].as_f64().expect("speedup") > 0.0);
+    // The transport alone moving the reshard arm's plan (verification off), measured by a run
+    // of its own: a wire leg of its own, and the reshard arm's e2e over it.
+    let bare = v["transport_wire_s"].as_f64().expect("transport_wire_s");
+    let reshard_e2e = v["arms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["arm"] == "reshard")
+        .and_then(|a| a["median_e2e_s"].as_f64())
+        .expect("reshard arm");
+    assert!(bare > 0.0, "{v}");
+    assert_eq!(
+        v["transport_wire_checked_bytes"], 0,
+        "a run of its own, unverified: {v}"
+    );
+    let ratio = v["e2e_over_transport_wire"].as_f64().expect("ratio");
+    assert!((ratio - reshard_e2e / bare).abs() < 1e-9, "{v}");
     let err = error_text(&reshard(&["bench", "--arms", "fastest"], &[]));
     assert!(err.contains("baseline"), "{err}");
 }
