@@ -1,14 +1,12 @@
-//! Counted completions, the execution log, typed peer errors and metadata that contradicts
-//! what UCX mapped, through the public API (the skipped read comes from the
-//! `fault-injection` feature, which only this crate's dev-dependency on itself enables). The
-//! shared checks are the conformance crate's `counting` module; the metadata check is UCX's own.
+//! Metadata that contradicts what UCX mapped, through the public API: UCX's own check beside
+//! the shared counting family, which `tests/conformance.rs` runs (`counting =` of
+//! `reshard_conformance::suite!`).
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use reshard_backend_ucx::{UcxOptions, UcxTransport};
-use reshard_conformance::counting::{at, read, Counting, SkipAt, SkipRead};
-use reshard_conformance::Harness;
+use reshard_conformance::counting::read;
 use reshard_core::{ErrorKind, HostBuffer, MemoryBlock, ReadBatch, Transport};
 
 const MIB: u64 = 1 << 20;
@@ -20,70 +18,6 @@ fn available() -> bool {
 
 fn endpoint(agent: &str) -> UcxTransport {
     UcxTransport::new(agent, UcxOptions::default()).expect("ucx endpoint")
-}
-
-/// Owner 4 holds user memory (read with `ucp_get_nbx`), owner 9 UCX-allocated shared memory
-/// (copied directly out of the segment UCX mapped here); two regions each, the first large
-/// enough that a 17 MiB read is cut into two pieces. One receiver with two regions. Five reads
-/// over both paths, two of them cut into pieces, of distinct lengths.
-fn counting() -> Counting {
-    let harness = Harness::new("ucx", |agent| {
-        Ok(Arc::new(UcxTransport::new(agent, UcxOptions::default())?) as Arc<dyn Transport>)
-    });
-    let endpoint = |agent: &str| {
-        let t = Arc::new(UcxTransport::new(agent, UcxOptions::default())?);
-        let skip = t.clone();
-        let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
-        Ok((t as Arc<dyn Transport>, skip))
-    };
-    Counting {
-        src_lens: [[20 * MIB, MIB]; 2],
-        allocated_owner: Some(9),
-        dst_lens: [20 * MIB; 2],
-        reads: vec![
-            at(0, 100, 0, 0, 17 * MIB),
-            at(1, 0, 0, 18 * MIB, 3000),
-            at(2, 7, 1, 0, 17 * MIB + 5),
-            at(3, 20_000, 1, 18 * MIB, 7000),
-            at(1, 30_000, 1, 19 * MIB, 11_000),
-        ],
-        ..Counting::new(harness, endpoint, SkipAt::Post)
-    }
-}
-
-reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
-
-/// The same checks with the smallest `piece_bytes` (64 KiB): every read longer than that is cut
-/// into many gets (a 17 MiB read into 272), and each read is still counted, logged and landed
-/// once, whole.
-mod small_pieces {
-    use super::*;
-
-    fn options() -> UcxOptions {
-        UcxOptions {
-            piece_bytes: reshard_backend_ucx::MIN_PIECE_BYTES,
-            ..UcxOptions::default()
-        }
-    }
-
-    fn counting() -> Counting {
-        let harness = Harness::new("ucx", |agent| {
-            Ok(Arc::new(UcxTransport::new(agent, options())?) as Arc<dyn Transport>)
-        });
-        let endpoint = |agent: &str| {
-            let t = Arc::new(UcxTransport::new(agent, options())?);
-            let skip = t.clone();
-            let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
-            Ok((t as Arc<dyn Transport>, skip))
-        };
-        Counting {
-            endpoint: Arc::new(endpoint),
-            harness,
-            ..super::counting()
-        }
-    }
-
-    reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
 }
 
 /// Metadata layout (see `meta.rs`): magic, version, name, incarnation, worker address, region
