@@ -1,6 +1,7 @@
 //! Counted completions, the execution log, typed unknown-peer errors and refused overlapping
-//! destinations, through the public
-//! `Transport` API, shared by every backend's `tests/counting.rs` (see [`crate::counting_tests!`]).
+//! destinations, through the public `Transport` API: the `counting` family of
+//! [`crate::suite!`] (its `counting =` argument), which every backend's `tests/conformance.rs`
+//! runs.
 //!
 //! A lost read must show up in the [`reshard_core::WireReport`] a batch's `wait` returns: a
 //! backend counts completions, not what it posted. To lose one on purpose each backend has a

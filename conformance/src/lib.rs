@@ -8,10 +8,12 @@ pub mod fixtures;
 pub mod proofs;
 pub mod quiescence;
 pub mod remote;
+pub mod suite;
 pub mod wrappers;
 
 pub use fixtures::Harness;
 pub use reshard_testkit::Publishers as Cluster;
+pub use suite::Family;
 
 /// Environment variable listing backends (comma-separated, or `all`) whose absence fails tests
 /// instead of skipping them; CI sets it to `all`, so a registered backend cannot be skipped.
@@ -112,19 +114,25 @@ pub fn backend_available(backend: &str, probe: reshard_core::Result<()>) -> bool
     }
 }
 
+// The family macros below are the building blocks of `suite!` (src/suite.rs), hidden from the
+// documentation: a backend calls `suite!` once and never these directly, so every family is
+// emitted and gated in one place.
+
 /// Makes one `#[tokio::test]` per conformance check, each with a fresh harness from `$make`.
 /// With `requires = $probe` (a `reshard_core::Result<()>`), each test first asks
 /// [`backend_available`].
+#[doc(hidden)]
 #[macro_export]
 macro_rules! conformance_tests {
     ($make:expr, requires = $probe:expr) => {
-        $crate::conformance_tests!(@checks $make, $probe);
+        $crate::conformance_tests!(@checks $make, $probe, Checks);
     };
     ($make:expr) => {
         $crate::conformance_tests!($make, requires = ::std::result::Result::Ok(()));
     };
-    (@checks $make:expr, $probe:expr) => {
-        $crate::conformance_tests!(@each $make, $probe;
+    // `$family`: the [`Family`] whose capability gate each test asks.
+    (@checks $make:expr, $probe:expr, $family:ident) => {
+        $crate::conformance_tests!(@each $make, $probe, $family;
             install_byte_exact_dense_tp4_to_tp2,
             install_byte_exact_dense_tp2_to_tp4,
             install_byte_exact_moe_ep8_dp8_to_tp2,
@@ -148,26 +156,31 @@ macro_rules! conformance_tests {
             peer_metadata_from_another_agent_for_the_same_rank,
             two_receivers_refit_concurrently,
         );
-        $crate::conformance_tests!(@proof $make, $probe; wrong_owner_or_offset_is_caught);
+        $crate::conformance_tests!(@proof $make, $probe, $family;
+            wrong_owner_or_offset_is_caught);
     };
-    (@proof $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
+    (@proof $make:expr, $probe:expr, $family:ident; $($check:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $check() {
                 let harness = $make;
-                if !$crate::backend_available(harness.name(), $probe) {
+                if !$crate::suite::family_runs(
+                    &harness, $probe, $crate::Family::$family, stringify!($check),
+                ) {
                     return;
                 }
                 $crate::proofs::$check(&harness).await;
             }
         )*
     };
-    (@each $make:expr, $probe:expr; $($check:ident),* $(,)?) => {
+    (@each $make:expr, $probe:expr, $family:ident; $($check:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $check() {
                 let harness = $make;
-                if !$crate::backend_available(harness.name(), $probe) {
+                if !$crate::suite::family_runs(
+                    &harness, $probe, $crate::Family::$family, stringify!($check),
+                ) {
                     return;
                 }
                 $crate::run_check(
@@ -191,11 +204,9 @@ macro_rules! conformance_tests {
 /// `overlapping_destinations_are_refused_and_land_in_order_as_waves` and
 /// `reads_are_reported_once_each_only_after_their_bytes_landed` (the completion contract) and
 /// `copy_hashes_are_the_landed_bytes_and_stored_before_the_report` (hashing while copying). With `requires = $probe`, each first asks
-/// [`backend_available`]. Use it in the backend's `tests/counting.rs`:
-///
-/// ```text
-/// reshard_conformance::counting_tests!(counting(), requires = reshard_backend_ucx::probe());
-/// ```
+/// [`backend_available`]. A building block of [`suite!`] (its `counting =` argument);
+/// backends call [`suite!`], not this.
+#[doc(hidden)]
 #[macro_export]
 macro_rules! counting_tests {
     ($make:expr, requires = $probe:expr) => {
@@ -217,7 +228,9 @@ macro_rules! counting_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $check() {
                 let counting: $crate::counting::Counting = $make;
-                if !$crate::backend_available(counting.harness.name(), $probe) {
+                if !$crate::suite::family_runs(
+                    &counting.harness, $probe, $crate::Family::Counting, stringify!($check),
+                ) {
                     return;
                 }
                 $crate::counting::$check(&counting).await;
@@ -231,6 +244,7 @@ macro_rules! counting_tests {
 /// `quiescent_after_dropped_handle`, `quiescent_after_dropped_registration_batch_and_transport`
 /// and `quiescent_after_wait_on_a_dropped_transport` (see [`quiescence::quiescent_after`]). With `requires = $probe`, each first asks
 /// [`backend_available`].
+#[doc(hidden)]
 #[macro_export]
 macro_rules! quiescence_tests {
     ($make:expr, requires = $probe:expr) => {
@@ -250,7 +264,9 @@ macro_rules! quiescence_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
                 let harness = $make;
-                if !$crate::backend_available(harness.name(), $probe) {
+                if !$crate::suite::family_runs(
+                    &harness, $probe, $crate::Family::Quiescence, stringify!($name),
+                ) {
                     return;
                 }
                 $crate::quiescence::quiescent_after(
@@ -266,17 +282,22 @@ macro_rules! quiescence_tests {
 /// Makes the in-flight safety tests that need publishers in a child process reached over a
 /// transport whose reads need the publisher's help (UCX over TCP): `quiescent_after_publisher_killed`
 /// and `quiescent_after_publisher_stalled`, plus `publisher_process` (the child's entry point
-/// and a self-test). `$endpoint` should give endpoints a short no-progress timeout. Use it
-/// inside its own module of the backend's `tests/conformance.rs`, as
-/// [`cross_process_conformance_tests!`].
+/// and a self-test). `$endpoint` should give endpoints a short no-progress timeout. The
+/// `stall` family of [`suite!`] (its `stall =` argument), which puts it in module `stall`.
+#[doc(hidden)]
 #[macro_export]
 macro_rules! cross_process_quiescence_tests {
     ($name:expr, $endpoint:path, requires = $probe:expr) => {
-        $crate::cross_process_conformance_tests!(@process $name, $endpoint, $probe, []);
+        $crate::cross_process_conformance_tests!(@process $name, $endpoint, $probe, Stall, []);
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn quiescent_after_publisher_stalled() {
-            if !$crate::backend_available($name, $probe) {
+            if !$crate::suite::family_runs(
+                &cross_process_harness(),
+                $probe,
+                $crate::Family::Stall,
+                "quiescent_after_publisher_stalled",
+            ) {
                 return;
             }
             $crate::quiescence::quiescent_after_publisher_stalled(&cross_process_harness()).await;
@@ -293,6 +314,7 @@ pub const QUIESCENCE_CHILD_ENV: &str = "RESHARD_QUIESCENCE_CHILD";
 /// whose native library reads its transport choice from the environment at start-up (NIXL's
 /// UCX with `UCX_TLS=tcp`), so that its reads stay in flight long enough to be ended part-way.
 /// `$name` is the backend's scheme, `$probe` as in [`conformance_tests!`].
+#[doc(hidden)]
 #[macro_export]
 macro_rules! quiescence_tests_in_child {
     ($test:ident, $name:expr, env = [$(($k:expr, $v:expr)),* $(,)?], requires = $probe:expr) => {
@@ -335,13 +357,19 @@ macro_rules! quiescence_tests_in_child {
 /// from `$make`: [`fault_cases`] random [`faults::FaultSchedule`]s through a
 /// [`faults::FaultyTransport`] (see [`checks::fault_schedules_never_expose_bad_weights`]). With
 /// `requires = $probe`, it first asks [`backend_available`].
+#[doc(hidden)]
 #[macro_export]
 macro_rules! fault_tests {
     ($make:expr, requires = $probe:expr) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fault_schedules_never_expose_bad_weights() {
             let harness = $make;
-            if !$crate::backend_available(harness.name(), $probe) {
+            if !$crate::suite::family_runs(
+                &harness,
+                $probe,
+                $crate::Family::Fault,
+                "fault_schedules_never_expose_bad_weights",
+            ) {
                 return;
             }
             $crate::checks::fault_schedules_never_expose_bad_weights(
@@ -363,16 +391,11 @@ macro_rules! fault_tests {
 /// Transport>>` making an endpoint by agent name (called in both processes), `$probe` as in
 /// [`conformance_tests!`]. The test binary re-executes itself with only `publisher_process`
 /// selected and [`reshard_testkit::remote::SOCKET_ENV`] set; there that test serves the
-/// publishers over a Unix socket until the parent is done. Use it inside a module of the
-/// backend's `tests/conformance.rs`:
-///
-/// ```text
-/// mod cross_process {
-///     reshard_conformance::cross_process_conformance_tests!(
-///         "ucx", super::endpoint, requires = reshard_backend_ucx::probe()
-///     );
-/// }
-/// ```
+/// publishers over a Unix socket until the parent is done. The `cross_process` family of
+/// [`suite!`] (its `cross_process =` argument), which puts it in module `cross_process`; every
+/// test first asks [`suite::family_runs`], so it runs only where the backend declares
+/// `Capability::cross_process`.
+#[doc(hidden)]
 #[macro_export]
 macro_rules! cross_process_conformance_tests {
     ($name:expr, $endpoint:path, requires = $probe:expr) => {
@@ -386,9 +409,9 @@ macro_rules! cross_process_conformance_tests {
         known_defects = [$(($check:expr, $reason:expr)),* $(,)?]
     ) => {
         $crate::cross_process_conformance_tests!(
-            @process $name, $endpoint, $probe, [$(($check, $reason)),*]
+            @process $name, $endpoint, $probe, CrossProcess, [$(($check, $reason)),*]
         );
-        $crate::conformance_tests!(@checks cross_process_harness(), $probe);
+        $crate::conformance_tests!(@checks cross_process_harness(), $probe, CrossProcess);
 
         /// Entry point of the receiver processes of `two_receiver_processes` (a no-op in a
         /// normal run).
@@ -402,7 +425,14 @@ macro_rules! cross_process_conformance_tests {
         /// Two receiver processes refit at once from publishers in a third process.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn two_receiver_processes() {
-            if $crate::checks::is_receiver_process() || !$crate::backend_available($name, $probe) {
+            if $crate::checks::is_receiver_process()
+                || !$crate::suite::family_runs(
+                    &cross_process_harness(),
+                    $probe,
+                    $crate::Family::CrossProcess,
+                    "two_receiver_processes",
+                )
+            {
                 return;
             }
             $crate::checks::two_receiver_processes(
@@ -416,7 +446,12 @@ macro_rules! cross_process_conformance_tests {
         /// ([`cross_process_fault_cases`] schedules).
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fault_schedules_never_expose_bad_weights() {
-            if !$crate::backend_available($name, $probe) {
+            if !$crate::suite::family_runs(
+                &cross_process_harness(),
+                $probe,
+                $crate::Family::CrossProcess,
+                "fault_schedules_never_expose_bad_weights",
+            ) {
                 return;
             }
             $crate::checks::fault_schedules_never_expose_bad_weights(
@@ -429,7 +464,8 @@ macro_rules! cross_process_conformance_tests {
     // The child's entry point and the harness that starts it, shared with
     // `cross_process_quiescence_tests!`, plus the check that kills the child mid-refit
     // (docs/in-flight-safety.md).
-    (@process $name:expr, $endpoint:path, $probe:expr, [$(($check:expr, $reason:expr)),*]) => {
+    (@process $name:expr, $endpoint:path, $probe:expr, $family:ident,
+        [$(($check:expr, $reason:expr)),*]) => {
         fn cross_process_harness() -> $crate::Harness {
             $crate::Harness::new($name, $endpoint)
                 .with_publisher_process($crate::remote::self_command(
@@ -445,7 +481,12 @@ macro_rules! cross_process_conformance_tests {
                 $crate::remote::serve_publishers($endpoint);
                 return;
             }
-            if !$crate::backend_available($name, $probe) {
+            if !$crate::suite::family_runs(
+                &cross_process_harness(),
+                $probe,
+                $crate::Family::$family,
+                "publisher_process",
+            ) {
                 return;
             }
             let command = $crate::remote::self_command(module_path!(), "publisher_process");
@@ -454,7 +495,12 @@ macro_rules! cross_process_conformance_tests {
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn quiescent_after_publisher_killed() {
-            if !$crate::backend_available($name, $probe) {
+            if !$crate::suite::family_runs(
+                &cross_process_harness(),
+                $probe,
+                $crate::Family::$family,
+                "quiescent_after_publisher_killed",
+            ) {
                 return;
             }
             $crate::quiescence::quiescent_after_publisher_killed(&cross_process_harness()).await;

@@ -1,10 +1,16 @@
-//! The shared conformance suite over NIXL agents in one process: one test per check.
+//! The shared conformance suite over NIXL agents, one `reshard_conformance::suite!` call per
+//! configuration: default options (every family, the publishers also in a child process, and
+//! the in-process quiescence tests rerun over TCP in a child process) and three lanes (module
+//! `lanes`).
 
 use std::sync::Arc;
 
 use reshard_backend_nixl::{NixlOptions, NixlTransport};
+use reshard_conformance::counting::{at, Counting, SkipAt, SkipRead};
 use reshard_conformance::Harness;
 use reshard_core::Transport;
+
+const MIB: u64 = 1 << 20;
 
 /// A NIXL endpoint with default options (the UCX plugin).
 fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
@@ -15,51 +21,59 @@ fn harness() -> Harness {
     Harness::new("nixl", endpoint)
 }
 
-reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_nixl::probe());
-
-/// The same suite with every cluster's publishers in a child process (this test binary
-/// re-executed), reached over NIXL between processes.
-mod cross_process {
-    reshard_conformance::cross_process_conformance_tests!(
-        "nixl",
-        super::endpoint,
-        requires = reshard_backend_nixl::probe()
-    );
-}
-
-reshard_conformance::fault_tests!(harness(), requires = reshard_backend_nixl::probe());
-
-reshard_conformance::quiescence_tests!(harness(), requires = reshard_backend_nixl::probe());
-
-// In one process NIXL's UCX moves a whole batch inside `post` (shared memory), leaving nothing
-// in flight to end; over TCP the reads stay in flight, so the same tests run there too.
-reshard_conformance::quiescence_tests_in_child!(
-    quiescence_over_tcp,
-    "nixl",
-    env = [("UCX_TLS", "tcp")],
-    requires = reshard_backend_nixl::probe()
-);
-
-/// The in-flight safety tests that kill or stop the publishers' process, with a 2 s
+/// The endpoint of the in-flight safety tests that kill or stop the publishers' process: a 2 s
 /// no-progress bound. In this process they run over NIXL's default transports (shared memory,
 /// which a stopped publisher does not stall); `quiescence_over_tcp` runs them again with every
 /// read crossing TCP, where stopping the publisher stalls its reads.
-mod stall {
-    use super::*;
+fn stall_endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
+    let options = NixlOptions {
+        timeout_ms: 2_000,
+        ..NixlOptions::default()
+    };
+    Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
+}
 
-    fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
-        let options = NixlOptions {
-            timeout_ms: 2_000,
-            ..NixlOptions::default()
-        };
-        Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
+/// The counting family's endpoints, with their skip hook (the `fault-injection` feature, which
+/// only this crate's dev-dependency on itself enables). Owners 4 and 9 with two regions each
+/// (owner 4's first one 72 MiB, so its reads need two 64 MiB-capped requests), one receiver
+/// with two regions. Six reads: two large ones of owner 4 (one request each: together they
+/// exceed 64 MiB) and small ones of both owners sharing requests. NIXL applies an injected skip
+/// when it builds requests, at prepare.
+fn counting() -> Counting {
+    let harness = Harness::new("nixl", |agent| {
+        Ok(Arc::new(NixlTransport::new(agent, &NixlOptions::default())?) as Arc<dyn Transport>)
+    });
+    let endpoint = |agent: &str| {
+        let t = Arc::new(NixlTransport::new(agent, &NixlOptions::default())?);
+        let skip = t.clone();
+        let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
+        Ok((t as Arc<dyn Transport>, skip))
+    };
+    Counting {
+        src_lens: [[72 * MIB, MIB], [MIB, MIB]],
+        dst_lens: [72 * MIB, MIB],
+        reads: vec![
+            at(0, 100, 0, 0, 40 * MIB),
+            at(0, 40 * MIB + 200, 0, 40 * MIB, 30 * MIB),
+            at(1, 0, 1, 0, 3000),
+            at(2, 7, 1, 4096, 5000),
+            at(3, 20_000, 1, 16_384, 7000),
+            at(1, 30_000, 1, 65_536, 11_000),
+        ],
+        ..Counting::new(harness, endpoint, SkipAt::Prepare)
     }
+}
 
-    reshard_conformance::cross_process_quiescence_tests!(
-        "nixl",
-        endpoint,
-        requires = reshard_backend_nixl::probe()
-    );
+// In one process NIXL's UCX moves a whole batch inside `post` (shared memory), leaving nothing
+// in flight to end; over TCP the reads stay in flight, so `quiescence_over_tcp` reruns the
+// in-process quiescence tests (and abort, and the stall family) there, in a child process.
+reshard_conformance::suite! {
+    harness = harness(),
+    requires = reshard_backend_nixl::probe(),
+    counting = counting(),
+    cross_process = endpoint,
+    stall = stall_endpoint,
+    quiescence_in_child = (quiescence_over_tcp, env = [("UCX_TLS", "tcp")]),
 }
 
 /// The suite again with three lanes (NIXL agents) per endpoint, so every lane posts, polls,
@@ -81,28 +95,19 @@ mod lanes {
         Harness::new("nixl", endpoint)
     }
 
-    reshard_conformance::conformance_tests!(harness(), requires = reshard_backend_nixl::probe());
+    fn stall_endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
+        let options = NixlOptions {
+            timeout_ms: 2_000,
+            lanes: 3,
+            ..NixlOptions::default()
+        };
+        Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
+    }
 
-    reshard_conformance::fault_tests!(harness(), requires = reshard_backend_nixl::probe());
-
-    reshard_conformance::quiescence_tests!(harness(), requires = reshard_backend_nixl::probe());
-
-    mod stall {
-        use super::*;
-
-        fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
-            let options = NixlOptions {
-                timeout_ms: 2_000,
-                lanes: 3,
-                ..NixlOptions::default()
-            };
-            Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
-        }
-
-        reshard_conformance::cross_process_quiescence_tests!(
-            "nixl",
-            endpoint,
-            requires = reshard_backend_nixl::probe()
-        );
+    reshard_conformance::suite! {
+        harness = harness(),
+        requires = reshard_backend_nixl::probe(),
+        stall = stall_endpoint,
+        families = [checks, fault, quiescence, stall],
     }
 }

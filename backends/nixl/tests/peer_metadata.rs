@@ -1,15 +1,12 @@
-//! Counted completions, the execution log, typed peer errors and envelopes that advertise
-//! more than the peer's NIXL agent registered, through the public API (the skipped read comes
-//! from the `fault-injection` feature, which only this crate's dev-dependency on itself
-//! enables). The shared checks are the conformance crate's `counting` module; the envelope
-//! check is NIXL's own.
+//! Envelopes that advertise more than the peer's NIXL agent registered, through the public
+//! API: NIXL's own check beside the shared counting family, which `tests/conformance.rs` runs
+//! (`counting =` of `reshard_conformance::suite!`).
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use reshard_backend_nixl::{probe, NixlOptions, NixlTransport, SCHEME};
-use reshard_conformance::counting::{at, read, Counting, SkipAt, SkipRead};
-use reshard_conformance::Harness;
+use reshard_conformance::counting::read;
 use reshard_core::{ErrorKind, HostBuffer, MemoryBlock, ReadBatch, Transport};
 
 const MIB: u64 = 1 << 20;
@@ -21,37 +18,6 @@ fn available() -> bool {
 fn endpoint(name: &str) -> NixlTransport {
     NixlTransport::new(name, &NixlOptions::default()).expect("nixl endpoint")
 }
-
-/// Owners 4 and 9 with two regions each (owner 4's first one 72 MiB, so its reads need two
-/// 64 MiB-capped requests), one receiver with two regions. Six reads: two large ones of owner
-/// 4 (one request each: together they exceed 64 MiB) and small ones of both owners sharing
-/// requests. NIXL applies an injected skip when it builds requests, at prepare.
-fn counting() -> Counting {
-    let harness = Harness::new("nixl", |agent| {
-        Ok(Arc::new(NixlTransport::new(agent, &NixlOptions::default())?) as Arc<dyn Transport>)
-    });
-    let endpoint = |agent: &str| {
-        let t = Arc::new(NixlTransport::new(agent, &NixlOptions::default())?);
-        let skip = t.clone();
-        let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
-        Ok((t as Arc<dyn Transport>, skip))
-    };
-    Counting {
-        src_lens: [[72 * MIB, MIB], [MIB, MIB]],
-        dst_lens: [72 * MIB, MIB],
-        reads: vec![
-            at(0, 100, 0, 0, 40 * MIB),
-            at(0, 40 * MIB + 200, 0, 40 * MIB, 30 * MIB),
-            at(1, 0, 1, 0, 3000),
-            at(2, 7, 1, 4096, 5000),
-            at(3, 20_000, 1, 16_384, 7000),
-            at(1, 30_000, 1, 65_536, 11_000),
-        ],
-        ..Counting::new(harness, endpoint, SkipAt::Prepare)
-    }
-}
-
-reshard_conformance::counting_tests!(counting(), requires = probe());
 
 /// Envelope layout (see `meta.rs`): magic, version, agent name, incarnation, NIXL name, region
 /// count, then per region `id, addr, len` (u64 each), kind `u8`, device `u32`; NIXL metadata;

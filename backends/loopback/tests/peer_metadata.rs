@@ -1,52 +1,12 @@
-//! Counted completions, the execution log and metadata the fabric contradicts, through the
-//! public API (the skipped read comes from the `fault-injection` feature, which only this
-//! crate's dev-dependency on itself enables). The shared checks are the conformance crate's
-//! `counting` module; the metadata check is loopback's own.
+//! Metadata the fabric contradicts, through the public API: loopback's own check beside the
+//! shared counting family, which `tests/conformance.rs` runs (`counting =` of
+//! `reshard_conformance::suite!`).
 
 use std::sync::Arc;
 
 use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
-use reshard_conformance::counting::{at, read, Counting, SkipAt, SkipRead};
-use reshard_conformance::Harness;
+use reshard_conformance::counting::read;
 use reshard_core::{ErrorKind, HostBuffer, ReadBatch, Transport};
-
-/// Loopback endpoints on one fabric (two copy workers each), with their skip hook. Regions
-/// of 1 MiB; five reads over every source and destination region, of distinct lengths; a
-/// 1 MiB read is split between the two workers (two 512 KiB pieces).
-fn counting() -> Counting {
-    let fabric = LoopbackFabric::new();
-    let f = fabric.clone();
-    let harness = Harness::new("loopback", move |agent| {
-        Ok(Arc::new(LoopbackTransport::new(&f, agent, 2)?) as Arc<dyn Transport>)
-    });
-    let endpoint = move |agent: &str| {
-        let t = Arc::new(LoopbackTransport::new(&fabric, agent, 2)?);
-        let skip = t.clone();
-        let skip: SkipRead = Arc::new(move |read| skip.inject_skip_read(read));
-        Ok((t as Arc<dyn Transport>, skip))
-    };
-    Counting {
-        reads: vec![
-            at(0, 100, 0, 0, 1000),
-            at(1, 0, 0, 4096, 3000),
-            at(2, 7, 1, 0, 5000),
-            at(3, 20_000, 1, 8192, 7000),
-            at(0, 30_000, 1, 20_000, 11_000),
-        ],
-        split_read: Some(at(1, 0, 0, 0, 1 << 20)),
-        // Reads below 512 KiB stay whole with one worker; the 400 000-byte one is copied (and
-        // hashed) in two blocks, with segments across the block boundary.
-        hashed_reads: Some(vec![
-            at(0, 100, 0, 0, 1000),
-            at(2, 7, 1, 0, 5000),
-            at(1, 3, 0, 8192, 400_000),
-            at(3, 20_000, 1, 8192, 70_000),
-        ]),
-        ..Counting::new(harness, endpoint, SkipAt::Post)
-    }
-}
-
-reshard_conformance::counting_tests!(counting());
 
 /// Metadata layout (see `meta.rs`): magic, version, name, agent uid, fabric id, region count,
 /// then `(id u64, len u64)` per region.
