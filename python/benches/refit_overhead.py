@@ -24,59 +24,24 @@ import json
 import statistics
 import time
 
-import numpy as np
-
-import reshard
+from rig import Rig, add_arguments
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--transport", default="loopback")
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--publishers", default="ep=2,dp=2")
-    ap.add_argument("--receivers", default="tp=2")
+    add_arguments(ap)
     ap.add_argument("--updates", type=int, default=20)
     ap.add_argument("--install", default="copy", choices=["copy", "swap", "both"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    model = reshard.model_config(args.preset, layers=args.layers, experts=args.experts,
-                                 vocab=args.vocab, name=f"bench-{time.time_ns()}")
-    hub = reshard.InProcessHub()
-    world = 1
-    for pair in args.publishers.split(","):
-        world *= int(pair.split("=")[1]) if pair.split("=")[0] != "ep" else 1
-    pubs = []
-    for rank in range(world):
-        p = reshard.Publisher(model=model["name"], architecture=model,
-                              topology=args.publishers, rank=rank, rendezvous=hub,
-                              transport=args.transport)
-        for name, (offset, shape, dtype) in p.tensors.items():
-            a = p.empty(name)
-            a.reshape(-1)[:] = np.arange(a.size, dtype=np.int64).astype(a.dtype)
-        p.publish(0)
-        pubs.append(p)
     installs = ["copy", "swap"] if args.install == "both" else [args.install]
-    specs = reshard.receiver_params(model, args.receivers, 0)
-    param_bytes = sum(int(np.prod(shape)) * reshard.numpy_dtype(dtype).itemsize
-                      for shape, dtype in specs.values())
-    rxs = {}
-    for install in installs:
-        params = None if install == "swap" else {
-            name: np.zeros(shape, dtype=reshard.numpy_dtype(dtype))
-            for name, (shape, dtype) in specs.items()}
-        rxs[install] = reshard.Receiver(model=model["name"], layout=args.receivers, rank=0,
-                                        rendezvous=hub, transport=args.transport, params=params,
-                                        install=install, timeout=60)
-        rxs[install].refit(timeout=60)  # warm-up: plan, registrations, descriptors
+    rig = Rig(args, installs)
+    rxs, param_bytes = rig.rxs, rig.param_bytes
     served = {}  # what each engine serves from, re-pointed after every refit
     rows = {install: [] for install in installs}
     for step in range(1, args.updates + 1):
-        for p in pubs:
-            p.publish(step)
+        rig.publish(step)
         for install, rx in rxs.items():
             served.pop(install, None)  # the engine drops the old arrays before it refits
             r = rx.refit(timeout=60)
@@ -114,10 +79,7 @@ def main():
             for k, v in out.items():
                 print(f"{k:>20}: {v * 1e3:.3f} ms" if k.endswith("_s") else f"{k:>20}: {v}")
     served.clear()
-    for rx in rxs.values():
-        rx.close()
-    for p in pubs:
-        p.close()
+    rig.close()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What apply and rollback cost (python/README.md, "Stage, apply, roll back"), per install: the
-rig of refit_overhead.py (publishers and receiver rank 0 in this process, in-process
+rig of rig.py (publishers and receiver rank 0 in this process, in-process
 rendezvous), a copy-install and a swap-install receiver side by side. Each round the publishers
 advance; each receiver stages the new step (timed, not the subject), applies it, re-points (swap:
 weights(), dropping the previous step's arrays first, as an engine does), then rolls back to the
@@ -21,59 +21,23 @@ Per round and receiver:
 import argparse
 import json
 import statistics
-import time
 
-import numpy as np
-
-import reshard
+from rig import Rig, add_arguments
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--transport", default="loopback")
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--publishers", default="ep=2,dp=2")
-    ap.add_argument("--receivers", default="tp=2")
+    add_arguments(ap)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    model = reshard.model_config(args.preset, layers=args.layers, experts=args.experts,
-                                 vocab=args.vocab, name=f"bench-{time.time_ns()}")
-    hub = reshard.InProcessHub()
-    world = 1
-    for pair in args.publishers.split(","):
-        world *= int(pair.split("=")[1]) if pair.split("=")[0] != "ep" else 1
-    pubs = []
-    for rank in range(world):
-        p = reshard.Publisher(model=model["name"], architecture=model,
-                              topology=args.publishers, rank=rank, rendezvous=hub,
-                              transport=args.transport)
-        for name in p.tensors:
-            a = p.empty(name)
-            a.reshape(-1)[:] = np.arange(a.size, dtype=np.int64).astype(a.dtype)
-        p.publish(0)
-        pubs.append(p)
-    specs = reshard.receiver_params(model, args.receivers, 0)
-    param_bytes = sum(int(np.prod(shape)) * reshard.numpy_dtype(dtype).itemsize
-                      for shape, dtype in specs.values())
-    rxs = {}
-    for install in ("copy", "swap"):
-        params = None if install == "swap" else {
-            name: np.zeros(shape, dtype=reshard.numpy_dtype(dtype))
-            for name, (shape, dtype) in specs.items()}
-        rxs[install] = reshard.Receiver(model=model["name"], layout=args.receivers, rank=0,
-                                        rendezvous=hub, transport=args.transport, params=params,
-                                        install=install, timeout=60)
-        rxs[install].refit(timeout=60)  # warm-up: plan, registrations, descriptors
+    rig = Rig(args, ("copy", "swap"))
+    rxs, param_bytes = rig.rxs, rig.param_bytes
     served = {}
     rows = {install: [] for install in rxs}
     for step in range(1, args.rounds + 1):
-        for p in pubs:
-            p.publish(step)
+        rig.publish(step)
         for install, rx in rxs.items():
             before = rx.live_step
             staged = rx.stage(timeout=60)
@@ -114,10 +78,7 @@ def main():
             for k, v in out.items():
                 print(f"{k:>26}: {v * 1e3:.4f} ms" if k.endswith("_s") else f"{k:>26}: {v}")
     served.clear()
-    for rx in rxs.values():
-        rx.close()
-    for p in pubs:
-        p.close()
+    rig.close()
 
 
 if __name__ == "__main__":
