@@ -138,16 +138,17 @@ reshard_core::forward_transport!(HoldBack => inner {
     }
 });
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_buffer_is_verified_only_after_every_read_into_it_was_reported() {
+/// Publishers of `model` under `topology` over loopback, and a TP2 receiver of rank 0 behind a
+/// [`HoldBack`] (disarmed), after a first verified update.
+async fn held_receiver(
+    model: reshard_planner::presets::ModelConfig,
+    topology: &str,
+) -> (SyntheticCluster, Arc<HoldBack>, Receiver) {
     let fabric = LoopbackFabric::new();
     let f = fabric.clone();
-    let mut cluster = SyntheticCluster::new(
-        reshard_testkit::models::tiny_moe(8),
-        "ep=4,dp=4".parse().unwrap(),
-        1,
-        move |r| Ok(Arc::new(LoopbackTransport::new(&f, &format!("pub-{r}"), 2)?) as _),
-    )
+    let cluster = SyntheticCluster::new(model, topology.parse().unwrap(), 1, move |r| {
+        Ok(Arc::new(LoopbackTransport::new(&f, &format!("pub-{r}"), 2)?) as _)
+    })
     .await
     .expect("cluster");
     let hold = Arc::new(HoldBack {
@@ -160,6 +161,13 @@ async fn a_buffer_is_verified_only_after_every_read_into_it_was_reported() {
     let mut rx = Receiver::new(hold.clone(), layout, ReceiverOptions::default()).unwrap();
     let first = rx.update(&cluster.tables()).await.expect("first update");
     assert!(first.fully_checked());
+    (cluster, hold, rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_is_verified_only_after_every_read_into_it_was_reported() {
+    let (mut cluster, hold, mut rx) =
+        held_receiver(reshard_testkit::models::tiny_moe(8), "ep=4,dp=4").await;
     for step in 1..4 {
         cluster.publish_step(step);
         *hold.armed.lock().unwrap() = rx
@@ -268,26 +276,8 @@ async fn a_corrupted_byte_is_caught_when_the_hashes_come_from_the_copy() {
 /// for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dense_tp_down_verifies_as_the_bytes_land_with_overlapping_reslices() {
-    let fabric = LoopbackFabric::new();
-    let f = fabric.clone();
-    let mut cluster = SyntheticCluster::new(
-        reshard_testkit::models::tiny_dense(4),
-        "tp=4,dp=2".parse().unwrap(),
-        1,
-        move |r| Ok(Arc::new(LoopbackTransport::new(&f, &format!("pub-{r}"), 2)?) as _),
-    )
-    .await
-    .expect("cluster");
-    let hold = Arc::new(HoldBack {
-        inner: Arc::new(LoopbackTransport::new(&fabric, "rx", 2).expect("endpoint")),
-        regions: Mutex::default(),
-        armed: Mutex::default(),
-    });
-    cluster.connect(hold.as_ref()).await.expect("connect");
-    let layout = receiver_layout(cluster.model(), &ReceiverTopology::tp(2), 0).unwrap();
-    let mut rx = Receiver::new(hold.clone(), layout, ReceiverOptions::default()).unwrap();
-    let first = rx.update(&cluster.tables()).await.expect("first update");
-    assert!(first.fully_checked());
+    let (mut cluster, hold, mut rx) =
+        held_receiver(reshard_testkit::models::tiny_dense(4), "tp=4,dp=2").await;
     let plan = rx.plan().expect("planned").clone();
     assert!(
         !plan.reslice_disjoint && !plan.reslices.is_empty(),
