@@ -212,12 +212,7 @@ impl Engine {
             }
         }
         #[cfg(feature = "fault-injection")]
-        let skip = u32::try_from(
-            self.opts
-                .skip_read
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
-        .ok();
+        let skip = self.opts.skip_read.get();
         #[cfg(not(feature = "fault-injection"))]
         let skip = None;
         let left = res.read_pieces.clone();
