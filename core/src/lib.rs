@@ -13,6 +13,7 @@ pub mod error;
 pub mod executed;
 pub mod fault;
 mod forward;
+pub mod gate;
 pub mod layout;
 #[allow(unsafe_code)]
 pub mod memory;
