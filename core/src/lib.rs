@@ -19,6 +19,7 @@ pub mod layout;
 pub mod memory;
 pub mod merge;
 pub mod metadata;
+mod metadata_tests;
 pub mod model;
 pub mod overlap;
 pub mod plan;
