@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::progress::NoProgress;
+
 /// One posted batch's gate and the backend's state `S` kept under its lock.
 pub struct BatchGate<S = ()> {
     state: Mutex<GateState<S>>,
@@ -35,12 +37,11 @@ pub struct BatchGate<S = ()> {
 }
 
 struct GateState<S> {
-    /// Set once (by the first close) and never cleared: no worker enters afterwards.
-    closed_at: Option<Instant>,
+    /// When a worker last left (or the gate was made), and when the gate closed: ended once
+    /// (by the first close) and never reopened, so no worker enters afterwards.
+    clock: NoProgress,
     /// Tickets of the workers inside.
     inside: Vec<usize>,
-    /// When a worker last left (or the gate was made).
-    last_left: Instant,
     extra: S,
 }
 
@@ -61,9 +62,8 @@ impl<S> BatchGate<S> {
     pub fn new(state: S) -> Self {
         BatchGate {
             state: Mutex::new(GateState {
-                closed_at: None,
+                clock: NoProgress::new(),
                 inside: Vec::new(),
-                last_left: Instant::now(),
                 extra: state,
             }),
             left: Condvar::new(),
@@ -111,7 +111,7 @@ impl<S> GateGuard<'_, S> {
     /// Enters under `ticket` unless the gate is closed (then false: the worker must not touch
     /// the batch's memory).
     pub fn enter(&mut self, ticket: usize) -> bool {
-        if self.st.closed_at.is_some() {
+        if self.st.clock.is_ended() {
             return false;
         }
         self.st.inside.push(ticket);
@@ -124,23 +124,19 @@ impl<S> GateGuard<'_, S> {
         if let Some(k) = self.st.inside.iter().position(|&t| t == ticket) {
             self.st.inside.swap_remove(k);
         }
-        self.st.last_left = Instant::now();
+        self.st.clock.progressed(Instant::now());
         self.left.notify_all();
     }
 
     /// Closes the gate: no worker enters from now on. True if this call closed it (the first
     /// close), false if it was closed already.
     pub fn close(&mut self) -> bool {
-        if self.st.closed_at.is_some() {
-            return false;
-        }
-        self.st.closed_at = Some(Instant::now());
-        true
+        self.st.clock.end(Instant::now())
     }
 
     /// Whether the gate is closed.
     pub fn is_closed(&self) -> bool {
-        self.st.closed_at.is_some()
+        self.st.clock.is_ended()
     }
 
     /// Tickets of the workers inside, in no particular order.
@@ -150,11 +146,7 @@ impl<S> GateGuard<'_, S> {
 
     /// How long no worker has left, counted from the close at the earliest.
     pub fn idle_since_end(&self) -> Duration {
-        let from = match self.st.closed_at {
-            Some(at) => at.max(self.st.last_left),
-            None => self.st.last_left,
-        };
-        from.elapsed()
+        self.st.clock.idle(Instant::now())
     }
 }
 

@@ -24,6 +24,7 @@ pub mod model;
 pub mod overlap;
 pub mod plan;
 pub mod prepared;
+pub mod progress;
 pub mod regions;
 pub mod registry;
 pub mod rendezvous;
