@@ -3,17 +3,19 @@
 //! a read would (the suite checks that counts, logs and verification all notice).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// No read is skipped.
 const NONE: u64 = u64::MAX;
 
-/// Which read (in batch order) the next posts leave out; none unless armed.
-#[derive(Debug)]
-pub struct SkipRead(AtomicU64);
+/// Which read (in batch order) the next posts leave out; none unless armed. Clones share one
+/// knob, so a transport can arm what its worker thread reads.
+#[derive(Debug, Clone)]
+pub struct SkipRead(Arc<AtomicU64>);
 
 impl Default for SkipRead {
     fn default() -> Self {
-        Self(AtomicU64::new(NONE))
+        Self(Arc::new(AtomicU64::new(NONE)))
     }
 }
 
@@ -45,6 +47,16 @@ mod tests {
         k.set(None);
         assert_eq!(k.get(), None);
         k.set(Some(usize::MAX));
+        assert_eq!(k.get(), None);
+    }
+
+    #[test]
+    fn clones_share_one_knob() {
+        let k = SkipRead::default();
+        let worker = k.clone();
+        k.set(Some(7));
+        assert_eq!(worker.get(), Some(7));
+        worker.set(None);
         assert_eq!(k.get(), None);
     }
 }

@@ -13,15 +13,18 @@ pub mod error;
 pub mod executed;
 pub mod fault;
 mod forward;
+pub mod gate;
 pub mod layout;
 #[allow(unsafe_code)]
 pub mod memory;
 pub mod merge;
 pub mod metadata;
+mod metadata_tests;
 pub mod model;
 pub mod overlap;
 pub mod plan;
 pub mod prepared;
+pub mod progress;
 pub mod regions;
 pub mod registry;
 pub mod rendezvous;

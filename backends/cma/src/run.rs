@@ -13,15 +13,15 @@
 //! quarantined error, every post that would write the bytes they may still write.
 
 use async_trait::async_trait;
-use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
+use reshard_core::gate::{BatchGate, GateGuard};
 use reshard_core::{
     CompletionSink, Countdown, Error, ErrorKind, InFlight, OwnerId, ReadBatch, Result, WireReport,
 };
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::peer::Peer;
@@ -42,9 +42,9 @@ pub(crate) struct Run {
     /// a registration dropped meanwhile releases its block only after this (rule 2).
     prepared: Arc<Prepared>,
     batch: Arc<ReadBatch>,
-    state: Mutex<RunState>,
-    /// Signalled whenever a job leaves the gate.
-    left: Condvar,
+    /// Which calls are running (a call's index is its ticket), whether the batch is closed,
+    /// when a call last returned, and the batch's own state, under one lock.
+    gate: BatchGate<RunState>,
     /// Signalled after every call (progress, failure) and when the gate empties.
     progress: Notify,
     /// Test-only: the read whose segments are left out (never read nor counted).
@@ -55,34 +55,21 @@ pub(crate) struct Run {
     completions: Option<(CompletionSink, Countdown)>,
 }
 
+/// What the gate keeps besides the calls inside (at most one per copy thread), the close and
+/// the time a call last returned (or the batch started), which the no-progress timer reads.
+#[derive(Default)]
 struct RunState {
     /// Next call to claim.
     next: usize,
-    closed: bool,
-    /// When the batch was closed (its no-progress timer then runs from here at the earliest).
-    closed_at: Option<Instant>,
-    /// Calls running now (claimed and not yet returned): at most one per copy thread.
-    inside: Vec<usize>,
     done_calls: usize,
     counted: WireReport,
     error: Option<Error>,
-    /// When a call last returned (or the batch started).
-    last_progress: Instant,
     /// An ending gave up waiting for the calls inside: until they return, the bytes they
     /// write are quarantined.
     quarantined: bool,
 }
 
-impl RunState {
-    /// How long no call has returned, counted from the batch's end at the earliest.
-    fn idle_since_end(&self) -> Duration {
-        let from = match self.closed_at {
-            Some(at) => at.max(self.last_progress),
-            None => self.last_progress,
-        };
-        from.elapsed()
-    }
-}
+type Locked<'a> = GateGuard<'a, RunState>;
 
 impl Run {
     pub(crate) fn new(
@@ -97,18 +84,7 @@ impl Run {
             completions,
             prepared,
             batch,
-            state: Mutex::new(RunState {
-                next: 0,
-                closed: false,
-                closed_at: None,
-                inside: Vec::new(),
-                done_calls: 0,
-                counted: WireReport::default(),
-                error: None,
-                last_progress: Instant::now(),
-                quarantined: false,
-            }),
-            left: Condvar::new(),
+            gate: BatchGate::default(),
             progress: Notify::new(),
             skip,
         }
@@ -117,13 +93,10 @@ impl Run {
     /// Stops the batch: no call starts after this; `why` becomes its error unless it already
     /// failed.
     pub(crate) fn close(&self, why: impl FnOnce() -> Error) {
-        let mut st = self.state.lock();
-        if !st.closed {
-            st.closed = true;
-            st.closed_at = Some(Instant::now());
-            if st.error.is_none() && st.done_calls < self.prepared.calls.calls.len() {
-                st.error = Some(why());
-            }
+        let mut st = self.gate.lock();
+        // Only the first close names the error, and only if the batch has not failed already.
+        if st.close() && st.error.is_none() && st.done_calls < self.prepared.calls.calls.len() {
+            st.error = Some(why());
         }
         drop(st);
         self.progress.notify_one();
@@ -133,31 +106,23 @@ impl Run {
     /// has returned for `bound` since the batch was closed: then the calls still inside are
     /// quarantined and the description of what is kept is returned.
     fn drain_blocking(&self, bound: Duration) -> std::result::Result<(), String> {
-        let mut st = self.state.lock();
-        loop {
-            if st.inside.is_empty() {
-                return Ok(());
-            }
-            let idle = st.idle_since_end();
-            if idle >= bound {
-                return Err(self.quarantine(&mut st));
-            }
-            self.left.wait_for(&mut st, bound - idle);
-        }
+        self.gate
+            .drain(bound)
+            .map_err(|mut st| self.quarantine(&mut st))
     }
 
     /// Marks the calls inside quarantined; returns what is kept, for errors and logs.
-    fn quarantine(&self, st: &mut RunState) -> String {
+    fn quarantine(&self, st: &mut Locked<'_>) -> String {
         st.quarantined = true;
         let ranges: Vec<String> = self
-            .segs_of(&st.inside)
+            .segs_of(st.inside())
             .map(|s| format!("{:#x}..{:#x}", s.local, s.local + s.len))
             .collect();
         format!(
             "{} process_vm_readv call(s) of this batch have not returned; the destination \
              bytes they may still write (addresses {}) are quarantined: kept alive, and posts \
              that write them are refused until the calls return",
-            st.inside.len(),
+            st.inside().len(),
             ranges.join(", ")
         )
     }
@@ -172,20 +137,20 @@ impl Run {
     /// Destination bytes that quarantined calls of this batch may still write (empty when it
     /// has no quarantined call running any more).
     pub(crate) fn quarantined_ranges(&self) -> Vec<Range<u64>> {
-        let st = self.state.lock();
+        let st = self.gate.lock();
         if !st.quarantined {
             return Vec::new();
         }
-        self.segs_of(&st.inside)
+        self.segs_of(st.inside())
             .map(|s| s.local..s.local + s.len)
             .collect()
     }
 
     /// The owner and remote range of the first read a running call of this batch moves.
-    fn running_read(&self, st: &RunState) -> Option<(OwnerId, Range<u64>)> {
-        let seg = self.segs_of(&st.inside).next()?;
+    fn running_read(&self, st: &Locked<'_>) -> Option<(OwnerId, Range<u64>)> {
+        let seg = self.segs_of(st.inside()).next()?;
         let c = &self.prepared.calls;
-        let call = st.inside.first().map(|&i| &c.calls[i])?;
+        let call = st.inside().first().map(|&i| &c.calls[i])?;
         let owner = self.prepared.peers.get(call.peer as usize)?.0;
         let r = self.batch.reads.get(seg.read as usize)?;
         Some((
@@ -199,28 +164,27 @@ impl Run {
         let n = self.prepared.calls.calls.len();
         loop {
             let i = {
-                let mut st = self.state.lock();
-                if st.closed || st.next >= n {
+                let mut st = self.gate.lock();
+                if st.next >= n {
                     return;
                 }
                 let i = st.next;
+                if !st.enter(i) {
+                    return;
+                }
                 st.next += 1;
-                st.inside.push(i);
                 i
             };
             let r = self.execute(i);
-            let mut st = self.state.lock();
+            let mut st = self.gate.lock();
             if r.is_ok() && !st.quarantined {
                 // Reported under the state lock and while the call still counts as inside:
                 // an ending either waits for these reports or has quarantined the call first
                 // (and then nothing of it is reported), so no report follows the batch's end.
                 self.report(i);
             }
-            if let Some(k) = st.inside.iter().position(|&c| c == i) {
-                st.inside.swap_remove(k);
-            }
             // A call that returned is progress, whether it moved its bytes or failed.
-            st.last_progress = Instant::now();
+            st.leave(i);
             match r {
                 Ok(c) => {
                     st.done_calls += 1;
@@ -228,14 +192,11 @@ impl Run {
                     st.counted.bytes += c.bytes;
                 }
                 Err(e) => {
-                    let now = st.last_progress;
-                    st.closed = true;
-                    st.closed_at.get_or_insert(now);
+                    st.close();
                     st.error.get_or_insert(e);
                 }
             }
             drop(st);
-            self.left.notify_all();
             self.progress.notify_one();
         }
     }
@@ -467,12 +428,12 @@ impl CmaInFlight {
         loop {
             let notified = self.run.progress.notified();
             let wait_for = {
-                let mut st = self.run.state.lock();
-                if st.done_calls == n && st.inside.is_empty() {
+                let mut st = self.run.gate.lock();
+                if st.done_calls == n && st.inside().is_empty() {
                     self.finished = true;
                     return Ok(st.counted);
                 }
-                if st.closed && st.inside.is_empty() {
+                if st.is_closed() && st.inside().is_empty() {
                     self.finished = true;
                     return Err(st.error.take().unwrap_or_else(|| {
                         Error::new(ErrorKind::Aborted, "batch aborted").with_backend(SCHEME)
@@ -481,9 +442,7 @@ impl CmaInFlight {
                 let idle = st.idle_since_end();
                 if idle < self.timeout {
                     self.timeout - idle
-                } else if !st.closed {
-                    st.closed = true;
-                    st.closed_at = Some(Instant::now());
+                } else if st.close() {
                     let timeout = self.timeout;
                     st.error.get_or_insert_with(|| {
                         Error::new(

@@ -497,21 +497,15 @@ impl CmaTransport {
         prepared: &PreparedBatch,
         sink: Option<CompletionSink>,
     ) -> Result<Box<dyn InFlight>> {
-        let st = prepared
-            .state::<Arc<Prepared>>()
-            .filter(|st| st.endpoint == self.incarnation)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "batch was prepared by {} (another backend or endpoint), not by cma \
-                         endpoint {:?}",
-                        prepared.backend(),
-                        self.agent
-                    ),
-                )
-                .with_backend(SCHEME)
-            })?;
+        // "endpoint" alone for what else could have prepared it: the message cma always gave.
+        let st = prepared::own_state::<Arc<Prepared>>(
+            SCHEME,
+            prepared,
+            |st| st.endpoint == self.incarnation,
+            "endpoint",
+            "cma endpoint",
+            &self.agent,
+        )?;
         if st.epoch != self.epoch() {
             self.still_valid(prepared, st)?;
         }

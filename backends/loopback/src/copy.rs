@@ -2,8 +2,8 @@
 //! waits for or aborts them. This is the only module with `unsafe`.
 
 use async_trait::async_trait;
-use parking_lot::{Condvar, Mutex};
 use rayon::ThreadPool;
+use reshard_core::gate::BatchGate;
 use reshard_core::{
     CompletionSink, Countdown, Error, ErrorKind, InFlight, MemoryBlock, OwnerId, Result, WireReport,
 };
@@ -41,8 +41,11 @@ pub(crate) struct PostCtx {
     /// Indexed by `Piece::dst`; likewise for destinations.
     pub(crate) dsts: Vec<Live>,
     pub(crate) abort: Arc<AtomicBool>,
-    /// Which jobs are touching memory; see [`Gate`].
-    pub(crate) gate: Arc<Gate>,
+    /// Makes "the batch is over" exact (docs/in-flight-safety.md, rule 1): a job enters (under
+    /// its work list's index) before its first memory access and leaves after its last, and
+    /// ending the batch closes the gate and waits for the jobs inside. The abort flag, checked
+    /// between chunks, keeps that wait to at most one chunk ([`COPY_CHUNK`]) per running job.
+    pub(crate) gate: Arc<BatchGate>,
     /// Where reads are reported as their last byte lands (`Transport::post_reporting`), with
     /// the bytes each read still waits for: a read split between workers completes when the
     /// piece that lands its last byte finishes, whichever worker runs it.
@@ -52,51 +55,6 @@ pub(crate) struct PostCtx {
     pub(crate) skip_read: Option<u32>,
     #[cfg(test)]
     pub(crate) faults: crate::transport::Faults,
-}
-
-/// Makes "the batch is over" exact (docs/in-flight-safety.md, rule 1): a job enters before its
-/// first memory access and leaves after its last, and [`Gate::close`] both stops jobs from
-/// entering and waits for those inside to leave. The abort flag, checked between chunks, keeps
-/// that wait to at most one chunk ([`COPY_CHUNK`]) per running job.
-#[derive(Default)]
-pub(crate) struct Gate {
-    state: Mutex<GateState>,
-    left: Condvar,
-}
-
-#[derive(Default)]
-struct GateState {
-    closed: bool,
-    inside: usize,
-}
-
-impl Gate {
-    /// Enters unless the gate is closed.
-    fn enter(&self) -> bool {
-        let mut st = self.state.lock();
-        if st.closed {
-            return false;
-        }
-        st.inside += 1;
-        true
-    }
-
-    fn leave(&self) {
-        let mut st = self.state.lock();
-        st.inside -= 1;
-        if st.inside == 0 {
-            self.left.notify_all();
-        }
-    }
-
-    /// Closes the gate and blocks until no job is inside: afterwards no job touches memory.
-    fn close(&self) {
-        let mut st = self.state.lock();
-        st.closed = true;
-        while st.inside > 0 {
-            self.left.wait(&mut st);
-        }
-    }
 }
 
 /// What a job copied: the reads it finished (their last piece) and the bytes of its pieces.
@@ -137,7 +95,7 @@ fn piece_error(ctx: &PostCtx, p: &Piece, kind: ErrorKind, msg: String) -> Error 
 /// Runs work list `w`; a panic becomes a `Transport` error naming the piece it hit.
 fn run_job(ctx: &PostCtx, w: usize) -> JobResult {
     let pieces = &ctx.prepared.work[w];
-    if !ctx.gate.enter() {
+    if !ctx.gate.lock().enter(w) {
         let p = &pieces[0];
         return Err(piece_error(
             ctx,
@@ -148,7 +106,7 @@ fn run_job(ctx: &PostCtx, w: usize) -> JobResult {
     }
     let at = Cell::new(0usize);
     let r = catch_unwind(AssertUnwindSafe(|| copy_pieces(ctx, pieces, &at)));
-    ctx.gate.leave();
+    ctx.gate.lock().leave(w);
     match r {
         Ok(r) => r,
         Err(payload) => {
@@ -241,7 +199,7 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
 /// A posted loopback batch: every job is already queued on the worker pool.
 pub(crate) struct LoopbackInFlight {
     abort: Arc<AtomicBool>,
-    gate: Arc<Gate>,
+    gate: Arc<BatchGate>,
     jobs: Vec<oneshot::Receiver<JobResult>>,
     /// Reads and bytes the jobs that finished so far reported, summed as they arrive.
     counted: WireReport,
@@ -314,7 +272,7 @@ impl Drop for LoopbackInFlight {
         // a fraction of a millisecond), so no byte lands after the drop (rule 1).
         if !self.finished {
             self.abort.store(true, Ordering::Release);
-            self.gate.close();
+            self.gate.close_and_wait();
         }
     }
 }

@@ -74,8 +74,6 @@ impl AgentMeta {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reshard_core::metadata::HeaderError;
-    use reshard_core::ErrorKind;
 
     fn sample() -> AgentMeta {
         AgentMeta {
@@ -87,42 +85,12 @@ mod tests {
     }
 
     #[test]
-    fn round_trips() {
-        let m = sample();
-        assert_eq!(AgentMeta::decode(&m.encode()).unwrap(), m);
-    }
-
-    #[test]
-    fn every_truncation_and_extension_is_a_decode_error() {
-        let full = sample().encode();
-        for cut in 0..full.len() {
-            let e = AgentMeta::decode(&full[..cut]).unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::Decode, "cut at {cut}");
-        }
-        let mut long = full.to_vec();
-        long.push(0);
-        assert_eq!(AgentMeta::try_decode(&long), Err(MetaDefect::Trailing(1)));
-    }
-
-    #[test]
     fn bad_fields_are_named() {
         let full = sample().encode().to_vec();
-        let mut v = full.clone();
-        v[4] = 99;
-        assert!(matches!(
-            AgentMeta::try_decode(&v),
-            Err(MetaDefect::Header(HeaderError::Version { found: 99, .. }))
-        ));
-        let mut v = full.clone();
-        v[0] = b'X';
-        assert!(matches!(
-            AgentMeta::try_decode(&v),
-            Err(MetaDefect::Header(HeaderError::Magic { .. }))
-        ));
         // A huge region count with few bytes present allocates nothing and fails cleanly.
         let name_len = sample().agent.len();
         let count_at = 4 + 1 + 2 + name_len + 8 + 8;
-        let mut v = full.clone();
+        let mut v = full;
         v[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             AgentMeta::try_decode(&v),
@@ -134,50 +102,25 @@ mod tests {
             AgentMeta::try_decode(&m.encode()),
             Err(MetaDefect::DuplicateRegion(3))
         );
-        let mut v = full;
-        v[4 + 1 + 2] = 0xff;
-        assert_eq!(
-            AgentMeta::try_decode(&v),
-            Err(MetaDefect::Header(HeaderError::Name))
-        );
     }
 
-    #[test]
-    fn pseudo_random_garbage_never_panics() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for len in 0..300usize {
-            let v: Vec<u8> = (0..len)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect();
-            assert!(AgentMeta::decode(&v).is_err());
-        }
-    }
-
-    /// The fuzz seed `fuzz/corpus/loopback_metadata/seed-two-regions` is what this encoder
-    /// writes (`UPDATE_SEEDS=1 cargo test -p reshard-backend-loopback seed` rewrites it after a
-    /// format change), and it decodes.
-    #[test]
-    fn the_fuzz_seed_is_the_encoders_output() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../fuzz/corpus/loopback_metadata/seed-two-regions"
-        );
-        let seed = AgentMeta {
-            fabric: 0xfeed_beef,
-            agent_uid: 7,
-            agent: "pub-0".into(),
-            regions: vec![(1, 4096), (2, 64)],
-        };
-        let bytes = seed.encode();
-        if std::env::var_os("UPDATE_SEEDS").is_some() {
-            std::fs::write(path, &bytes).unwrap();
-        }
-        assert_eq!(std::fs::read(path).unwrap(), &bytes[..]);
-        assert_eq!(AgentMeta::decode(&bytes).unwrap(), seed);
-    }
+    reshard_core::metadata_tests!(
+        ty: AgentMeta,
+        backend: crate::SCHEME,
+        sample: sample(),
+        extend: |v| v.push(0),
+        reseal: |_| {},
+        // `UPDATE_SEEDS=1 cargo test -p reshard-backend-loopback seed` rewrites it after a
+        // format change.
+        seed: {
+            path: "fuzz/corpus/loopback_metadata/seed-two-regions",
+            value: AgentMeta {
+                fabric: 0xfeed_beef,
+                agent_uid: 7,
+                agent: "pub-0".into(),
+                regions: vec![(1, 4096), (2, 64)],
+            },
+            stored: |b| b,
+        },
+    );
 }

@@ -10,6 +10,7 @@
 
 use async_trait::async_trait;
 use parking_lot::{Condvar, Mutex};
+use reshard_core::progress::{self, NoProgress};
 use reshard_core::{CompletionSink, Countdown, Error, ErrorKind, InFlight, Result, WireReport};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -82,7 +83,7 @@ pub(crate) struct NixlInFlight {
     /// When any request of the batch last ended (or the batch was posted): the no-progress
     /// timer of `wait` and of the drains (abort, drop, after a failure), which go on while
     /// anything of the batch still moves (docs/in-flight-safety.md, rule 4).
-    last_progress: Instant,
+    last_progress: NoProgress,
     /// The batch was handed back (idle) or to the quarantine.
     finished: bool,
     /// A post failed inside the UCX plugin: reads of that request it had already started may
@@ -108,7 +109,7 @@ impl NixlInFlight {
             pending: Vec::new(),
             queues: Vec::new(),
             progress: Vec::new(),
-            last_progress: Instant::now(),
+            last_progress: NoProgress::new(),
             finished: false,
             unobservable: false,
             counted: WireReport::default(),
@@ -153,7 +154,7 @@ impl NixlInFlight {
                 None => self.queues.push((group.owner, VecDeque::from([g]))),
             }
         }
-        self.last_progress = Instant::now();
+        self.last_progress.progressed(Instant::now());
         self.refill()
     }
 
@@ -346,7 +347,7 @@ impl NixlInFlight {
         });
         drop(nixl);
         if !ended.is_empty() {
-            self.last_progress = Instant::now();
+            self.last_progress.progressed(Instant::now());
         }
         self.advanced(ended);
         first
@@ -369,13 +370,14 @@ impl NixlInFlight {
             .filter(|(o, _)| self.pending.iter().any(|&g| self.p.groups[g].owner == *o))
             .map(|&(o, t)| (o, now.saturating_duration_since(t)))
             .collect();
-        stalled.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        progress::longest_first(&mut stalled);
         stalled
     }
 
     /// Whether no request of the batch ended for the no-progress bound (the drains' bound).
     fn stalled(&self) -> bool {
-        self.last_progress.elapsed() >= self.p.shared.timeout
+        self.last_progress
+            .stalled(Instant::now(), self.p.shared.timeout)
     }
 
     fn closed(&self) -> bool {

@@ -44,9 +44,9 @@ pub struct UcxTransport {
     ctx: Arc<Context>,
     /// The execution log, read by the progress thread at every post.
     log: LogSlot,
-    /// Test-only: the read every post skips (`u64::MAX`: none).
+    /// Test-only: the read every post skips (shared with the progress thread).
     #[cfg(feature = "fault-injection")]
-    skip_read: Arc<AtomicU64>,
+    skip_read: reshard_core::fault::SkipRead,
 }
 
 /// The UCX state of a [`PreparedBatch`]: which endpoint resolved it and under which id its
@@ -86,7 +86,7 @@ impl UcxTransport {
         let epoch = Arc::new(AtomicU64::new(1));
         let log = LogSlot::default();
         #[cfg(feature = "fault-injection")]
-        let skip_read = Arc::new(AtomicU64::new(u64::MAX));
+        let skip_read = reshard_core::fault::SkipRead::default();
         let ctx = Context::shared(
             raw::lib()?,
             &ContextOptions {
@@ -108,7 +108,7 @@ impl UcxTransport {
                 shm_fast_path: options.shm_fast_path,
                 log: Arc::clone(&log),
                 #[cfg(feature = "fault-injection")]
-                skip_read: Arc::clone(&skip_read),
+                skip_read: skip_read.clone(),
             },
             Arc::clone(&epoch),
         )?;
@@ -136,8 +136,7 @@ impl UcxTransport {
     /// backend that loses a read would. Reads are numbered in batch order.
     #[cfg(feature = "fault-injection")]
     pub fn inject_skip_read(&self, read: Option<usize>) {
-        let v = read.map_or(u64::MAX, |i| i as u64);
-        self.skip_read.store(v, Ordering::Relaxed);
+        self.skip_read.set(read);
     }
 
     /// The options this endpoint runs with.

@@ -65,9 +65,9 @@ pub(crate) struct Shared {
     ///
     /// [`Transport::set_execution_log`]: reshard_core::Transport::set_execution_log
     pub(crate) log: Mutex<Option<Arc<ExecutionLog>>>,
-    /// Test-only: index of a read `prepare` leaves out of every request (`u64::MAX`: none).
+    /// Test-only: the read `prepare` leaves out of every request, when armed.
     #[cfg(feature = "fault-injection")]
-    skip_read: AtomicU64,
+    skip_read: reshard_core::fault::SkipRead,
     /// The lanes: one NIXL agent each ([`NixlOptions::lanes`]); lane 0's agent is the one
     /// peers know (its name is `nixl_name`, its metadata is exported). Declared last: dropped
     /// after every registration in `state`.
@@ -219,7 +219,7 @@ impl NixlTransport {
                 next_gen: AtomicU64::new(1),
                 log: Mutex::new(None),
                 #[cfg(feature = "fault-injection")]
-                skip_read: AtomicU64::new(u64::MAX),
+                skip_read: reshard_core::fault::SkipRead::default(),
                 lanes,
             }),
         })
@@ -277,8 +277,7 @@ impl NixlTransport {
     /// on batches prepared while it is set. Reads are numbered in batch order.
     #[cfg(feature = "fault-injection")]
     pub fn inject_skip_read(&self, read: Option<usize>) {
-        let v = read.map_or(u64::MAX, |i| i as u64);
-        self.shared.skip_read.store(v, Ordering::Relaxed);
+        self.shared.skip_read.set(read);
     }
 
     /// What a batch prepared by a NIXL endpoint holds (`None` for other batches).

@@ -9,7 +9,6 @@ use reshard_core::{
 use std::collections::BTreeMap;
 use std::ops::Range;
 #[cfg(feature = "fault-injection")]
-use std::sync::atomic::Ordering;
 use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::Arc;
 
@@ -47,7 +46,7 @@ impl NixlTransport {
         let mut locals: BTreeMap<u64, (u64, Arc<LocalMem>, (u64, u64, u64))> = BTreeMap::new();
         let mut peers: BTreeMap<OwnerId, (u64, String, Arc<Peer>)> = BTreeMap::new();
         #[cfg(feature = "fault-injection")]
-        let skip = usize::try_from(s.skip_read.load(Ordering::Relaxed)).ok();
+        let skip = s.skip_read.get().map(|r| r as usize);
         #[cfg(not(feature = "fault-injection"))]
         let skip: Option<usize> = None;
         // Held until the batch is registered in `batches`: no peer reload can invalidate the

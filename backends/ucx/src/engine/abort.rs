@@ -65,7 +65,7 @@ impl Engine {
         let now = Instant::now();
         if let Some(run) = self.running.iter_mut().find(|r| r.id == batch) {
             run.closed = true;
-            run.last_event = now;
+            run.last_event.progressed(now);
         }
     }
 
@@ -88,7 +88,7 @@ impl Engine {
                 continue;
             }
             r.closed = true;
-            r.last_event = now;
+            r.last_event.progressed(now);
             if r.error.is_none() && !r.cancelled {
                 // Its gets on this endpoint complete with an error; nothing lands once they
                 // have, so trying again (on the re-created endpoint) may help.
@@ -199,7 +199,7 @@ impl Engine {
                 (idle > self.opts.timeout).then_some((o.owner, idle))
             })
             .collect();
-        stalled.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        reshard_core::progress::longest_first(&mut stalled);
         stalled
     }
 

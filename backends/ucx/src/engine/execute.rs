@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use reshard_core::contract::span;
+use reshard_core::progress::NoProgress;
 use reshard_core::{
     CompletionSink, Error, ErrorKind, ExecutionLog, OwnerId, ReadBatch, Result, WireReport,
 };
@@ -30,7 +31,7 @@ pub(super) struct Running {
     pub(super) cancelled: bool,
     /// Last event of the batch: a read issued, copied or completed, or its endpoints
     /// force-closed. Once they were, no completion for the timeout quarantines it.
-    pub(super) last_event: Instant,
+    pub(super) last_event: NoProgress,
     /// Its gets outstanding per owner, and since when each owner's reads last advanced: the
     /// no-progress timer while its endpoints are open (see `Engine::stalled_owners`).
     pub(super) owners: Vec<OwnerGets>,
@@ -212,12 +213,7 @@ impl Engine {
             }
         }
         #[cfg(feature = "fault-injection")]
-        let skip = u32::try_from(
-            self.opts
-                .skip_read
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
-        .ok();
+        let skip = self.opts.skip_read.get();
         #[cfg(not(feature = "fault-injection"))]
         let skip = None;
         let left = res.read_pieces.clone();
@@ -234,7 +230,7 @@ impl Engine {
             outstanding: 0,
             error: None,
             cancelled: false,
-            last_event: Instant::now(),
+            last_event: NoProgress::new(),
             owners: Vec::new(),
             closed: false,
             done: Some(done),
@@ -312,7 +308,7 @@ impl Engine {
             }
         }
         if issued > 0 {
-            run.last_event = Instant::now();
+            run.last_event.progressed(Instant::now());
         }
         issued > 0
     }
@@ -415,7 +411,7 @@ impl Engine {
             drop(req);
             if let Some(run) = self.running.iter_mut().find(|r| r.id == batch) {
                 run.outstanding -= 1;
-                run.last_event = now;
+                run.last_event.progressed(now);
                 run.owner_completed(owner, now);
                 if status == raw::sys::UCS_OK {
                     // The link to this owner moves bytes: progress for every batch reading
@@ -480,7 +476,7 @@ impl Engine {
                     }
                     to_close.push(run.id);
                 }
-            } else if now.duration_since(run.last_event) > self.opts.timeout {
+            } else if run.last_event.idle(now) > self.opts.timeout {
                 to_quarantine.push(run.id);
             }
         }

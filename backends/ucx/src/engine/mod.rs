@@ -113,10 +113,10 @@ pub(crate) struct EngineOptions {
     pub(crate) shm_fast_path: bool,
     /// Where posted reads are recorded, when set (shared with the transport).
     pub(crate) log: LogSlot,
-    /// Test-only (feature `fault-injection`): index of a read every post silently skips;
-    /// `u64::MAX` when off.
+    /// Test-only (feature `fault-injection`): the read every post silently skips, when armed
+    /// (shared with the transport).
     #[cfg(feature = "fault-injection")]
-    pub(crate) skip_read: Arc<AtomicU64>,
+    pub(crate) skip_read: reshard_core::fault::SkipRead,
 }
 
 /// The execution log slot a transport and its progress thread share.
