@@ -8,7 +8,6 @@ use reshard_core::{
 };
 use std::collections::BTreeMap;
 use std::ops::Range;
-#[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::Arc;
 
