@@ -356,7 +356,7 @@ impl Measured {
     /// Prints the run's table (one column per arm).
     fn print(&self, updates: u32) {
         let memcpy = self.memcpy;
-        println!(
+        outln!(
             "bench {} publishers {} -> receivers {} over {}{}: per arm a warm-up + {} measured updates, all ranks",
             crate::describe_model(&self.model),
             self.pubs,
@@ -369,11 +369,11 @@ impl Measured {
             },
             updates
         );
-        print!("{:<28}", "");
+        out!("{:<28}", "");
         for (n, _, _) in &self.arms {
-            print!("{n:>26}");
+            out!("{n:>26}");
         }
-        println!();
+        outln!();
         type Row<'a> = (&'a str, Box<dyn Fn(&ArmSummary) -> String>);
         let rows: Vec<Row> = vec![
             (
@@ -458,18 +458,18 @@ impl Measured {
             ),
         ];
         for (label, f) in &rows {
-            print!("{label:<28}");
+            out!("{label:<28}");
             for (_, s, _) in &self.arms {
-                print!("{:>26}", f(s));
+                out!("{:>26}", f(s));
             }
-            println!();
+            outln!();
         }
-        println!(
+        outln!(
             "memcpy ceiling (one thread, {:.3} GiB, same run): {memcpy:.2} GB/s",
             gib(self.ceiling_bytes)
         );
         if let (Some(t), Some(x)) = (self.transport_wire, self.e2e_over_transport_wire()) {
-            println!(
+            outln!(
                 "transport alone (reshard plan, verification off): {:.1} ms wire leg; reshard \
                  e2e / that = {x:.2}",
                 ms(t)
@@ -477,12 +477,12 @@ impl Measured {
         }
         let (speedup, wire_speedup) = self.speedups();
         if let Some(x) = speedup {
-            println!(
+            outln!(
                 "reshard vs baseline: {x:.2}x end to end, {:.2}x wire leg",
                 wire_speedup.unwrap_or(0.0)
             );
         }
-        println!(
+        outln!(
             "verified: {}",
             if self.verified() {
                 "every parameter of every rank byte-exact and digest-checked at every step of \
@@ -697,7 +697,7 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
         })?;
         if !args.json {
             if multi {
-                println!();
+                outln!();
             }
             m.print(args.updates);
         }
@@ -706,7 +706,7 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
     let verified = !runs.is_empty() && runs.iter().all(Measured::verified);
     if !multi {
         if let (Some(m), true) = (runs.first(), args.json) {
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&m.json(args.updates)).unwrap_or_default()
             );
@@ -734,20 +734,20 @@ async fn bench(args: BenchArgs) -> Result<Outcome> {
             "updates": args.updates,
             "runs": runs.iter().map(|m| m.json(args.updates)).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(Outcome(verified));
     }
-    println!();
+    outln!();
     print_summary(&runs, &skipped);
     Ok(Outcome(verified))
 }
 
 /// The side-by-side table of a multi-run bench: one row per run and arm.
 fn print_summary(runs: &[Measured], skipped: &[Skipped]) {
-    println!(
+    outln!(
         "side by side (per update, all ranks; ratios within each run; cost per GiB of wire bytes)"
     );
-    println!(
+    outln!(
         "{:<10} {:>7} {:>8} {:>9} {:>10} {:>10} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11} {:>11} {:>10}",
         "transport",
         "layers",
@@ -767,7 +767,7 @@ fn print_summary(runs: &[Measured], skipped: &[Skipped]) {
     for m in runs {
         for (name, s, _) in &m.arms {
             let r = Ratios::of(s, m.memcpy);
-            println!(
+            outln!(
                 "{:<10} {:>7} {:>8} {:>9} {:>10.3} {:>10.1} {:>9.1} {:>9.2} {:>10.2}x {:>10.2} {:>9.1} {:>11.1} {:>11.1} {:>10}",
                 m.transport,
                 m.model.layers,
@@ -795,9 +795,9 @@ fn print_summary(runs: &[Measured], skipped: &[Skipped]) {
         }
     }
     for s in skipped {
-        println!("{:<10} skipped: {}", s.transport, s.reason);
+        outln!("{:<10} skipped: {}", s.transport, s.reason);
     }
-    println!(
+    outln!(
         "verified: {}",
         if runs.iter().all(Measured::verified) {
             "every run, every arm, every step byte-exact and digest-checked"

@@ -68,9 +68,9 @@ pub fn run(args: CheckpointArgs) -> Result<Outcome> {
             "tensors": written.tensors,
             "total_size": written.total_size,
         });
-        println!("{v}");
+        outln!("{v}");
     } else {
-        println!(
+        outln!(
             "wrote {} step {} to {}: {} tensors, {:.1} MiB in {} shard files",
             crate::describe_model(&model),
             written.step,

@@ -1,5 +1,8 @@
 //! `reshard`: plan a refit, run one, or list the model presets.
 
+// First, so that every command module below can use `outln!` and `out!`.
+#[macro_use]
+mod output;
 #[cfg(feature = "demo")]
 mod bench_cmd;
 mod checkpoint_cmd;
@@ -127,22 +130,24 @@ fn presets(args: PresetsArgs) -> reshard_core::Result<Outcome> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(Outcome(true));
     }
-    println!(
+    outln!(
         "{:<16} {:>8} {:>10}  description",
-        "preset", "tensors", "GiB"
+        "preset",
+        "tensors",
+        "GiB"
     );
     for p in &all {
-        println!(
+        outln!(
             "{:<16} {:>8} {:>10.2}  {}",
             p.name,
             p.config.tensors().len(),
             p.config.total_bytes() as f64 / (1u64 << 30) as f64,
             p.description
         );
-        println!("{:<16} {:>8} {:>10}  source: {}", "", "", "", p.source);
+        outln!("{:<16} {:>8} {:>10}  source: {}", "", "", "", p.source);
     }
     Ok(Outcome(true))
 }
@@ -180,7 +185,7 @@ fn transports(args: TransportsArgs) -> reshard_core::Result<Outcome> {
         })
         .collect();
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).unwrap_or_default()
         );
@@ -197,9 +202,9 @@ fn transports(args: TransportsArgs) -> reshard_core::Result<Outcome> {
             if has.is_empty() {
                 has.push("-");
             }
-            println!("{name:<10} usable       {}", has.join(","));
+            outln!("{name:<10} usable       {}", has.join(","));
         } else {
-            println!(
+            outln!(
                 "{name:<10} unavailable  {}",
                 r["reason"].as_str().unwrap_or_default()
             );

@@ -215,14 +215,14 @@ fn print_rows(title: &str, rows: &[RankRow]) {
         print_summary(title, rows);
         return;
     }
-    println!("{title}");
-    print!("  {:<38}", "per receiver rank");
+    outln!("{title}");
+    out!("  {:<38}", "per receiver rank");
     for r in rows {
-        print!(" {:>18}", format!("rank {}", r.rank));
+        out!(" {:>18}", format!("rank {}", r.rank));
     }
-    println!();
+    outln!();
     for (i, k) in ROW_KEYS.iter().enumerate() {
-        print!("  {k:<38}");
+        out!("  {k:<38}");
         for r in rows {
             let v = match i {
                 SECONDS if r.plan_of_rank != r.rank => format!("= rank {}", r.plan_of_rank),
@@ -230,17 +230,17 @@ fn print_rows(title: &str, rows: &[RankRow]) {
                 CHECKED => format!("{:.4}", r.checked_fraction),
                 _ => format!("{}", value(r, i) as u64),
             };
-            print!(" {v:>18}");
+            out!(" {v:>18}");
         }
-        println!();
+        outln!();
     }
 }
 
 /// Min, median and max of each statistic over ranks; plan seconds over computed plans only
 /// (a reused plan costs nothing).
 fn print_summary(title: &str, rows: &[RankRow]) {
-    println!("{title}");
-    println!(
+    outln!("{title}");
+    outln!(
         "  {:<38} {:>18} {:>18} {:>18}",
         format!("per receiver rank ({} ranks)", rows.len()),
         "min",
@@ -265,7 +265,7 @@ fn print_summary(title: &str, rows: &[RankRow]) {
         } else {
             (k, |x| format!("{}", x.round() as u64))
         };
-        println!(
+        outln!(
             "  {label:<38} {:>18} {:>18} {:>18}",
             fmt(lo),
             fmt(med),
@@ -319,7 +319,7 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
             "dedup": use_dedup,
             "dedup_report": report,
         });
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(Outcome(true));
     }
     let arm_name = if args.no_dedup {
@@ -327,11 +327,12 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
     } else {
         "with dedup"
     };
-    println!(
+    outln!(
         "{} ({} layers), publishers {pubs}, receivers {recv}: plan {arm_name}",
-        model.name, model.layers
+        model.name,
+        model.layers
     );
-    println!(
+    outln!(
         "  offers in {}, kept {}, dropped {} ({} duplicate)",
         report.offers_in,
         report.kept,
@@ -340,9 +341,9 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
     );
     print_rows("", &arm.rows);
     print_totals(&arm, world);
-    println!("  tables (build + merge + dedup): {table_seconds:.4} s");
+    outln!("  tables (build + merge + dedup): {table_seconds:.4} s");
     if !args.no_dedup && !counterfactual {
-        println!(
+        outln!(
             "  (the no-dedup comparison is skipped above {COUNTERFACTUAL_MAX_OFFERS} offers: its \
              overlapping plans grow with every replica; run with --no-dedup to plan it alone)"
         );
@@ -355,7 +356,7 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
             &layouts,
             &plan_options(false, args.full_pull_threshold),
         )?;
-        println!();
+        outln!();
         print_rows(
             "without dedup (counterfactual arm, benchmarks only):",
             &other.rows,
@@ -365,7 +366,7 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
             let sum = |rows: &[RankRow], f: fn(&RankRow) -> u64| rows.iter().map(f).sum::<u64>();
             let (reads_a, reads_b) = (sum(&arm.rows, |r| r.reads), sum(&other.rows, |r| r.reads));
             let wire = |r: &RankRow| r.wire_bytes;
-            println!(
+            outln!(
                 "  all {} ranks: dedup cuts reads {:.1}x and wire bytes {} -> {}",
                 arm.rows.len(),
                 reads_b as f64 / reads_a.max(1) as f64,
@@ -374,7 +375,7 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
             );
         } else {
             for (a, b) in arm.rows.iter().zip(&other.rows) {
-                println!(
+                outln!(
                     "  rank {}: dedup cuts reads {:.1}x and wire bytes {} -> {}",
                     a.rank,
                     b.reads as f64 / a.reads.max(1) as f64,
@@ -385,16 +386,19 @@ pub fn run(args: PlanArgs) -> Result<Outcome> {
         }
     }
     match peak_rss_bytes() {
-        Some(b) => println!("  peak RSS: {} ({b} bytes)", gib(b)),
-        None => println!("  peak RSS: unknown (no /proc/self/status)"),
+        Some(b) => outln!("  peak RSS: {} ({b} bytes)", gib(b)),
+        None => outln!("  peak RSS: unknown (no /proc/self/status)"),
     }
     Ok(Outcome(true))
 }
 
 /// Prints an arm's planner total, how many plans it computed and the layout time.
 fn print_totals(arm: &ArmResult, world: u32) {
-    println!(
+    outln!(
         "  plan seconds, all ranks: {:.4} ({} receivers, {} plans computed; layouts {:.4} s)",
-        arm.plan_seconds, world, arm.plans_computed, arm.layout_seconds
+        arm.plan_seconds,
+        world,
+        arm.plans_computed,
+        arm.layout_seconds
     );
 }

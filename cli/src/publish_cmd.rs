@@ -89,7 +89,7 @@ fn line(json: bool, what: &str, rank: u32, step: u64, path: &Path, bytes: u64) {
             "event": what, "rank": rank, "step": step,
             "checkpoint": path, "memory_bytes": bytes,
         });
-        println!("{v}");
+        outln!("{v}");
     } else {
         eprintln!(
             "publisher rank {rank}: {what} step {step} from {} ({:.1} MiB registered)",
@@ -380,7 +380,7 @@ impl Running {
             return;
         }
         if self.json {
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({"event": "no_checkpoint", "rank": self.rank,
                     "checkpoint": self.dir, "reason": message})
@@ -568,7 +568,7 @@ impl Running {
         let rank = self.rank;
         match released {
             Ok(r) if r.readers.is_empty() => {}
-            Ok(r) if self.json => println!(
+            Ok(r) if self.json => outln!(
                 "{}",
                 serde_json::json!({"event": "fence", "rank": rank, "step": step,
                     "waited_s": r.waited.as_secs_f64(), "readers": r.readers})
@@ -580,7 +580,7 @@ impl Running {
                 r.readers.len(),
                 r.readers.join("; ")
             ),
-            Err(e) if self.json => println!(
+            Err(e) if self.json => outln!(
                 "{}",
                 serde_json::json!({"event": "fence_timeout", "rank": rank, "step": step,
                     "error": error_json(&e)})
@@ -611,7 +611,7 @@ impl Running {
                 self.lost = Some(msg.clone());
                 self.serving = None;
                 if self.json {
-                    println!(
+                    outln!(
                         "{}",
                         serde_json::json!({"event": "unserved", "rank": self.rank,
                             "step": step, "error": error_json(&e)})
@@ -723,7 +723,7 @@ impl Running {
         }
         if self.deferred.is_none() {
             if self.json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({"event": "rendezvous_unreachable", "rank": self.rank,
                         "step": self.announced, "pending_step": self.pending,
@@ -753,7 +753,7 @@ impl Running {
         if let Some(since) = self.deferred.take() {
             let waited = since.elapsed().as_secs_f64();
             if self.json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({"event": "rendezvous_back", "rank": self.rank,
                         "waited_s": waited})
@@ -775,7 +775,7 @@ impl Running {
                 "event": "refused", "rank": self.rank, "step": step, "checkpoint": path,
                 "serving_step": serving, "error": error_json(e),
             });
-            println!("{v}");
+            outln!("{v}");
         } else {
             eprintln!(
                 "publisher rank {}: refused step {step} from {}: {e}; {}; tried again when \

@@ -134,14 +134,14 @@ async fn ranges(args: RangesArgs) -> Result<Outcome> {
             "memcpy_gbytes_per_s": memcpy,
             "rows": rows,
         });
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(Outcome(true));
     }
-    println!(
+    outln!(
         "bench-ranges over {}: {total} bytes per batch, both endpoints in this process; memcpy {memcpy:.2} GB/s (same run)",
         cfg.transport.kind
     );
-    println!(
+    outln!(
         "{:>9} {:>10} {:>12} {:>14} {:>12} {:>12} {:>10} {:>9}",
         "ranges",
         "B/range",
@@ -154,7 +154,7 @@ async fn ranges(args: RangesArgs) -> Result<Outcome> {
     );
     for r in &rows {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
-        println!(
+        outln!(
             "{:>9} {:>10} {:>12.2} {:>14.2} {:>12.2} {:>12.3} {:>10.2} {:>8.2}x",
             r["ranges"].as_u64().unwrap_or(0),
             r["bytes_per_range"].as_u64().unwrap_or(0),

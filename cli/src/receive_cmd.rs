@@ -130,7 +130,7 @@ fn waiting(args: &ReceiveArgs, e: &Error, live: Option<u64>) {
     if args.json {
         let mut v = failed_json(e, live);
         v["event"] = "waiting".into();
-        println!("{v}");
+        outln!("{v}");
     } else {
         eprintln!(
             "receiver rank {}: waiting for the publishers, step {live:?} stays live: {e}",
@@ -223,7 +223,7 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
                     dump(&sub, dir, &format!("step-{}", report.step), report.step)?;
                 }
                 if args.json {
-                    println!("{}", installed_json(&report));
+                    outln!("{}", installed_json(&report));
                 } else {
                     eprintln!(
                         "receiver rank {}: installed step {} ({} reads, {:.1} MiB, {:.3} s)",
@@ -251,7 +251,7 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
                     if let Some(path) = after {
                         v["dump"] = path.display().to_string().into();
                     }
-                    println!("{v}");
+                    outln!("{v}");
                 } else {
                     eprintln!(
                         "receiver rank {}: refit failed, step {live:?} stays live: {e}",

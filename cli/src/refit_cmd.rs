@@ -211,21 +211,21 @@ pub(crate) async fn start_bench(
 /// with checks turned off.
 pub(crate) fn print_verdict(verified: bool, failures: &[String], updates: u32) {
     if verified {
-        println!(
+        outln!(
             "  verified: every parameter of every rank byte-exact at every step, every installed \
              byte checked against a publisher digest ({} updates)",
             updates + 1
         );
     } else if failures.is_empty() {
-        println!(
+        outln!(
             "  NOT VERIFIED: every parameter byte-exact against the reference, but digest \
              checks are off ([receiver] verify_digests = false): a deployment would install \
              these bytes unchecked"
         );
     } else {
-        println!("  VERIFICATION FAILED:");
+        outln!("  VERIFICATION FAILED:");
         for f in failures {
-            println!("    {f}");
+            outln!("    {f}");
         }
     }
 }
@@ -516,37 +516,37 @@ async fn refit(args: RefitArgs) -> Result<Outcome> {
             },
             "ranks": ranks,
         });
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
-        println!(
+        outln!(
             "refit {} publishers {pubs} -> receivers {recv} over {}{}: {} measured updates after a warm-up",
             crate::describe_model(&model),
             cfg.transport.kind,
             if cfg.planner.dedup { "" } else { " (no dedup)" },
             args.updates
         );
-        println!(
+        outln!(
             "  median stage seconds per update (all {} ranks):",
             recv.world()
         );
         for (name, v) in StageTimes::NAMES.iter().zip(&med_stages) {
-            println!("    {name:<17} {v:>10.4}");
+            outln!("    {name:<17} {v:>10.4}");
         }
-        println!("    {:<17} {:>10.4}", "end-to-end", med_e2e);
-        println!("  attribution       {:.1}%", attribution * 100.0);
-        println!(
+        outln!("    {:<17} {:>10.4}", "end-to-end", med_e2e);
+        outln!("  attribution       {:.1}%", attribution * 100.0);
+        outln!(
             "  rendezvous        {} (tables and metadata taken from discovery)",
             cluster.meeting().hub().endpoint()
         );
-        println!("  reads             {reads} ({coalesced} on the wire after coalescing)");
-        println!(
+        outln!("  reads             {reads} ({coalesced} on the wire after coalescing)");
+        outln!(
             "  wire bytes        {wire_bytes} ({:.2} GiB)",
             wire_bytes as f64 / (1u64 << 30) as f64
         );
-        println!("  effective wire    {gbps:.2} GB/s");
-        println!("  digest-checked    {checked} bytes");
+        outln!("  effective wire    {gbps:.2} GB/s");
+        outln!("  digest-checked    {checked} bytes");
         for r in &ranks {
-            println!(
+            outln!(
                 "  rank {}: {} reads, {} bytes, e2e {:.4} s, wire {:.4} s, attribution {:.1}%, plan {}",
                 r.rank,
                 r.reads,

@@ -218,27 +218,30 @@ async fn soak(args: SoakArgs) -> Result<Outcome> {
                 "released": released,
             },
         });
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         let kib = |v: Option<u64>| v.map_or("unknown".to_string(), |k| format!("{k} KiB"));
-        println!(
+        outln!(
             "soak {} ({} layers) publishers {pubs} -> receivers {recv} over {}: {} updates after \
              a warm-up, new weights every step",
-            model.name, model.layers, cfg.transport.kind, args.updates
+            model.name,
+            model.layers,
+            cfg.transport.kind,
+            args.updates
         );
-        println!("  median update     {:.4} s (all ranks)", median(e2e));
-        println!("  wire bytes        {wire_bytes} per update");
-        println!(
+        outln!("  median update     {:.4} s (all ranks)", median(e2e));
+        outln!("  wire bytes        {wire_bytes} per update");
+        outln!(
             "  RSS               after warm-up {}, last {}, max {}, slope {rss_slope:.1} KiB/update",
             kib(first),
             kib(last),
             kib(max)
         );
-        println!(
+        outln!(
             "  rebuilds          plan {plan_rebuilds}, descriptors {descriptor_rebuilds} after \
              the first update (builds in total: plan {plan_builds}, descriptors {descriptor_builds})"
         );
-        println!(
+        outln!(
             "  registrations     {regs_steady} held{}, {regs_after_drop} after the receivers \
              dropped{}",
             if regs_changed {

@@ -40,13 +40,13 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
         let (readers, _) = rendezvous.readers(&model).await?;
         let world = members.first().map(|m| m.world);
         if !args.json {
-            println!(
+            outln!(
                 "model {model:?}: {} of {} publishers (revision {revision})",
                 members.len(),
                 world.map_or("?".to_string(), |w| w.to_string())
             );
             for m in &members {
-                println!(
+                outln!(
                     "  rank {:>4}  step {:>6}  {:<8}  {:<9}  incarnation {:016x}  table {:>9} B  lease age {:.1} s  holder {}",
                     m.rank,
                     m.step,
@@ -66,11 +66,11 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
                         .map_or("not recorded".to_string(), |h| format!("{} pid {}", h.host, h.pid))
                 );
                 if let Some(note) = &m.note {
-                    println!("             note: {note}");
+                    outln!("             note: {note}");
                 }
             }
             for c in &readers {
-                println!(
+                outln!(
                     "  reading  step {:>6}  {} publisher(s)  {}",
                     c.step,
                     c.ranks.len(),
@@ -97,7 +97,7 @@ async fn status(args: StatusArgs) -> Result<Outcome> {
         }));
     }
     if args.json {
-        println!("{}", serde_json::Value::Array(out));
+        outln!("{}", serde_json::Value::Array(out));
     }
     Ok(Outcome(true))
 }

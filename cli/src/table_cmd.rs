@@ -36,7 +36,7 @@ pub fn run(args: TableArgs) -> Result<Outcome> {
             )
             .with_source(e)
         })?;
-        println!("{}", table_to_json(&decode_table(&bytes)?));
+        outln!("{}", table_to_json(&decode_table(&bytes)?));
         return Ok(Outcome(true));
     }
     let (model, pubs, _) = args.model.resolve()?;
@@ -68,7 +68,7 @@ pub fn run(args: TableArgs) -> Result<Outcome> {
                 path.display()
             );
         }
-        None => println!("{}", table_to_json(&table)),
+        None => outln!("{}", table_to_json(&table)),
     }
     Ok(Outcome(true))
 }

@@ -834,3 +834,38 @@ fn every_installed_byte_is_checked_on_dense_moe_and_pp_layouts() {
         assert_eq!(v["checked_bytes"], v["wire_bytes"], "{what}");
     }
 }
+
+/// A reader that closes the pipe before reading (`reshard presets | head -0`) ends the command
+/// quietly with status 141 (128 + SIGPIPE, as coreutils report it), for every command that
+/// prints: never `println!`'s "failed printing to stdout" panic.
+#[test]
+fn a_closed_stdout_pipe_ends_the_command_quietly() {
+    for args in [
+        &["presets"][..],
+        &["presets", "--json"],
+        &["plan", "--layers", "1"],
+        &["plan", "--layers", "1", "--json"],
+        &["transports"],
+    ] {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        // Closed before the command starts, so its first write finds no reader.
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_reshard"))
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run reshard");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(141),
+            "reshard {args:?} into a closed pipe: {:?}, stderr: {stderr}",
+            out.status
+        );
+        assert!(
+            !stderr.contains("panicked"),
+            "reshard {args:?} panicked: {stderr}"
+        );
+    }
+}
