@@ -15,7 +15,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${RESHARD_PYTHON:-$root/.deps/venv/bin/python}
 work=$(mktemp -d /tmp/reshard-wheel.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+trap 'scripts/etcd.sh stop "$work/etcd" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 
 wheel=${1:-}
 if [ -z "$wheel" ]; then
@@ -36,13 +36,15 @@ if "${clean[@]}" bash -c 'command -v cargo || command -v rustc'; then
 fi
 
 echo "== wheel: python/README.md's example, from the installed package"
-example=$("$python" - "$work/venv/bin/python" <<'EOF'
+example=$("$python" - "$work/venv/bin/python" "$work/etcd" <<'EOF'
 import re, sys
 text = open("python/README.md").read()
 at = text.index("The examples in `examples/python/`")
 block = re.search(r"```sh\n(.*?)```", text[at:], re.S).group(1).splitlines()
 assert block[0].startswith("scripts/install-deps.sh"), block[0]
-print("\n".join(block[1:]).replace(".deps/venv/bin/python", sys.argv[1]))
+# Its own etcd directory, not the README's fixed one, which another run may be using.
+print("\n".join(block[1:]).replace(".deps/venv/bin/python", sys.argv[1])
+      .replace("/tmp/reshard-example", sys.argv[2]))
 EOF
 )
 out=$("${clean[@]}" bash -euo pipefail -c "$example")

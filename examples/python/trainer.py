@@ -7,6 +7,8 @@ each optimizer step.
 """
 
 import argparse
+import signal
+import sys
 import time
 import zlib
 
@@ -38,7 +40,12 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--transport", default="ucx")
     ap.add_argument("--step-seconds", type=float, default=2.0, help="time one 'training step' takes")
+    ap.add_argument("--linger-s", type=float, default=120.0,
+                    help="how long the last step stays published unless stopped (SIGTERM) earlier")
     args = ap.parse_args()
+    # SIGTERM closes the publisher as leaving the `with` block does (withdrawn at once, not when
+    # its lease expires).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     with reshard.Publisher(model=MODEL["name"], architecture=MODEL, topology=TRAINER,
                            rank=args.rank, rendezvous=args.rendezvous,
@@ -60,8 +67,10 @@ def main():
             waited = f" after waiting {released['waited_s']:.3f} s for " \
                 f"{len(released['readers'])} reader(s)" if released["readers"] else ""
             print(f"trainer rank {args.rank}: published step {step}{waited}", flush=True)
-        # Stay up until the engines have read the last step (a real trainer keeps running).
-        time.sleep(args.step_seconds)
+        # Keep serving the last step until the engines have read it: the README's script stops
+        # the trainers once both engines have installed it (a real trainer keeps running). A
+        # fixed pause here lost the race on a loaded machine: the engines found no publisher.
+        time.sleep(args.linger_s)
 
 
 if __name__ == "__main__":

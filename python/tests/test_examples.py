@@ -20,16 +20,24 @@ def readme_block():
     return "\n".join(lines[1:]) + "\n"
 
 
-def test_readme_python_example_runs_verbatim():
-    script = readme_block()
+def test_readme_python_example_runs_verbatim(tmp_path):
+    # The README's etcd directory is a fixed path; this run gets its own, so two runs (a CI
+    # clone beside a developer's checkout) never share or stop each other's etcd.
+    script = readme_block().replace("/tmp/reshard-example", str(tmp_path / "etcd"))
+    assert str(tmp_path) in script, "the README example's etcd is no longer in /tmp/reshard-example"
     venv = ROOT / ".deps" / "venv"
     # Which virtualenv runs us is sys.prefix: the interpreter paths of two virtualenvs of one
     # Python resolve to the same file, so comparing them cannot tell the two apart.
     if Path(sys.prefix).resolve() != venv.resolve():
         # Only where pytest runs outside that virtualenv: the same command, this interpreter.
         script = script.replace(".deps/venv/bin/python", sys.executable)
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True,
-                         capture_output=True, timeout=300)
+    try:
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True,
+                             capture_output=True, timeout=300)
+    finally:
+        # The script stops its etcd at its end; a failure part-way must not leave it running.
+        subprocess.run(["scripts/etcd.sh", "stop", str(tmp_path / "etcd")], cwd=ROOT,
+                       capture_output=True)
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
         assert f"engine rank {rank}: step 3 installed, verified=True" in out.stdout, out.stdout
