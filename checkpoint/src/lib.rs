@@ -5,9 +5,9 @@
 mod complete;
 pub mod config;
 mod content;
-mod copy;
 mod file;
 mod open;
+mod read_box;
 mod write;
 
 pub use complete::{candidates, incomplete_reason, is_complete, newest_complete, FolderState};

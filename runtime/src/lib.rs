@@ -1,10 +1,10 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
-pub mod copy;
 pub mod layers;
 pub mod publisher;
 pub mod receiver;
+pub mod strided;
 pub mod subscriber;
 pub mod tensor_publisher;
 

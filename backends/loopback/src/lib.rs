@@ -1,8 +1,9 @@
 #![doc = include_str!("../README.md")]
 
-mod copy;
 mod fabric;
 mod meta;
+mod options;
+mod posted;
 mod transport;
 mod work;
 
@@ -15,6 +16,7 @@ use reshard_core::{Result, Transport};
 use std::sync::Arc;
 
 pub use fabric::LoopbackFabric;
+pub use options::default_workers;
 pub use transport::LoopbackTransport;
 
 /// Scheme of this backend (`transport.kind`, [`Transport::name`], error context).
@@ -25,11 +27,6 @@ pub const SCHEME: &str = "loopback";
 /// [`reshard_core::ErrorKind::Decode`] error, never a panic. For fuzzing and inspection tools.
 pub fn decode_metadata(bytes: &[u8]) -> Result<bytes::Bytes> {
     meta::AgentMeta::decode(bytes).map(|m| m.encode())
-}
-
-/// Worker threads used when the configuration does not say: the available cores.
-pub fn default_workers() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Creates loopback agents on one shared fabric for the transport registry.

@@ -1,11 +1,9 @@
 #![doc = include_str!("../README.md")]
 
 mod alloc;
-mod config;
 mod engine;
-mod maps;
 mod meta;
-mod plan;
+mod options;
 mod raw;
 mod transport;
 pub mod ucs_log;
@@ -16,7 +14,7 @@ use reshard_core::{Result, Transport};
 use std::sync::Arc;
 
 pub use alloc::UcxHostMemory;
-pub use config::{
+pub use options::{
     UcxOptions, DEFAULT_PIECE_BYTES, DEFAULT_READS_IN_FLIGHT, DEFAULT_TIMEOUT_MS, MIN_PIECE_BYTES,
 };
 pub use raw::{UcxStatusError, LIBUCP};

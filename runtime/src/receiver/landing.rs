@@ -30,7 +30,7 @@ use reshard_core::{Dest, Error, ErrorKind, HostBuffer, Plan, Result, SegmentFold
 
 use super::hashes::CopyHashes;
 use super::verify::{dest, run_check, Checked, Digests, Verdict};
-use crate::copy;
+use crate::strided;
 
 /// What the verifier thread hears: a read reported complete, or the wire leg's end (`true`:
 /// `wait` returned `Ok`, every read has landed).
@@ -303,7 +303,7 @@ impl Verifier {
                     let r = &plan.reslices[i as usize];
                     let src = staging[r.staging as usize].read();
                     let mut dst = params[r.param as usize].write();
-                    copy::reslice(r, &src, &mut dst, &plan.tensors[r.tensor as usize])?;
+                    strided::reslice(r, &src, &mut dst, &plan.tensors[r.tensor as usize])?;
                     Ok(None)
                 }
                 Unit::Group(g) => {
@@ -315,7 +315,7 @@ impl Verifier {
                     for &i in members {
                         let r = &plan.reslices[i as usize];
                         let src = staging[r.staging as usize].read();
-                        copy::reslice(r, &src, &mut dst, &plan.tensors[r.tensor as usize])?;
+                        strided::reslice(r, &src, &mut dst, &plan.tensors[r.tensor as usize])?;
                     }
                     Ok(None)
                 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use reshard_core::{HostBuffer, Plan, Result};
 
-use crate::copy;
+use crate::strided;
 
 pub(super) fn run_reslices(
     plan: &Plan,
@@ -16,7 +16,7 @@ pub(super) fn run_reslices(
 ) -> Result<()> {
     let one = |r: &reshard_core::Reslice, dst: &mut [u8]| -> Result<()> {
         let src = staging[r.staging as usize].read();
-        copy::reslice(r, &src, dst, &plan.tensors[r.tensor as usize])
+        strided::reslice(r, &src, dst, &plan.tensors[r.tensor as usize])
     };
     if batched && plan.reslice_disjoint {
         // One parallel pass: destinations are disjoint, so parameters are independent.

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::{LoopbackTransport, Peer, Prepared};
-use crate::copy::Live;
 use crate::fabric::Region;
+use crate::posted::Live;
 
 /// The region of `regions` whose registered block holds `addr..addr + len` and the offset of
 /// `addr` in it, by the core rule ([`executed::locate`]: `prefer`, else the lowest id).

@@ -6,8 +6,8 @@ use reshard_core::{Error, ErrorKind, OwnerId, PreparedBatch, Result};
 use std::ops::Range;
 
 use super::{oob, LoopbackTransport, Prepared};
-use crate::copy::Live;
 use crate::fabric::Region;
+use crate::posted::Live;
 use crate::SCHEME;
 
 impl LoopbackTransport {

@@ -11,9 +11,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::{oob, LoopbackTransport, Peer, Prepared};
-use crate::copy::{self, PostCtx};
 use crate::fabric::Region;
 use crate::meta::AgentMeta;
+use crate::posted::{self, PostCtx};
 use crate::SCHEME;
 
 #[async_trait]
@@ -224,6 +224,6 @@ impl LoopbackTransport {
             faults: self.faults.clone(),
         };
         tracing::trace!(agent = %self.agent.name, jobs = st.work.len(), "loopback post");
-        Ok(Box::new(copy::start(&pool, ctx)))
+        Ok(Box::new(posted::start(&pool, ctx)))
     }
 }

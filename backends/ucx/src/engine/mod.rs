@@ -18,8 +18,9 @@
 //! One file per part: `mailbox` (the commands and the batch signal), `event_loop` (the loop,
 //! command dispatch, deferred posts), `regions` (local registrations), `peers` (loaded peers
 //! and their wire-up), `resolve` (validating and translating batches), `execute` (issuing and
-//! completing reads), `abort` (ending batches early, quarantine), `shutdown`, and `record`
-//! (the execution log).
+//! completing reads), `abort` (ending batches early, quarantine), `shutdown`, `record`
+//! (the execution log), `order` (the order a prepared batch's pieces are issued in) and `maps`
+//! (this process's mappings, to check the pointers `ucp_rkey_ptr` returns).
 
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
@@ -41,6 +42,8 @@ mod abort;
 mod event_loop;
 mod execute;
 mod mailbox;
+mod maps;
+mod order;
 mod peers;
 mod record;
 mod regions;

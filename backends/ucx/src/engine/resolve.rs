@@ -10,11 +10,11 @@ use reshard_core::contract::{self, span, LocalLookup};
 use reshard_core::prepared;
 use reshard_core::{Error, ErrorKind, MemoryKind, OwnerId, ReadBatch, ReadDesc, Result};
 
+use super::maps::Maps;
+use super::order::issue_order;
 use super::peers::{Peer, RemoteRegion};
 use super::regions::LocalRegion;
 use super::Engine;
-use crate::maps::Maps;
-use crate::plan::issue_order;
 use crate::raw::{self, GetOp, RKey};
 use crate::SCHEME;
 
@@ -210,7 +210,7 @@ impl Engine {
                 .mem
                 .as_ref()
                 .ok_or_else(|| missing(i, r, "local memory handle"))?;
-            // Shared memory the peer's UCX mapped here: copy it directly (see raw::copy),
+            // Shared memory the peer's UCX mapped here: copy it directly (see raw::shm_copy),
             // once the mapping is checked against what the kernel has.
             let base = match (local.kind, self.opts.shm_fast_path) {
                 (MemoryKind::Dram, true) => match direct.get(&(r.owner, r.remote_region)) {

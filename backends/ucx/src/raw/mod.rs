@@ -17,18 +17,18 @@
 //! order UCX needs.
 
 mod context;
-mod copy;
 mod endpoint;
 mod memory;
 mod request;
+mod shm_copy;
 mod status;
 mod worker;
 
 pub(crate) use context::{memory_type, Context, ContextOptions};
-pub(crate) use copy::{copy_all, CopyTask};
 pub(crate) use endpoint::Endpoint;
 pub(crate) use memory::{MemHandle, RKey};
 pub(crate) use request::{get, take_completions, GetOp, Request, Started};
+pub(crate) use shm_copy::{copy_all, CopyTask};
 pub(crate) use worker::{Armed, Worker};
 
 pub use status::UcxStatusError;

@@ -97,7 +97,7 @@ pub(crate) unsafe fn get(ucx: &'static Ucx, op: &GetOp, token: u64) -> Started {
         // mapped for a live key (the caller keeps it alive), `local..local+len` is registered
         // memory nothing else touches (caller's guarantee); they are different mappings, so
         // they do not overlap as Rust objects (the same physical pages at most, read-only).
-        unsafe { copy::stream_copy(op.local, op.direct, op.len) };
+        unsafe { shm_copy::stream_copy(op.local, op.direct, op.len) };
         return Started::Done;
     }
     let mut param = sys::ucp_request_param_t {
