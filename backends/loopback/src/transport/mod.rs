@@ -12,6 +12,7 @@
 
 #[cfg(test)]
 mod faults;
+mod post;
 mod record;
 mod resolve;
 mod trait_impl;

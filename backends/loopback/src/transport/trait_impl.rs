@@ -2,18 +2,16 @@
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use reshard_core::{prepared, regions};
+use reshard_core::regions;
 use reshard_core::{
-    Capability, CompletionSink, Countdown, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock,
-    OwnerId, PreparedBatch, ReadBatch, Registration, Result, Transport,
+    Capability, CompletionSink, Error, ErrorKind, ExecutionLog, InFlight, MemoryBlock, OwnerId,
+    PreparedBatch, ReadBatch, Registration, Result, Transport,
 };
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use super::{oob, LoopbackTransport, Peer, Prepared};
+use super::{oob, LoopbackTransport, Peer};
 use crate::fabric::Region;
 use crate::meta::AgentMeta;
-use crate::posted::{self, PostCtx};
 use crate::SCHEME;
 
 #[async_trait]
@@ -184,46 +182,5 @@ impl Transport for LoopbackTransport {
     fn set_execution_log(&self, log: Option<Arc<ExecutionLog>>) -> bool {
         *self.log.write() = log;
         true
-    }
-}
-
-impl LoopbackTransport {
-    /// Posts `prepared`, reporting each read to `sink` once its last byte has landed.
-    fn post_with(
-        &self,
-        prepared: &PreparedBatch,
-        sink: Option<CompletionSink>,
-    ) -> Result<Box<dyn InFlight>> {
-        let st = prepared::own_state::<Arc<Prepared>>(
-            SCHEME,
-            prepared,
-            |st| st.agent_uid == self.agent.uid,
-            "loopback agent",
-            "loopback agent",
-            &self.agent.name,
-        )?;
-        let (srcs, dsts) = self.resolve(prepared, st)?;
-        let pool = self.pool()?;
-        let skip = self.skip_read.get();
-        if let Some(log) = self.log.read().as_ref() {
-            self.record(log, st, &srcs, &dsts, skip);
-        }
-        let ctx = PostCtx {
-            prepared: Arc::clone(st),
-            srcs,
-            dsts,
-            abort: Arc::new(AtomicBool::new(false)),
-            gate: Arc::default(),
-            completions: sink.map(|sink| {
-                let lens = prepared.batch().reads.iter().map(|r| r.len);
-                (sink, Countdown::new(lens))
-            }),
-            #[cfg(feature = "fault-injection")]
-            skip_read: skip,
-            #[cfg(test)]
-            faults: self.faults.clone(),
-        };
-        tracing::trace!(agent = %self.agent.name, jobs = st.work.len(), "loopback post");
-        Ok(Box::new(posted::start(&pool, ctx)))
     }
 }
