@@ -15,7 +15,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${RESHARD_PYTHON:-$root/.deps/venv/bin/python}
 work=$(mktemp -d /tmp/reshard-wheel.XXXXXX)
-trap 'scripts/etcd.sh stop "$work/etcd" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+example_pid=
+# The example runs in a session of its own (setsid), so whatever it started is one process group,
+# killed here if it fails part-way: its engines would otherwise retry discovery forever.
+trap '[ -z "$example_pid" ] || kill -KILL -- "-$example_pid" 2>/dev/null || true
+      scripts/etcd.sh stop "$work/etcd" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 
 wheel=${1:-}
 if [ -z "$wheel" ]; then
@@ -47,7 +51,10 @@ print("\n".join(block[1:]).replace(".deps/venv/bin/python", sys.argv[1])
       .replace("/tmp/reshard-example", sys.argv[2]))
 EOF
 )
-out=$("${clean[@]}" bash -euo pipefail -c "$example")
+setsid -w "${clean[@]}" bash -euo pipefail -c "$example" >"$work/example.out" &
+example_pid=$!
+wait "$example_pid"
+out=$(cat "$work/example.out")
 echo "$out" | grep -E "^engine rank" || true
 for rank in 0 1; do
     grep -q "engine rank $rank: step 3 installed, verified=True" <<<"$out" ||

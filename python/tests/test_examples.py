@@ -4,6 +4,7 @@ into this interpreter). Both toy engine ranks must install step 3, verified, ran
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,13 +32,24 @@ def test_readme_python_example_runs_verbatim(tmp_path):
     if Path(sys.prefix).resolve() != venv.resolve():
         # Only where pytest runs outside that virtualenv: the same command, this interpreter.
         script = script.replace(".deps/venv/bin/python", sys.executable)
+    # The script runs in a session of its own, so everything it started (engines that keep
+    # retrying discovery while no publisher appears, trainers that linger) is one process group
+    # to stop when it fails part-way.
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
     try:
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True,
-                             capture_output=True, timeout=300)
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the script and all it started have ended
+        proc.wait()
         # The script stops its etcd at its end; a failure part-way must not leave it running.
         subprocess.run(["scripts/etcd.sh", "stop", str(tmp_path / "etcd")], cwd=ROOT,
                        capture_output=True)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
         assert f"engine rank {rank}: step 3 installed, verified=True" in out.stdout, out.stdout
