@@ -5,6 +5,11 @@
 //! boundary only when both parts are at least [`MIN_SPLIT`] bytes; otherwise it stays whole with
 //! one worker, and the next boundary, being absolute, corrects the drift.
 
+/// Bytes of one work list when a batch is cut into more lists than workers: the pool's workers
+/// take lists in order as each finishes its last, so a worker slowed by anything else on the
+/// machine (the verifier, another process) takes fewer, and both end together.
+pub(crate) const LIST_BYTES: u64 = 8 << 20;
+
 /// Smallest piece a read is cut into when it is split between workers.
 pub(crate) const MIN_SPLIT: u64 = 256 * 1024;
 

@@ -129,7 +129,9 @@ impl LoopbackTransport {
             });
         }
         // Destinations are disjoint (validated), so workers never write the same bytes.
-        let work = work::split(&whole, self.workers);
+        let total: u64 = whole.iter().map(|p| p.len).sum();
+        let lists = self.workers.max(total.div_ceil(work::LIST_BYTES) as usize);
+        let work = work::split(&whole, lists);
         Ok(Prepared {
             agent_uid: self.agent.uid,
             srcs,
