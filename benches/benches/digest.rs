@@ -1,4 +1,6 @@
-//! Digests: XXH3-128 (chosen) against BLAKE3 on a 64 MiB buffer, and the segment folds a
+//! Digests: XXH3-128 (chosen) against BLAKE3 on a 64 MiB buffer; twox-hash's XXH3 (SIMD path
+//! chosen at run time) against xxhash-rust's (fixed at compile time: SSE2 on a portable build),
+//! one-shot from memory and per 2 KiB segment in cache, as a copy that hashes uses it; and the segment folds a
 //! receiver computes to check bytes (256-byte and 2 KiB segments; one expert at the standard
 //! grid's 1 KiB); and what a publisher pays per step to digest its offers: today's whole digest with row-chunk and column-block digests
 //! (`PartDigests::compute`, docs/design.md §6) against the schema-2 scheme it replaced (a
@@ -22,7 +24,9 @@ fn digests(c: &mut Criterion) {
     let mut g = c.benchmark_group("digest_64MiB");
     g.throughput(Throughput::Bytes(buf.len() as u64));
     g.sample_size(10);
-    g.bench_function("xxh3_128", |b| b.iter(|| xxhash_rust::xxh3::xxh3_128(&buf)));
+    g.bench_function("xxh3_128", |b| {
+        b.iter(|| twox_hash::XxHash3_128::oneshot(&buf))
+    });
     g.bench_function("blake3", |b| b.iter(|| blake3::hash(&buf)));
     // What a receiver computes to check the same bytes as rows of 4 KiB in 16 column blocks
     // (a [*, 2048] BF16 tensor): one XXH3-64 per 256-byte segment, folded.
@@ -51,7 +55,7 @@ fn digests(c: &mut Criterion) {
     let mut g = c.benchmark_group("check_expert_3MiB");
     g.throughput(Throughput::Bytes(gate.len() as u64));
     g.bench_function("plain_xxh3_128", |b| {
-        b.iter(|| xxhash_rust::xxh3::xxh3_128(&gate))
+        b.iter(|| twox_hash::XxHash3_128::oneshot(&gate))
     });
     g.bench_function("segment_fold", |b| {
         b.iter(|| PartDigests::compute(&gate, &[768, 2048], 2).0)
@@ -64,15 +68,15 @@ fn digests(c: &mut Criterion) {
 fn schema2(bytes: &[u8], rows: u64) -> ([u8; 16], Vec<u128>) {
     let per = rows.div_ceil(8).max(1);
     let chunk = (per * (bytes.len() as u64 / rows.max(1))).max(1) as usize;
-    let mut whole = xxhash_rust::xxh3::Xxh3::new();
+    let mut whole = twox_hash::XxHash3_128::new();
     let chunks = bytes
         .chunks(chunk)
         .map(|c| {
-            whole.update(c);
-            xxhash_rust::xxh3::xxh3_128(c)
+            whole.write(c);
+            twox_hash::XxHash3_128::oneshot(c)
         })
         .collect();
-    (whole.digest128().to_le_bytes(), chunks)
+    (whole.finish_128().to_le_bytes(), chunks)
 }
 
 /// One EP8 publisher rank of Qwen3-30B-A3B's layer, BF16: its attention (replicated under EP),
@@ -119,16 +123,16 @@ fn publisher_step(c: &mut Criterion) {
             offers
                 .par_iter()
                 .map(|(bytes, s)| {
-                    let mut whole = xxhash_rust::xxh3::Xxh3::new();
+                    let mut whole = twox_hash::XxHash3_128::new();
                     let v = reshard_core::MatrixView::of(s);
                     let row = (v.cols * v.inner * 2) as usize;
                     let (_, bc) = v.grid(2);
                     let mut f = reshard_core::SegmentFold::new();
                     for r in bytes.chunks(row) {
-                        whole.update(r);
+                        whole.write(r);
                         f.row(r, bc * v.inner * 2);
                     }
-                    (whole.digest128(), f.part())
+                    (whole.finish_128(), f.part())
                 })
                 .collect::<Vec<_>>()
         })
@@ -144,5 +148,40 @@ fn publisher_step(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, digests, publisher_step);
+/// The same XXH3 from the two implementations, in one run: a 64 MiB buffer hashed whole (from
+/// memory, as a publisher digests an offer) and a 256 KiB block hashed per 2 KiB segment (in
+/// cache, as a backend hashes what it just copied).
+fn implementations(c: &mut Criterion) {
+    let buf = bytes(64 << 20, 3);
+    let mut g = c.benchmark_group("xxh3_64MiB_one_shot");
+    g.throughput(Throughput::Bytes(buf.len() as u64));
+    g.sample_size(10);
+    g.bench_function("twox_hash", |b| {
+        b.iter(|| twox_hash::XxHash3_128::oneshot(&buf))
+    });
+    g.bench_function("xxhash_rust", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_128(&buf))
+    });
+    g.finish();
+    let block = &buf[..256 << 10];
+    let mut g = c.benchmark_group("xxh3_256KiB_block_2KiB_segments");
+    g.throughput(Throughput::Bytes(block.len() as u64));
+    g.bench_function("twox_hash", |b| {
+        b.iter(|| {
+            block
+                .chunks(2048)
+                .fold(0u64, |a, s| a ^ twox_hash::XxHash3_64::oneshot(s))
+        })
+    });
+    g.bench_function("xxhash_rust", |b| {
+        b.iter(|| {
+            block
+                .chunks(2048)
+                .fold(0u64, |a, s| a ^ xxhash_rust::xxh3::xxh3_64(s))
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, digests, implementations, publisher_step);
 criterion_main!(benches);

@@ -24,7 +24,7 @@ fn copy_blocks(src: &[u8], dst: &mut [u8], hash: bool) -> u64 {
         d.copy_from_slice(s);
         if hash {
             for seg in d.chunks(SEGMENT) {
-                acc ^= xxhash_rust::xxh3::xxh3_64(seg);
+                acc ^= twox_hash::XxHash3_64::oneshot(seg);
             }
         }
     }

@@ -175,7 +175,7 @@ fn main() {
         let hashes = |arm: Arm, dst: &mut [u8]| {
             let mut h = Vec::new();
             let n = arm(&dir, &boxes, dst, &mut |b| {
-                h.push(xxhash_rust::xxh3::xxh3_64(b))
+                h.push(twox_hash::XxHash3_64::oneshot(b))
             });
             (n, h)
         };

@@ -19,7 +19,7 @@ fn mix(mut z: u64) -> u64 {
 
 /// Fills `dst` with the whole content of `spec` at `step` (`dst` is the tensor's byte size).
 pub(crate) fn fill_tensor(spec: &TensorSpec, step: u64, dst: &mut [u8]) {
-    let seed = xxhash_rust::xxh3::xxh3_64_with_seed(spec.name.as_bytes(), step);
+    let seed = twox_hash::XxHash3_64::oneshot_with_seed(step, spec.name.as_bytes());
     for (k, chunk) in dst.chunks_mut(8).enumerate() {
         let w = mix(seed.wrapping_add((k as u64).wrapping_mul(GOLDEN))).to_le_bytes();
         chunk.copy_from_slice(&w[..chunk.len()]);

@@ -745,7 +745,7 @@ pub async fn copy_hashes_are_the_landed_bytes_and_stored_before_the_report(c: &C
                         Some(h) => {
                             assert_eq!(
                                 h,
-                                xxhash_rust::xxh3::xxh3_64(seg),
+                                twox_hash::XxHash3_64::oneshot(seg),
                                 "round {round}: the hash in slot {} (read {i}, {} bytes at \
                                  {}) is not the hash of the bytes that landed there",
                                 t.slot,

@@ -161,7 +161,7 @@ fn canaries(dst: &HostBuffer) -> usize {
 }
 
 fn fingerprint(dst: &HostBuffer) -> u128 {
-    xxhash_rust::xxh3::xxh3_128(&dst.read())
+    twox_hash::XxHash3_128::oneshot(&dst.read())
 }
 
 fn assert_exact(dst: &HostBuffer, src: &dyn HostMemory, ctx: &str) {

@@ -165,7 +165,7 @@ impl PieceHasher<'_> {
             let Some(bytes) = landed.get(from..from + t.len as usize) else {
                 break;
             };
-            let h = xxhash_rust::xxh3::xxh3_64(bytes);
+            let h = twox_hash::XxHash3_64::oneshot(bytes);
             self.plan.store(t.slot, t.len, h, self.generation);
             n += u64::from(t.len);
             self.tasks = &self.tasks[1..];
@@ -213,7 +213,7 @@ mod tests {
         );
         assert_eq!(plan.tasks(1).len(), 4);
         assert!(plan.tasks(5).is_empty());
-        let h = |r: std::ops::Range<usize>| xxhash_rust::xxh3::xxh3_64(&bytes[r]);
+        let h = |r: std::ops::Range<usize>| twox_hash::XxHash3_64::oneshot(&bytes[r]);
         // Piece 0..500 of read 1, landing in blocks of 150 bytes.
         let mut p = plan.piece(1, 0);
         assert_eq!(p.landed(&bytes[..150]), 100);

@@ -18,7 +18,7 @@ pub struct Digest(pub [u8; 16]);
 impl Digest {
     /// Digest of `bytes`.
     pub fn of(bytes: &[u8]) -> Digest {
-        Digest(xxhash_rust::xxh3::xxh3_128(bytes).to_le_bytes())
+        Digest(twox_hash::XxHash3_128::oneshot(bytes).to_le_bytes())
     }
 
     /// Lower-case hex of the whole digest.
@@ -104,7 +104,7 @@ impl SegmentFold {
     /// Adds one segment.
     pub fn segment(&mut self, bytes: &[u8]) {
         self.hashes
-            .extend_from_slice(&xxhash_rust::xxh3::xxh3_64(bytes).to_le_bytes());
+            .extend_from_slice(&twox_hash::XxHash3_64::oneshot(bytes).to_le_bytes());
     }
 
     /// Adds one segment by its hash (computed elsewhere, e.g. while the bytes were copied:
@@ -115,12 +115,12 @@ impl SegmentFold {
 
     /// The 64-bit digest of a part (a row chunk or a column block).
     pub fn part(&self) -> u64 {
-        xxhash_rust::xxh3::xxh3_64(&self.hashes)
+        twox_hash::XxHash3_64::oneshot(&self.hashes)
     }
 
     /// The 128-bit digest of a whole offer.
     pub fn whole(&self) -> Digest {
-        Digest(xxhash_rust::xxh3::xxh3_128(&self.hashes).to_le_bytes())
+        Digest(twox_hash::XxHash3_128::oneshot(&self.hashes).to_le_bytes())
     }
 
     /// Segment hashes added so far, as little-endian bytes (8 per segment).
@@ -130,8 +130,13 @@ impl SegmentFold {
 }
 
 /// A 64-bit hasher for fingerprints built incrementally from plan fields.
-#[derive(Default)]
-pub struct Fingerprinter(xxhash_rust::xxh3::Xxh3);
+pub struct Fingerprinter(twox_hash::XxHash3_64);
+
+impl Default for Fingerprinter {
+    fn default() -> Self {
+        Fingerprinter(twox_hash::XxHash3_64::new())
+    }
+}
 
 impl Fingerprinter {
     /// A fresh fingerprinter.
@@ -141,20 +146,20 @@ impl Fingerprinter {
 
     /// Mixes in one integer.
     pub fn u64(&mut self, v: u64) -> &mut Self {
-        self.0.update(&v.to_le_bytes());
+        std::hash::Hasher::write(&mut self.0, &v.to_le_bytes());
         self
     }
 
     /// Mixes in a string (length-prefixed, so concatenations do not collide).
     pub fn str(&mut self, s: &str) -> &mut Self {
         self.u64(s.len() as u64);
-        self.0.update(s.as_bytes());
+        std::hash::Hasher::write(&mut self.0, s.as_bytes());
         self
     }
 
     /// The 64-bit result.
     pub fn finish(&self) -> u64 {
-        self.0.digest()
+        std::hash::Hasher::finish(&self.0)
     }
 }
 
@@ -166,6 +171,45 @@ mod tests {
         (0..4096u64)
             .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
             .collect()
+    }
+
+    /// Digests are exchanged between processes built at different times, so the hash is a
+    /// standard one pinned by value: XXH3's published empty-input answers, and a 4133-byte input
+    /// (the striped SIMD loop and a tail) as a second XXH3 implementation (xxhash-rust 0.8.21,
+    /// this workspace's hash before twox-hash) computes it. Whichever SIMD path the CPU selects
+    /// at run time must give these.
+    #[test]
+    fn xxh3_answers_are_the_standard_ones() {
+        use twox_hash::{XxHash3_128, XxHash3_64};
+        assert_eq!(XxHash3_64::oneshot(b""), 0x2d06800538d394c2);
+        assert_eq!(
+            XxHash3_128::oneshot(b""),
+            0x99aa06d3014798d86001c324468d497f
+        );
+        let v: Vec<u8> = (0..4133u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        assert_eq!(XxHash3_64::oneshot(&v), 0x3be87eb01e5e1b5c);
+        assert_eq!(XxHash3_128::oneshot(&v), 0xe5a1010928a04a383be87eb01e5e1b5c);
+        assert_eq!(
+            XxHash3_64::oneshot_with_seed(7, &v[..100]),
+            0xc819088e86e5f418
+        );
+        assert_eq!(
+            Digest::of(&v).to_hex(),
+            "5c1b5e1eb07ee83b384aa0280901a1e5",
+            "Digest is the little-endian XXH3-128"
+        );
+        let mut f = Fingerprinter::new();
+        f.u64(7).str("x");
+        let mut bytes = 7u64.to_le_bytes().to_vec();
+        bytes.extend(1u64.to_le_bytes());
+        bytes.push(b'x');
+        assert_eq!(
+            f.finish(),
+            XxHash3_64::oneshot(&bytes),
+            "streaming = one shot"
+        );
     }
 
     #[test]
@@ -209,7 +253,7 @@ mod tests {
         // Segments added by their hashes fold the same.
         let mut f = SegmentFold::new();
         for s in base.chunks(128) {
-            f.segment_hash(xxhash_rust::xxh3::xxh3_64(s));
+            f.segment_hash(twox_hash::XxHash3_64::oneshot(s));
         }
         assert_eq!((f.part(), f.whole()), d);
     }

@@ -456,7 +456,7 @@ impl PartDigests {
         let per_row = 8 * nb.max(1);
         let chunks = hashes
             .chunks(per_row * chunk_rows as usize)
-            .map(xxhash_rust::xxh3::xxh3_64)
+            .map(twox_hash::XxHash3_64::oneshot)
             .collect();
         let mut column = Vec::with_capacity(8 * v.rows as usize);
         let blocks = (0..nb)
@@ -465,7 +465,7 @@ impl PartDigests {
                 for r in hashes.chunks(per_row) {
                     column.extend_from_slice(&r[8 * j..8 * j + 8]);
                 }
-                xxhash_rust::xxh3::xxh3_64(&column)
+                twox_hash::XxHash3_64::oneshot(&column)
             })
             .collect();
         (

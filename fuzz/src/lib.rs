@@ -85,7 +85,7 @@ pub fn etcd_member_record_seed() -> Vec<u8> {
         prefix: keys::blob_prefix(ETCD_MODEL, 3, 0x694d_2a31, name),
         chunks: content.len().div_ceil(record::CHUNK_BYTES) as u32,
         bytes: content.len() as u64,
-        xxh3: xxhash_rust::xxh3::xxh3_64(content),
+        xxh3: twox_hash::XxHash3_64::oneshot(content),
     };
     let r = record::Record {
         rank: 3,

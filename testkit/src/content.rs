@@ -7,9 +7,9 @@ use reshard_core::TensorBox;
 
 /// Per-tensor key mixing seed, step and name.
 pub fn tensor_key(seed: u64, step: u64, name: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(
-        name.as_bytes(),
+    twox_hash::XxHash3_64::oneshot_with_seed(
         seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        name.as_bytes(),
     )
 }
 

@@ -15,7 +15,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use reshard_core::encoding::ByteReader;
 use reshard_core::metadata::{self, MetaDefect, MetaHeader};
 use reshard_core::{MemoryKind, Result};
-use xxhash_rust::xxh3::xxh3_64;
+use twox_hash::XxHash3_64;
 
 const MAGIC: [u8; 4] = *b"RSNX";
 /// Version this build writes and reads (2: the shared header, with the incarnation).
@@ -24,7 +24,7 @@ pub(crate) const VERSION: u8 = 2;
 /// The incarnation of the endpoint whose NIXL agent has this name: names are unique per
 /// endpoint creation, so the name already identifies the incarnation.
 pub(crate) fn incarnation_of(nixl_name: &str) -> u64 {
-    xxh3_64(nixl_name.as_bytes()).max(1)
+    XxHash3_64::oneshot(nixl_name.as_bytes()).max(1)
 }
 const REGION_BYTES: usize = 8 + 8 + 8 + 1 + 4;
 
@@ -100,7 +100,7 @@ impl AgentMeta {
         }
         b.put_u32_le(self.nixl_md.len() as u32);
         b.put_slice(&self.nixl_md);
-        let sum = xxh3_64(&b);
+        let sum = XxHash3_64::oneshot(&b);
         b.put_u64_le(sum);
         b.freeze()
     }
@@ -122,7 +122,7 @@ impl AgentMeta {
         let body = bytes.len() - 8;
         let mut sum = [0u8; 8];
         sum.copy_from_slice(&bytes[body..]);
-        if xxh3_64(&bytes[..body]) != u64::from_le_bytes(sum) {
+        if XxHash3_64::oneshot(&bytes[..body]) != u64::from_le_bytes(sum) {
             return Err(MetaDefect::Backend(NixlDefect::Checksum));
         }
         let bytes = &bytes[..body];
@@ -215,7 +215,7 @@ mod tests {
     /// Recomputes the checksum after a test edited the bytes.
     fn reseal(v: &mut [u8]) {
         let n = v.len() - 8;
-        let sum = xxh3_64(&v[..n]);
+        let sum = XxHash3_64::oneshot(&v[..n]);
         v[n..].copy_from_slice(&sum.to_le_bytes());
     }
 

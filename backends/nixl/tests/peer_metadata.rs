@@ -42,7 +42,7 @@ fn enlarge_region(meta: &[u8], region: u64, by: u64) -> Bytes {
     }
     assert!(found, "region {region} not in metadata");
     let n = v.len() - 8;
-    let sum = xxhash_rust::xxh3::xxh3_64(&v[..n]);
+    let sum = twox_hash::XxHash3_64::oneshot(&v[..n]);
     v[n..].copy_from_slice(&sum.to_le_bytes());
     v.into()
 }

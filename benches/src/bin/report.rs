@@ -37,7 +37,7 @@ fn digest_figures(len: usize, reps: usize) -> (f64, f64) {
         )
     };
     let xxh = run(&|b| {
-        std::hint::black_box(xxhash_rust::xxh3::xxh3_128(b));
+        std::hint::black_box(twox_hash::XxHash3_128::oneshot(b));
     });
     let b3 = run(&|b| {
         std::hint::black_box(blake3::hash(b));

@@ -59,7 +59,7 @@ impl Etcd {
             prefix,
             chunks: count,
             bytes: bytes.len() as u64,
-            xxh3: xxhash_rust::xxh3::xxh3_64(bytes),
+            xxh3: twox_hash::XxHash3_64::oneshot(bytes),
         })
     }
 

@@ -232,10 +232,10 @@ impl BlobRef {
         for (_, chunk) in &parts {
             out.extend_from_slice(chunk);
         }
-        if xxhash_rust::xxh3::xxh3_64(&out) != self.xxh3 {
+        if twox_hash::XxHash3_64::oneshot(&out) != self.xxh3 {
             return Err(wrong(format!(
                 "read bytes of xxh3 {:016x}",
-                xxhash_rust::xxh3::xxh3_64(&out)
+                twox_hash::XxHash3_64::oneshot(&out)
             )));
         }
         Ok(Bytes::from(out))
@@ -254,7 +254,7 @@ mod tests {
             prefix: blob_prefix(MODEL, 3, 0x2a, name),
             chunks: content.len().div_ceil(CHUNK_BYTES) as u32,
             bytes: content.len() as u64,
-            xxh3: xxhash_rust::xxh3::xxh3_64(content),
+            xxh3: twox_hash::XxHash3_64::oneshot(content),
         }
     }
 
