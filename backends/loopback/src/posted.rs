@@ -136,7 +136,7 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
             continue;
         }
         #[cfg(test)]
-        ctx.faults.before_piece(k);
+        ctx.faults.before_piece(k, p.read, p.off);
         let src = ctx.srcs[p.src as usize].addr + p.src_off as usize;
         let dst = ctx.dsts[p.dst as usize].addr + p.dst_off as usize;
         let mut hasher = ctx

@@ -89,6 +89,7 @@ async fn panics_in_several_workers_are_reported_once_as_transport() {
     let faults = Faults {
         panic_at_piece: Some(0),
         piece_delay: Some(Duration::from_millis(2)),
+        ..Faults::default()
     };
     let p = pair(8 * MIB, 8, 4, faults).await;
     let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
@@ -165,5 +166,39 @@ async fn one_big_read_is_split_across_workers_and_arrives_exactly() {
         .await
         .unwrap();
     assert_eq!((report.reads, report.bytes), (1, 16 * MIB + 12345));
+    assert_eq!(p.dst.read()[..], p.src.read()[..]);
+}
+
+/// A batch is cut into more work lists than workers, taken in order as workers free up: while
+/// one worker is held up in the first list, the other copies every other list (with one list
+/// per worker it would copy only the second half of the batch).
+#[tokio::test]
+async fn a_held_up_worker_leaves_the_other_lists_to_the_free_one() {
+    let faults = Faults {
+        stall_read: Some((0, Duration::from_millis(3000))),
+        ..Faults::default()
+    };
+    let p = pair(64 * MIB, 64, 2, faults).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    // Read 0 opens the first list, of LIST_BYTES; every byte after it is some other list's.
+    let first = crate::work::LIST_BYTES;
+    let inflight = p.receiver.post(&prepared).await.unwrap();
+    // The free worker copies the other 56 MiB in well under a second, even under ASan.
+    let deadline = Instant::now() + Duration::from_millis(2500);
+    let rest = first as usize..;
+    while p.dst.read()[rest.clone()] != p.src.read()[rest.clone()] {
+        assert!(
+            Instant::now() < deadline,
+            "the lists after the held-up one did not land while it was held up: one worker's \
+             share waits behind another"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_ne!(
+        p.dst.read()[..first as usize],
+        p.src.read()[..first as usize],
+        "the held-up list landed early: the stall did not hold"
+    );
+    inflight.wait().await.unwrap();
     assert_eq!(p.dst.read()[..], p.src.read()[..]);
 }

@@ -8,11 +8,18 @@ pub(crate) struct Faults {
     pub(crate) panic_at_piece: Option<usize>,
     /// Sleep this long before each piece (makes abort observable).
     pub(crate) piece_delay: Option<std::time::Duration>,
+    /// Sleep this long before the first piece of this read (one worker held up).
+    pub(crate) stall_read: Option<(u32, std::time::Duration)>,
 }
 
 #[cfg(test)]
 impl Faults {
-    pub(crate) fn before_piece(&self, k: usize) {
+    pub(crate) fn before_piece(&self, k: usize, read: u32, off: u64) {
+        if let Some((r, d)) = self.stall_read {
+            if r == read && off == 0 {
+                std::thread::sleep(d);
+            }
+        }
         if let Some(d) = self.piece_delay {
             std::thread::sleep(d);
         }
