@@ -1,7 +1,8 @@
-//! Translating a validated batch into per-worker work lists balanced by bytes.
+//! Translating a validated batch into work lists balanced by bytes (about [`LIST_BYTES`] each,
+//! at least one per worker; the pool's workers take them in order as they free up).
 //!
-//! Workers take contiguous stretches of the batch in plan order (so each copies neighbouring
-//! destination bytes), cut at byte boundaries `k * total / workers`. A read is split at such a
+//! Lists are contiguous stretches of the batch in plan order (so each copies neighbouring
+//! destination bytes), cut at byte boundaries `k * total / lists`. A read is split at such a
 //! boundary only when both parts are at least [`MIN_SPLIT`] bytes; otherwise it stays whole with
 //! one worker, and the next boundary, being absolute, corrects the drift.
 
