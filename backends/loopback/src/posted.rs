@@ -107,6 +107,11 @@ fn run_job(ctx: &PostCtx, w: usize) -> JobResult {
     let at = Cell::new(0usize);
     let r = catch_unwind(AssertUnwindSafe(|| copy_pieces(ctx, pieces, &at)));
     ctx.gate.lock().leave(w);
+    if !matches!(r, Ok(Ok(_))) {
+        // The batch has failed: the other lists stop at their next chunk, and the ones still
+        // queued at their first, instead of copying to the end before `wait` hears of it.
+        ctx.abort.store(true, Ordering::Release);
+    }
     match r {
         Ok(r) => r,
         Err(payload) => {

@@ -202,3 +202,30 @@ async fn a_held_up_worker_leaves_the_other_lists_to_the_free_one() {
     inflight.wait().await.unwrap();
     assert_eq!(p.dst.read()[..], p.src.read()[..]);
 }
+
+/// A list that fails stops the batch: the lists after it, queued behind it on the one worker,
+/// copy nothing instead of running to the end before `wait` reports the failure.
+#[tokio::test]
+async fn a_failed_list_stops_the_lists_queued_behind_it() {
+    let faults = Faults {
+        panic_read: Some(0),
+        piece_delay: Some(Duration::from_millis(5)),
+        ..Faults::default()
+    };
+    let p = pair(64 * MIB, 64, 1, faults).await;
+    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
+    let e = p
+        .receiver
+        .post(&prepared)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    let first = crate::work::LIST_BYTES as usize;
+    assert!(
+        p.dst.read()[first..].iter().all(|&b| b == 0),
+        "lists after the failed one went on copying"
+    );
+}

@@ -10,6 +10,8 @@ pub(crate) struct Faults {
     pub(crate) piece_delay: Option<std::time::Duration>,
     /// Sleep this long before the first piece of this read (one worker held up).
     pub(crate) stall_read: Option<(u32, std::time::Duration)>,
+    /// Panic at the first piece of this read (one list fails, the others do not).
+    pub(crate) panic_read: Option<u32>,
 }
 
 #[cfg(test)]
@@ -22,6 +24,9 @@ impl Faults {
         }
         if let Some(d) = self.piece_delay {
             std::thread::sleep(d);
+        }
+        if self.panic_read == Some(read) && off == 0 {
+            panic!("injected fault at read {read}");
         }
         if self.panic_at_piece == Some(k) {
             panic!("injected fault at piece {k}");
