@@ -1,6 +1,8 @@
 //! Unit tests that need test-only hooks (fault injection in copy jobs).
 
-use reshard_core::{ErrorKind, HostBuffer, ReadBatch, ReadDesc, Registration, Transport};
+use reshard_core::{
+    Error, ErrorKind, HostBuffer, ReadBatch, ReadDesc, Registration, Transport, WireReport,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,6 +60,14 @@ async fn pair(len: u64, pieces: u64, workers: usize, faults: Faults) -> Pair {
     }
 }
 
+impl Pair {
+    /// Prepares the batch, posts it and waits for it on the receiver.
+    async fn run(&self) -> Result<WireReport, Error> {
+        let prepared = self.receiver.prepare(self.batch.clone()).await?;
+        self.receiver.post(&prepared).await?.wait().await
+    }
+}
+
 #[tokio::test]
 async fn a_panicking_job_is_a_transport_error_not_a_hang() {
     let faults = Faults {
@@ -65,9 +75,7 @@ async fn a_panicking_job_is_a_transport_error_not_a_hang() {
         ..Faults::default()
     };
     let p = pair(4 * MIB, 4, 1, faults).await;
-    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
-    let wait = p.receiver.post(&prepared).await.unwrap().wait();
-    let e = tokio::time::timeout(Duration::from_secs(10), wait)
+    let e = tokio::time::timeout(Duration::from_secs(10), p.run())
         .await
         .expect("wait must not hang")
         .unwrap_err();
@@ -77,11 +85,10 @@ async fn a_panicking_job_is_a_transport_error_not_a_hang() {
     assert_eq!(e.context().range, Some(MIB..2 * MIB));
     assert_eq!(e.context().backend.as_deref(), Some("loopback"));
     // The pool survives: the same transport still moves bytes.
-    let mut ok = p.receiver;
-    ok.faults = Faults::default();
-    let prepared = ok.prepare(p.batch.clone()).await.unwrap();
-    ok.post(&prepared).await.unwrap().wait().await.unwrap();
-    assert_eq!(p.dst.read()[..], p.src.read()[..]);
+    let mut ok = p;
+    ok.receiver.faults = Faults::default();
+    ok.run().await.unwrap();
+    assert_eq!(ok.dst.read()[..], ok.src.read()[..]);
 }
 
 #[tokio::test]
@@ -92,15 +99,7 @@ async fn panics_in_several_workers_are_reported_once_as_transport() {
         ..Faults::default()
     };
     let p = pair(8 * MIB, 8, 4, faults).await;
-    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
-    let e = p
-        .receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap_err();
+    let e = p.run().await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Transport);
 }
 
@@ -157,14 +156,7 @@ async fn one_big_read_is_split_across_workers_and_arrives_exactly() {
         .state::<Arc<crate::transport::Prepared>>()
         .expect("loopback state");
     assert_eq!(st.work.len(), 4);
-    let report = p
-        .receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    let report = p.run().await.unwrap();
     assert_eq!((report.reads, report.bytes), (1, 16 * MIB + 12345));
     assert_eq!(p.dst.read()[..], p.src.read()[..]);
 }
@@ -213,15 +205,7 @@ async fn a_failed_list_stops_the_lists_queued_behind_it() {
         ..Faults::default()
     };
     let p = pair(64 * MIB, 64, 1, faults).await;
-    let prepared = p.receiver.prepare(p.batch.clone()).await.unwrap();
-    let e = p
-        .receiver
-        .post(&prepared)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap_err();
+    let e = p.run().await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
     let first = crate::work::LIST_BYTES as usize;
     assert!(
