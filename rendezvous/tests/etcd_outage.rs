@@ -223,6 +223,44 @@ async fn a_publisher_holds_its_rank_through_etcd_pauses_and_restarts() {
     assert!(record(&mut raw, model).await.is_none());
 }
 
+/// A write of the rank's record that etcd does not answer is abandoned after one bounded
+/// attempt (and tried again while the retry window lasts) instead of waiting out the client's
+/// request timeout (30 s by default): the bound is what lets a publisher whose write went to a
+/// member forwarding it to a dead leader try again after the election instead of 7 s later.
+/// The failed write is retryable, the rank is not lost, and once etcd answers the same write
+/// goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_write_is_abandoned_long_before_the_request_timeout() {
+    let Some(server) = Server::start("unanswered") else {
+        return;
+    };
+    let options = EtcdOptions {
+        lease_ttl: Duration::from_secs(6),
+        ..EtcdOptions::default()
+    };
+    assert_eq!(options.request_timeout, Duration::from_secs(30));
+    let publisher = Etcd::connect(&server.url, options).await.unwrap();
+    let held = publisher
+        .announce(announcement("unanswered", 1))
+        .await
+        .unwrap();
+    server.signal("-STOP");
+    let started = Instant::now();
+    let e = held.unready().await.expect_err("etcd is stopped");
+    let took = started.elapsed();
+    server.signal("-CONT");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    // Two attempts of 2 s at most fit the retry window of a 6 s TTL; 15 s leaves room for a
+    // loaded machine and is half the request timeout the write waited for before.
+    assert!(
+        took < Duration::from_secs(15),
+        "the unanswered write took {took:?} to fail: {e}"
+    );
+    held.check_alive()
+        .expect("a write failed, the rank is not lost");
+    held.unready().await.expect("etcd answers again");
+}
+
 /// Rank 0's holder A loses its rank and B claims it: A's lease revoked (as etcd expires a
 /// lease whose keep-alive could not reach it: A's keys go with it), or A's record deleted while
 /// its lease lives (the key is then B's while A's lease still is valid). A's next writes do not

@@ -47,6 +47,14 @@ const EXPIRY_SLACK: Duration = Duration::from_secs(2);
 /// about a second (docs/deployment.md, "An etcd cluster").
 const WRITE_RETRY_FOR: Duration = Duration::from_secs(2);
 
+/// How long one attempt at writing a rank's record may go unanswered before it is abandoned
+/// and tried again. A write that reaches a member whose leader just died waits there for etcd's
+/// own request timeout (about 7 s; docs/deployment.md, "The chaos run") although a new leader is
+/// elected in about a second, and one sent to a stopped member waits for the client's request
+/// timeout. Abandoning is safe: the attempt's puts, if etcd still commits them, come before the
+/// retry's in Raft's order and hold the same blob and record, under the same lease.
+const WRITE_ATTEMPT_FOR: Duration = Duration::from_secs(2);
+
 /// The first pause before a broken keep-alive stream is opened again (doubling up to a third
 /// of the TTL).
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -485,15 +493,18 @@ impl Shared {
         let lease = state.lease;
         let table = new_table.clone().unwrap_or_else(|| state.table.clone());
         let old = state.record.table.prefix.clone();
-        let attempt = async {
-            if let Some(t) = &new_table {
-                let name = format!("table-{:020}", next.step);
-                let prefix = blob_prefix(&self.model, self.rank, lease, &name);
-                next.table = self.etcd.put_blob(prefix, t, lease).await?;
-            }
-            self.etcd.put_held(&self.model, &next, lease).await
-        }
-        .await;
+        let bound = WRITE_ATTEMPT_FOR.min(self.etcd.options.request_timeout);
+        let attempt = self
+            .etcd
+            .bounded("write a member record to", bound, async {
+                if let Some(t) = &new_table {
+                    let name = format!("table-{:020}", next.step);
+                    let prefix = blob_prefix(&self.model, self.rank, lease, &name);
+                    next.table = self.etcd.put_blob(prefix, t, lease).await?;
+                }
+                self.etcd.put_held(&self.model, &next, lease).await
+            })
+            .await;
         match attempt {
             Ok(true) => {
                 let new = next.table.prefix.clone();

@@ -153,6 +153,36 @@ impl Etcd {
     }
 }
 
+impl Etcd {
+    /// `request` (which does `what`, as in [`Etcd::err`]), abandoned once `bound` passes without
+    /// an answer: a `Timeout` error, and the failover looks at the members again as after any
+    /// failed request. Only for requests whose retry is harmless if etcd still applies the
+    /// abandoned one.
+    pub(super) async fn bounded<T>(
+        &self,
+        what: &str,
+        bound: Duration,
+        request: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(bound, request).await {
+            Ok(r) => r,
+            Err(_) => {
+                if let Some(f) = &self.failover {
+                    f.suspect();
+                }
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "could not {what} etcd at {}: no answer within {} ms",
+                        self.endpoint,
+                        bound.as_millis()
+                    ),
+                ))
+            }
+        }
+    }
+}
+
 /// A request's failure as an error: `Timeout` when etcd or the client says it timed out,
 /// else `Transport`.
 fn service_error(endpoint: &str, what: &str, e: etcd_client::Error) -> Error {
