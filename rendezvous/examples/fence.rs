@@ -25,13 +25,13 @@ const HOLD: Duration = Duration::from_millis(20);
 
 #[tokio::main]
 async fn main() -> reshard_core::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
+    // Arguments: etcd URL, background claims, rounds.
+    let mut args = std::env::args().skip(1);
     let url = args
-        .get(1)
-        .map(String::as_str)
-        .unwrap_or("etcd://127.0.0.1:2379");
-    let background: u32 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
-    let rounds: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(200);
+        .next()
+        .unwrap_or_else(|| "etcd://127.0.0.1:2379".into());
+    let background: u32 = args.next().and_then(|s| s.parse().ok()).unwrap_or(64);
+    let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(200);
     let model = format!("fence-bench-{}", std::process::id());
     let claim = |reader: String, first_rank: u32| ReadClaim {
         model: model.clone(),
@@ -44,7 +44,7 @@ async fn main() -> reshard_core::Result<()> {
 
     // The fleet's background: receivers reading other publishers (ranks from 1000 on), whose
     // claims every publisher's wait lists and skips.
-    let fleet = Etcd::connect(url, EtcdOptions::default()).await?;
+    let fleet = Etcd::connect(&url, EtcdOptions::default()).await?;
     let mut held = Vec::new();
     for k in 0..background {
         held.push(
@@ -54,8 +54,8 @@ async fn main() -> reshard_core::Result<()> {
         );
     }
 
-    let receiver = Etcd::connect(url, EtcdOptions::default()).await?;
-    let publisher = Etcd::connect(url, EtcdOptions::default()).await?;
+    let receiver = Etcd::connect(&url, EtcdOptions::default()).await?;
+    let publisher = Etcd::connect(&url, EtcdOptions::default()).await?;
     // The first claim grants the connection's lease: timed apart, it is once per process.
     let t = Instant::now();
     receiver
