@@ -487,9 +487,21 @@ impl Shared {
     /// Writes `next` as the rank's record (with `new_table` as its table, written first, when
     /// given) under the current lease, recovering the hold when the key is no longer attached
     /// to it. `state` changes only on success; etcd's errors are returned as they are.
-    async fn write_once(&self, mut next: Record, new_table: Option<Bytes>) -> Result<()> {
+    async fn write_once(&self, next: Record, new_table: Option<Bytes>) -> Result<()> {
         let mut state = self.state.lock().await;
         self.check_fatal()?;
+        // `next` was copied from the record before this lock was taken (`current`), and the
+        // keep-alive may have announced again under a new lease since, its blobs under new keys
+        // and the old ones gone with the old lease. So only what a write changes (step,
+        // readiness, note) comes from `next`; the rest, the blob references first, from the
+        // record as it is now. (The chaos run caught the race: a publisher stopped for two TTLs
+        // wrote its next step naming the expired lease's blobs, and no receiver could fetch it.)
+        let mut next = Record {
+            step: next.step,
+            ready: next.ready,
+            note: next.note,
+            ..state.record.clone()
+        };
         let lease = state.lease;
         let table = new_table.clone().unwrap_or_else(|| state.table.clone());
         let old = state.record.table.prefix.clone();
@@ -698,5 +710,102 @@ async fn keep_alive(shared: Arc<Shared>, ttl: Duration) {
             }
         };
         tokio::time::sleep(pause).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EtcdOptions;
+    use reshard_core::rendezvous::Rendezvous;
+    use std::process::Command;
+
+    /// An etcd of this test binary (scripts/etcd.sh, stopped by the script's watcher when the
+    /// binary exits), or `None`, loudly, where etcd is missing and not required (CI requires it).
+    fn private_etcd(name: &str) -> Option<String> {
+        if Command::new("etcd").arg("--version").output().is_err() {
+            assert!(
+                std::env::var_os("RESHARD_REQUIRE_BACKENDS").is_none(),
+                "etcd is required here: run scripts/install-deps.sh"
+            );
+            eprintln!("SKIPPED: etcd is not installed (scripts/install-deps.sh installs it)");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("reshard-{name}-{}", std::process::id()));
+        let out = Command::new("bash")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/etcd.sh"))
+            .arg("start")
+            .arg(&dir)
+            .env("ETCD_OWNER_PID", std::process::id().to_string())
+            .output()
+            .expect("run scripts/etcd.sh");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(String::from_utf8(out.stdout).unwrap().trim().to_string())
+    }
+
+    /// A write whose record was copied (`current`) before the keep-alive announced the rank
+    /// again under a new lease names the new lease's blobs, not the ones etcd deleted with the
+    /// old lease: a receiver can fetch what it wrote. The chaos run found this race (a publisher
+    /// SIGSTOPped for two TTLs: on SIGCONT its keep-alive and its next step's write both woke).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_copied_before_the_rank_was_announced_again_names_the_new_blobs() {
+        let Some(url) = private_etcd("stale-write") else {
+            return;
+        };
+        let options = EtcdOptions {
+            lease_ttl: Duration::from_secs(3),
+            ..EtcdOptions::default()
+        };
+        let etcd = Etcd::connect(&url, options).await.unwrap();
+        let model = "stale-write";
+        let held = Held::announce(
+            &etcd,
+            Announcement {
+                model: model.into(),
+                rank: 0,
+                world: 1,
+                step: 1,
+                transport: "loopback".into(),
+                incarnation: 7,
+                table: Bytes::from_static(b"table 1"),
+                metadata: Bytes::from_static(b"meta 0"),
+                config: Bytes::from_static(b"{}"),
+            },
+        )
+        .await
+        .unwrap();
+        // The next step's record, copied now, as `advance` does before it writes.
+        let mut next = held.shared.current().await;
+        (next.step, next.ready) = (2, true);
+        // etcd lets the lease go (as after a pause longer than the TTL): the record and its
+        // blobs go with it, and the keep-alive announces the rank again under a new lease.
+        let first = held.shared.lease.load(Ordering::SeqCst);
+        etcd.revoke(first).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while held.shared.lease.load(Ordering::SeqCst) == first {
+            assert!(
+                Instant::now() < deadline,
+                "the keep-alive never announced again"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        held.shared
+            .write(next, Some(Bytes::from_static(b"table 2")))
+            .await
+            .unwrap();
+        let fetched = etcd
+            .fetch(model, &[0])
+            .await
+            .expect("the record names blobs that exist");
+        let a = &fetched[0].announcement;
+        assert_eq!((a.step, a.incarnation), (2, 7));
+        assert_eq!(
+            (&a.table[..], &a.metadata[..]),
+            (&b"table 2"[..], &b"meta 0"[..])
+        );
     }
 }
