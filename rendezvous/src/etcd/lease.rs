@@ -51,8 +51,11 @@ const WRITE_RETRY_FOR: Duration = Duration::from_secs(2);
 /// and tried again. A write that reaches a member whose leader just died waits there for etcd's
 /// own request timeout (about 7 s; docs/deployment.md, "The chaos run") although a new leader is
 /// elected in about a second, and one sent to a stopped member waits for the client's request
-/// timeout. Abandoning is safe: the attempt's puts, if etcd still commits them, come before the
-/// retry's in Raft's order and hold the same blob and record, under the same lease.
+/// timeout. Abandoning is safe although etcd may still apply the abandoned requests, even after
+/// later writes (one queued at a stopped member runs when it runs again): the record's put is
+/// guarded by the revision it follows, so a late one is refused (`Etcd::put_held`), and a retry
+/// that finds its own record already there takes it as written. A late blob put can only leave
+/// an orphaned table under this rank's lease, which goes with the lease.
 const WRITE_ATTEMPT_FOR: Duration = Duration::from_secs(2);
 
 /// The first pause before a broken keep-alive stream is opened again (doubling up to a third
@@ -64,10 +67,15 @@ pub(super) fn lease_not_found(e: &Error) -> bool {
     e.message().contains("lease not found")
 }
 
+/// The revision a transaction committed at: the revision of every key it put.
+fn txn_revision(r: &etcd_client::TxnResponse) -> i64 {
+    r.header().map_or(0, |h| h.revision())
+}
+
 /// What a claim found.
 enum Claimed {
-    /// The record is written, attached to the lease.
-    Written,
+    /// The record is written, attached to the lease: the key's revision.
+    Written(i64),
     /// Another live process holds the rank: the error says who.
     Held(Error),
 }
@@ -91,25 +99,53 @@ impl Etcd {
             .map_err(|e| Error::new(ErrorKind::Internal, format!("member record to JSON: {e}")))
     }
 
-    /// Puts `record` only while its key is attached to `lease`; false when it is not (the key
-    /// is gone, or another process's lease holds it).
-    async fn put_held(&self, model: &str, record: &Record, lease: i64) -> Result<bool> {
+    /// Puts `record` only while its key is attached to `lease` and, given `after`, was last
+    /// written at revision `after`: the key's revision after the put, or `None` when the key is
+    /// gone or another process's lease holds it. A refused put whose key already holds exactly
+    /// `record` under `lease` counts as written: an earlier attempt of the same write committed
+    /// and its answer was lost or abandoned.
+    ///
+    /// `after` is what keeps a stale attempt from landing late. An abandoned attempt can sit in
+    /// a stopped etcd member's queue and be applied once the member runs again, after later
+    /// writes of this rank; guarded by the revision it was meant to follow, it is refused
+    /// instead of putting an old step back (whose table blobs a later write deleted).
+    async fn put_held(
+        &self,
+        model: &str,
+        record: &Record,
+        lease: i64,
+        after: Option<i64>,
+    ) -> Result<Option<i64>> {
         let key = member_key(model, record.rank);
         let value = self.encode_record(model, record)?;
+        let mut when = vec![Compare::lease(key.clone(), CompareOp::Equal, lease)];
+        if let Some(rev) = after {
+            when.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rev));
+        }
         let txn = Txn::new()
-            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
+            .when(when)
             .and_then([TxnOp::put(
-                key,
-                value,
+                key.clone(),
+                value.clone(),
                 Some(PutOptions::new().with_lease(lease)),
-            )]);
+            )])
+            .or_else([TxnOp::get(key, None)]);
         let r = self
             .client
             .clone()
             .txn(txn)
             .await
             .map_err(|e| self.err("write a member record to", e))?;
-        Ok(r.succeeded())
+        if r.succeeded() {
+            return Ok(Some(txn_revision(&r)));
+        }
+        let kv = r.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+            _ => None,
+        });
+        Ok(kv
+            .filter(|kv| kv.lease() == lease && kv.value() == value.as_slice())
+            .map(|kv| kv.mod_revision()))
     }
 
     /// The remaining TTL of `lease` in whole seconds (rounded down: 0 for a live lease with
@@ -185,7 +221,7 @@ impl Etcd {
                 .await
                 .map_err(|e| self.err("claim a member record at", e))?;
             if r.succeeded() {
-                return Ok(Claimed::Written);
+                return Ok(Claimed::Written(txn_revision(&r)));
             }
             let kv = r.op_responses().into_iter().find_map(|op| match op {
                 TxnOpResponse::Get(g) => g.kvs().first().cloned(),
@@ -197,8 +233,8 @@ impl Etcd {
             let other = kv.lease();
             if other == lease {
                 // Already ours (a claim whose answer was lost): a guarded write finishes it.
-                if self.put_held(model, record, lease).await? {
-                    return Ok(Claimed::Written);
+                if let Some(rev) = self.put_held(model, record, lease, None).await? {
+                    return Ok(Claimed::Written(rev));
                 }
                 continue;
             }
@@ -269,6 +305,9 @@ struct State {
     record: Record,
     /// The table `record.table` refers to, to write again under a new lease.
     table: Bytes,
+    /// The member key's revision after `record` was written: the next write is put only over
+    /// it (`Etcd::put_held`).
+    revision: i64,
 }
 
 /// What the handle and its keep-alive task share.
@@ -335,6 +374,7 @@ impl Held {
                 lease: 0,
                 record: record.clone(),
                 table: a.table.clone(),
+                revision: 0,
             }),
             fatal: Mutex::new(None),
         };
@@ -388,10 +428,11 @@ impl Shared {
         }
         .await;
         match written {
-            Ok(Claimed::Written) => Ok(Ok(State {
+            Ok(Claimed::Written(revision)) => Ok(Ok(State {
                 lease,
                 record,
                 table,
+                revision,
             })),
             Ok(Claimed::Held(e)) => {
                 let _ = self.etcd.revoke(lease).await;
@@ -418,10 +459,11 @@ impl Shared {
             let prefix = blob_prefix(&self.model, self.rank, lease, &name);
             next.table = self.etcd.put_blob(prefix, &table, lease).await?;
             match self.etcd.claim(&self.model, &next, lease).await? {
-                Claimed::Written => Ok(State {
+                Claimed::Written(revision) => Ok(State {
                     lease,
                     record: next,
                     table,
+                    revision,
                 }),
                 Claimed::Held(e) => Err(e),
             }
@@ -505,6 +547,7 @@ impl Shared {
         let lease = state.lease;
         let table = new_table.clone().unwrap_or_else(|| state.table.clone());
         let old = state.record.table.prefix.clone();
+        let after = state.revision;
         let bound = WRITE_ATTEMPT_FOR.min(self.etcd.options.request_timeout);
         let attempt = self
             .etcd
@@ -514,14 +557,17 @@ impl Shared {
                     let prefix = blob_prefix(&self.model, self.rank, lease, &name);
                     next.table = self.etcd.put_blob(prefix, t, lease).await?;
                 }
-                self.etcd.put_held(&self.model, &next, lease).await
+                self.etcd
+                    .put_held(&self.model, &next, lease, Some(after))
+                    .await
             })
             .await;
         match attempt {
-            Ok(true) => {
+            Ok(Some(revision)) => {
                 let new = next.table.prefix.clone();
                 state.record = next;
                 state.table = table;
+                state.revision = revision;
                 // An empty prefix is the first table's absent predecessor (and would delete
                 // every key). Readers of the previous record read at its revision, where these
                 // keys still are.
@@ -539,7 +585,7 @@ impl Shared {
                 }
                 Ok(())
             }
-            Ok(false) => self.recover(&mut state, next, table).await,
+            Ok(None) => self.recover(&mut state, next, table).await,
             Err(e) if lease_not_found(&e) => self.recover(&mut state, next, table).await,
             Err(e) => Err(e),
         }
@@ -807,5 +853,73 @@ mod tests {
             (&a.table[..], &a.metadata[..]),
             (&b"table 2"[..], &b"meta 0"[..])
         );
+    }
+
+    /// The member key's revision in etcd now.
+    async fn key_revision(etcd: &Etcd, model: &str) -> i64 {
+        let r = etcd.client.clone().get(member_key(model, 0), None).await;
+        r.unwrap().kvs()[0].mod_revision()
+    }
+
+    /// An abandoned attempt of a record write that etcd applies late (one queued at a stopped
+    /// member runs when the member runs again) is refused once a later write landed, so the
+    /// record never goes back to an old step whose table blobs are deleted; and a retry that
+    /// finds its own abandoned attempt committed takes it as written, without a second put.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_attempt_applied_late_is_refused_and_a_retry_of_a_committed_one_is_done() {
+        let Some(url) = private_etcd("late-write") else {
+            return;
+        };
+        let etcd = Etcd::connect(&url, EtcdOptions::default()).await.unwrap();
+        let model = "late-write";
+        let held = Held::announce(
+            &etcd,
+            Announcement {
+                model: model.into(),
+                rank: 0,
+                world: 1,
+                step: 1,
+                transport: "loopback".into(),
+                incarnation: 7,
+                table: Bytes::from_static(b"table 1"),
+                metadata: Bytes::from_static(b"meta 0"),
+                config: Bytes::from_static(b"{}"),
+            },
+        )
+        .await
+        .unwrap();
+        let lease = held.shared.lease.load(Ordering::SeqCst);
+        let first = held.shared.state.lock().await.revision;
+        assert_eq!(first, key_revision(&etcd, model).await);
+        // A note's write, as its abandoned attempt sent it: over the announcement's revision.
+        let mut noted = held.shared.current().await;
+        noted.note = Some("draining".into());
+        let attempt = || etcd.put_held(model, &noted, lease, Some(first));
+        // The attempt commits although its caller gave up on it; the retry finds it there.
+        let committed = attempt()
+            .await
+            .unwrap()
+            .expect("the first attempt is written");
+        held.set_note(Some("draining".into())).await.unwrap();
+        assert_eq!(held.shared.state.lock().await.revision, committed);
+        assert_eq!(
+            key_revision(&etcd, model).await,
+            committed,
+            "the retry put the record a second time (or announced again)"
+        );
+        assert_eq!(held.shared.lease.load(Ordering::SeqCst), lease);
+        // A later step lands; then the same attempt is applied again, late.
+        held.advance(2, Bytes::from_static(b"table 2"))
+            .await
+            .unwrap();
+        let later = key_revision(&etcd, model).await;
+        assert_eq!(attempt().await.unwrap(), None, "a late attempt was written");
+        assert_eq!(key_revision(&etcd, model).await, later);
+        let fetched = etcd
+            .fetch(model, &[0])
+            .await
+            .expect("the record names blobs that exist");
+        let a = &fetched[0].announcement;
+        assert_eq!((a.step, &a.table[..]), (2, &b"table 2"[..]));
     }
 }
