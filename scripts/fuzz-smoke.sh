@@ -33,20 +33,42 @@ fi
 # same flags, or it would rebuild without them.
 cargo fuzz build -O -a
 
-for t in "${targets[@]}"; do
+# One target's smoke run, its outcome left in work/<target>.status for the summary below.
+smoke() {
+    local t=$1 log="work/$1.log"
     mkdir -p "work/$t" "corpus/$t"
-    echo "== fuzz $t for ${SECONDS_PER_TARGET}s"
     # Allocation limits: decoders must bound allocations by the input size, so a single
     # malloc above 512 MiB or a process above 2 GiB is a failure, not a slow run.
-    log="work/$t.log"
-    if ! cargo fuzz run -O -a "$t" "work/$t" "corpus/$t" -- \
+    if cargo fuzz run -O -a "$t" "work/$t" "corpus/$t" -- \
         -max_total_time="$SECONDS_PER_TARGET" \
         -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 \
         -print_final_stats=1 >"$log" 2>&1; then
+        echo ok >"work/$t.status"
+    else
+        echo failed >"work/$t.status"
+    fi
+}
+
+# Each libFuzzer process runs on one core: as many targets run at once as there are cores
+# (FUZZ_JOBS), which halves this phase on CI's two.
+jobs_max=${FUZZ_JOBS:-$(nproc)}
+for t in "${targets[@]}"; do
+    while (($(jobs -rp | wc -l) >= jobs_max)); do
+        wait -n || true
+    done
+    rm -f "work/$t.status"
+    echo "== fuzz $t for ${SECONDS_PER_TARGET}s"
+    smoke "$t" &
+done
+wait
+for t in "${targets[@]}"; do
+    log="work/$t.log"
+    if [[ "$(cat "work/$t.status" 2>/dev/null)" != ok ]]; then
         tail -n 80 "$log" >&2
         echo "FAILED: fuzz target $t; the input is under fuzz/artifacts/$t/, the log in fuzz/$log" >&2
         exit 1
     fi
+    echo "== $t"
     grep -E '^stat::(number_of_executed_units|peak_rss_mb)' "$log" || true
 done
 echo "fuzz smoke: ${#targets[@]} targets, ${SECONDS_PER_TARGET}s each, no crash"
