@@ -793,6 +793,21 @@ mod tests {
         Some(String::from_utf8(out.stdout).unwrap().trim().to_string())
     }
 
+    /// Rank 0 of 1 of `model` at step 1, as the tests here announce it.
+    fn step_one(model: &str) -> Announcement {
+        Announcement {
+            model: model.into(),
+            rank: 0,
+            world: 1,
+            step: 1,
+            transport: "loopback".into(),
+            incarnation: 7,
+            table: Bytes::from_static(b"table 1"),
+            metadata: Bytes::from_static(b"meta 0"),
+            config: Bytes::from_static(b"{}"),
+        }
+    }
+
     /// A write whose record was copied (`current`) before the keep-alive announced the rank
     /// again under a new lease names the new lease's blobs, not the ones etcd deleted with the
     /// old lease: a receiver can fetch what it wrote. The chaos run found this race (a publisher
@@ -808,22 +823,7 @@ mod tests {
         };
         let etcd = Etcd::connect(&url, options).await.unwrap();
         let model = "stale-write";
-        let held = Held::announce(
-            &etcd,
-            Announcement {
-                model: model.into(),
-                rank: 0,
-                world: 1,
-                step: 1,
-                transport: "loopback".into(),
-                incarnation: 7,
-                table: Bytes::from_static(b"table 1"),
-                metadata: Bytes::from_static(b"meta 0"),
-                config: Bytes::from_static(b"{}"),
-            },
-        )
-        .await
-        .unwrap();
+        let held = Held::announce(&etcd, step_one(model)).await.unwrap();
         // The next step's record, copied now, as `advance` does before it writes.
         let mut next = held.shared.current().await;
         (next.step, next.ready) = (2, true);
@@ -872,22 +872,7 @@ mod tests {
         };
         let etcd = Etcd::connect(&url, EtcdOptions::default()).await.unwrap();
         let model = "late-write";
-        let held = Held::announce(
-            &etcd,
-            Announcement {
-                model: model.into(),
-                rank: 0,
-                world: 1,
-                step: 1,
-                transport: "loopback".into(),
-                incarnation: 7,
-                table: Bytes::from_static(b"table 1"),
-                metadata: Bytes::from_static(b"meta 0"),
-                config: Bytes::from_static(b"{}"),
-            },
-        )
-        .await
-        .unwrap();
+        let held = Held::announce(&etcd, step_one(model)).await.unwrap();
         let lease = held.shared.lease.load(Ordering::SeqCst);
         let first = held.shared.state.lock().await.revision;
         assert_eq!(first, key_revision(&etcd, model).await);
