@@ -30,7 +30,11 @@ export RESHARD_NIXL_HOME=${RESHARD_NIXL_HOME:-$root/.deps/nixl}
 # the same way (no byte lands after the batch ends), and a read into freed memory caught too
 # (docs/in-flight-safety.md). Once is enough, and they are a fifth of the suite's time.
 echo "test.sh: cargo test at ${SECONDS}s"
-cargo test --workspace --release -- --skip quiesc
+# Every library, binary and test target, then the doc tests: not the examples, which hold no
+# tests (clippy's --all-targets, .ci/run, compiles them) and cost half a minute to build in
+# release.
+cargo test --workspace --release --lib --bins --tests -- --skip quiesc
+cargo test --workspace --release --doc
 # The conformance crate's own tests of its capability gate include generated tests named
 # `quiesc*` that check a family reports itself inapplicable; they touch no in-flight memory, so
 # the AddressSanitizer pass (backends only) does not run them, and the skip above would leave
