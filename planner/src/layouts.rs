@@ -54,6 +54,43 @@ pub fn column_parallel(spec: &TensorSpec, tp: u32, rank: u32) -> Result<TensorBo
     split_box(&spec.name, &spec.shape, 0, tp as u64, rank as u64)
 }
 
+/// vLLM pads a vocabulary to a multiple of this many rows before it splits it over TP ranks
+/// (`VocabParallelEmbedding`, `ParallelLMHead`; docs/models.md).
+pub const VOCAB_PADDING: u64 = 64;
+
+/// The rows of a vocab-parallel tensor (`[vocab, ...]`) that TP rank `rank` of `tp` holds, and
+/// how many rows its parameter has. As vLLM does it: the vocabulary is padded to a multiple of
+/// [`VOCAB_PADDING`], each rank's parameter has `padded / tp` rows, rank `r` holds the real rows
+/// from `r * padded / tp` on, and the rows past the real vocabulary are padding (zero, never
+/// read). With a vocabulary that is a multiple of 64 this is [`column_parallel`].
+pub fn vocab_parallel(spec: &TensorSpec, tp: u32, rank: u32) -> Result<(TensorBox, u64)> {
+    let err = |m: String| Error::new(ErrorKind::Layout, m).with_tensor(&spec.name);
+    let Some(&vocab) = spec.shape.first() else {
+        return Err(err("a vocab-parallel tensor has no dimension to split".into()));
+    };
+    let padded = vocab
+        .div_ceil(VOCAB_PADDING)
+        .checked_mul(VOCAB_PADDING)
+        .ok_or_else(|| err(format!("vocabulary {vocab} overflows when padded")))?;
+    let tp = tp as u64;
+    if tp == 0 || rank as u64 >= tp || padded % tp != 0 {
+        return Err(err(format!(
+            "the vocabulary of {vocab} rows, padded to {padded} (a multiple of \
+             {VOCAB_PADDING}), does not split into {tp} TP ranks (rank {rank})"
+        )));
+    }
+    let per = padded / tp;
+    let lo = (rank as u64 * per).min(vocab);
+    let hi = (rank as u64 * per + per).min(vocab);
+    if lo == hi {
+        return Err(err(format!(
+            "TP rank {rank} of {tp} would hold only padding of the vocabulary ({vocab} rows \
+             padded to {padded}, {per} per rank): use fewer TP ranks"
+        )));
+    }
+    Ok((row_block(spec, lo, hi - lo), per))
+}
+
 /// The dim-1 (input) slice of a row-parallel tensor held by TP rank `rank` of `tp`.
 pub fn row_parallel(spec: &TensorSpec, tp: u32, rank: u32) -> Result<TensorBox> {
     split_box(&spec.name, &spec.shape, 1, tp as u64, rank as u64)
@@ -374,16 +411,21 @@ impl<'m> ReceiverLayouts<'m> {
         }
     }
 
-    /// The box of tensor `i` that receiver rank `rank` holds, and its expert position in a
-    /// stacked parameter; `None` for an expert this rank does not hold.
-    fn wanted_box(&self, rank: u32, i: usize) -> Result<Option<(TensorBox, u64)>> {
+    /// The box of tensor `i` that receiver rank `rank` holds, its expert position in a stacked
+    /// parameter, and the rows it takes in its parameter's slot (more than the box's for a
+    /// padded vocabulary); `None` for an expert this rank does not hold.
+    fn wanted_box(&self, rank: u32, i: usize) -> Result<Option<(TensorBox, u64, u64)>> {
         let (model, idx, tp) = (self.model, &self.idx, self.recv.tp);
         let (tp_rank, _) = self.recv.coords(rank);
         let spec = &idx.specs()[i];
         let place = idx.place(i);
         let b = match idx.rule(i)?.shard {
             Shard::Replicated => spec.full_box(),
-            Shard::Vocab | Shard::Column | Shard::QHeads => column_parallel(spec, tp, tp_rank)?,
+            Shard::Vocab => {
+                let (b, rows) = vocab_parallel(spec, tp, tp_rank)?;
+                return Ok(Some((b, 0, rows)));
+            }
+            Shard::Column | Shard::QHeads => column_parallel(spec, tp, tp_rank)?,
             Shard::Row => row_parallel(spec, tp, tp_rank)?,
             Shard::KvHeads => {
                 let (first, n) = kv_heads_for_rank(model, tp, tp_rank)?;
@@ -403,10 +445,12 @@ impl<'m> ReceiverLayouts<'m> {
                 } else {
                     row_parallel(spec, tp, tp_rank)?
                 };
-                return Ok(Some((b, e - first)));
+                let rows = b.extent[0];
+                return Ok(Some((b, e - first, rows)));
             }
         };
-        Ok(Some((b, 0)))
+        let rows = b.extent[0];
+        Ok(Some((b, 0, rows)))
     }
 
     /// Appends the parameters filled by tensors `range` (one layer, or the globals) of rank
@@ -456,7 +500,7 @@ impl<'m> ReceiverLayouts<'m> {
     fn push_copy(&self, rank: u32, i: usize, accs: &mut Vec<Acc>) -> Result<()> {
         let idx = &self.idx;
         {
-            let Some((b, j)) = self.wanted_box(rank, i)? else {
+            let Some((b, j, rows)) = self.wanted_box(rank, i)? else {
                 return Ok(());
             };
             let rule = idx.rule(i)?;
@@ -482,7 +526,7 @@ impl<'m> ReceiverLayouts<'m> {
                 acc.slots.resize(slot + 1, None);
             }
             if acc.slots[slot].is_none() {
-                acc.slots[slot] = Some((b.extent[0], b.extent[1..].to_vec()));
+                acc.slots[slot] = Some((rows, b.extent[1..].to_vec()));
             }
             acc.copies.push((i, b, slot, j));
         }

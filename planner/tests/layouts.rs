@@ -35,7 +35,7 @@ fn tiny_dense() -> ModelConfig {
         head_dim: 2,
         intermediate: 8,
         moe: None,
-        vocab: 12,
+        vocab: 256,
         tied_embeddings: true,
         qk_norm: false,
         dtype: DType::F32,
@@ -524,24 +524,59 @@ fn vocab_parallel_embedding_and_head() {
         let l = receiver_layout(&model, &recv(4), t as u32).unwrap();
         for name in ["model.embed_tokens.weight", "lm_head.weight"] {
             let p = param(&l, name);
-            assert_eq!(p.shape, vec![4, 8]);
+            assert_eq!(p.shape, vec![64, 8]);
             assert_eq!(
                 p.copies[0].src_box,
-                TensorBox::new(vec![t * 4, 0], vec![4, 8])
+                TensorBox::new(vec![t * 64, 0], vec![64, 8])
             );
         }
     }
+    // vLLM pads a vocabulary to a multiple of 64 and splits the padded one: 1,000 rows become
+    // 1,024, 512 per rank; rank 1 holds rows 512..1000 in the first 488 rows of its 512, and
+    // the rest is padding no copy writes.
+    let mut m = tiny_moe();
+    m.vocab = 1000;
+    for (t, rows) in [(0u64, 512u64), (1, 488)] {
+        let l = receiver_layout(&m, &recv(2), t as u32).unwrap();
+        for name in ["model.embed_tokens.weight", "lm_head.weight"] {
+            let p = param(&l, name);
+            assert_eq!(p.shape, vec![512, 8], "{name} of rank {t}");
+            assert_eq!(p.copies.len(), 1);
+            assert_eq!(
+                (&p.copies[0].src_box, p.copies[0].dst_offset),
+                (&TensorBox::new(vec![t * 512, 0], vec![rows, 8]), 0)
+            );
+        }
+    }
+    // Qwen's 151,935-row vocabulary: 151,936 padded, 75,968 per rank of TP2.
     let m = preset("qwen3-30b-a3b")
         .unwrap()
         .with_overrides(Some(1), Some(8), Some(151_935))
         .unwrap();
-    let e = receiver_layout(&m, &recv(2), 0).unwrap_err();
+    let l = receiver_layout(&m, &recv(2), 1).unwrap();
+    let p = param(&l, "model.embed_tokens.weight");
+    assert_eq!(p.shape[0], 75_968);
+    assert_eq!(p.copies[0].src_box.offset[0], 75_968);
+    assert_eq!(p.copies[0].src_box.extent[0], 75_967);
+    // A padded vocabulary TP does not divide (1,024 over 3), and a rank that would hold only
+    // padding (16 rows padded to 64, 32 per rank of TP2: rank 1 has none), are typed errors
+    // naming the tensor.
+    let mut m = tiny_moe();
+    m.heads = 6;
+    m.kv_heads = 3;
+    m.vocab = 1000;
+    let e = receiver_layout(&m, &recv(3), 0).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Layout);
     assert_eq!(
         e.context().tensor.as_deref(),
         Some("model.embed_tokens.weight")
     );
-    assert!(e.message().contains("151935"), "{e}");
+    assert!(e.message().contains("1024"), "{e}");
+    m = tiny_moe();
+    m.vocab = 16;
+    let e = receiver_layout(&m, &recv(2), 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Layout);
+    assert!(e.message().contains("only padding"), "{e}");
 }
 
 #[test]
@@ -948,6 +983,7 @@ fn impossible_publisher_topologies_are_errors() {
     );
     // A vocabulary of 12 over tp=8, with heads that do split.
     let mut m = tiny_dense();
+    m.vocab = 12;
     m.heads = 8;
     m.kv_heads = 8;
     let e = publisher_geometry(&m, &topo("tp=8")).unwrap_err();

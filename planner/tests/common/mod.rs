@@ -18,7 +18,7 @@ pub fn tiny_moe(experts: u64) -> ModelConfig {
             experts,
             expert_intermediate: 8,
         }),
-        vocab: 16,
+        vocab: 256,
         tied_embeddings: false,
         qk_norm: true,
         dtype: DType::Bf16,
