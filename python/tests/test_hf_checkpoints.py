@@ -43,10 +43,10 @@ TRANSPORT = os.environ.get("HFCKPT_TRANSPORT", "cma")
 
 # What reshard implements: every family, both dtype keys, sharded and single-file checkpoints,
 # DeepSeek's router bias stored as float32 in a bf16 model (as DeepSeek-V3 and Kimi-K2 store
-# it). Not yet: vLLM's padded vocabulary (a vocabulary TP does not divide into multiples of 64).
+# it), and vLLM's padded vocabulary (a vocabulary that is no multiple of 64).
 SUPPORTED = {"llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_moe_dense_layers",
              "mixtral", "deepseek_v3", "kimi_k2", "tied", "sharded", "single_file",
-             "torch_dtype", "dtype_key", "router_bias_f32"}
+             "torch_dtype", "dtype_key", "router_bias_f32", "vocab_padding"}
 if os.environ.get("HFCKPT_FEATURES") == "all":
     SUPPORTED = None
 
