@@ -66,7 +66,9 @@ pub const VOCAB_PADDING: u64 = 64;
 pub fn vocab_parallel(spec: &TensorSpec, tp: u32, rank: u32) -> Result<(TensorBox, u64)> {
     let err = |m: String| Error::new(ErrorKind::Layout, m).with_tensor(&spec.name);
     let Some(&vocab) = spec.shape.first() else {
-        return Err(err("a vocab-parallel tensor has no dimension to split".into()));
+        return Err(err(
+            "a vocab-parallel tensor has no dimension to split".into()
+        ));
     };
     let padded = vocab
         .div_ceil(VOCAB_PADDING)
