@@ -159,6 +159,7 @@ impl WirePair {
                 local_region: self.dst_reg.id(),
                 local_offset: i * shape.read_bytes,
                 len: shape.read_bytes,
+                remote_rows: None,
             })
             .collect();
         Ok(ReadBatch { reads })

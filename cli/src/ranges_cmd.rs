@@ -92,6 +92,7 @@ async fn ranges(args: RangesArgs) -> Result<Outcome> {
                     local_region: rd.id(),
                     local_offset: off,
                     len: l,
+                    remote_rows: None,
                 }
             })
             .collect();

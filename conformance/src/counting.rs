@@ -141,6 +141,7 @@ pub fn read(
         local_region: dst.id(),
         local_offset: dst_offset,
         len,
+        remote_rows: None,
     }
 }
 

@@ -135,6 +135,7 @@ async fn side(h: &Harness, s: &Source, agent: &str) -> Side {
             local_region: reg.id(),
             local_offset: i * READ_LEN,
             len: READ_LEN,
+            remote_rows: None,
         })
         .collect();
     let prepared = rx.prepare(ReadBatch { reads }).await.expect("prepare");

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::MemoryBlock;
 use crate::model::{MemoryKind, OwnerId};
 use crate::overlap::{first_overlap_of, space, Span};
-use crate::transport::{ReadBatch, ReadDesc};
+use crate::transport::{ReadBatch, ReadDesc, RemoteRows};
 
 /// What a backend knows about a remote region a read names, from its loaded peer metadata.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,7 +70,9 @@ pub fn span(off: u64, len: u64) -> Range<u64> {
 /// 1. zero length: `OutOfBounds`;
 /// 2. owner not loaded (`remote` says [`RemoteLookup::NoPeer`]): `PeerUnknown`;
 /// 3. remote region not advertised: `OutOfBounds`;
-/// 4. remote range past the region's end, or `offset + len` overflowing: `OutOfBounds`;
+/// 4. a malformed gather ([`RemoteRows`]: empty rows, a length no multiple of them, rows
+///    closer than their length): `InvalidInput`; remote range (a gather's whole span) past the
+///    region's end, or overflowing: `OutOfBounds`;
 /// 5. local region not registered (`local` says `None`), local range past its end or
 ///    overflowing: `OutOfBounds`;
 /// 6. two reads writing the same local bytes, compared by address (one memory registered as
@@ -102,10 +104,20 @@ pub fn validate_batch(
     // Destinations by address, for check 6.
     let mut spans: Vec<Span> = Vec::with_capacity(batch.reads.len());
     for (i, r) in batch.reads.iter().enumerate() {
-        let rrange = span(r.remote_offset, r.len);
+        let rrange = span(r.remote_offset, r.remote_span().unwrap_or(r.len));
         if r.len == 0 {
             let msg = format!("read {i} has zero length");
             return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
+        }
+        if let Some(RemoteRows { row_bytes, pitch }) = r.remote_rows {
+            if row_bytes == 0 || r.len % row_bytes != 0 || pitch < row_bytes {
+                let msg = format!(
+                    "read {i}: gather of {} bytes in rows of {row_bytes} bytes at a pitch of \
+                     {pitch} (rows must be non-empty, divide the read and not overlap)",
+                    r.len
+                );
+                return Err(err(ErrorKind::InvalidInput, r, rrange, msg));
+            }
         }
         let found = match last_remote {
             Some((o, g, found)) if (o, g) == (r.owner, r.remote_region) => found,
@@ -132,7 +144,10 @@ pub fn validate_batch(
                 return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
             }
         };
-        if r.remote_offset.checked_add(r.len).is_none_or(|e| e > rlen) {
+        let end = r
+            .remote_span()
+            .and_then(|n| r.remote_offset.checked_add(n));
+        if end.is_none_or(|e| e > rlen) {
             let msg = format!(
                 "read {i}: bytes {}..{} outside region {} of owner {} ({rlen} bytes)",
                 rrange.start, rrange.end, r.remote_region, r.owner
@@ -251,6 +266,7 @@ mod tests {
             local_region: 5,
             local_offset: 0,
             len,
+            remote_rows: None,
         }
     }
 
@@ -317,6 +333,63 @@ mod tests {
     fn remote_range_past_the_end_is_out_of_bounds() {
         let m = refused(read(1, 10, 90, 11), ErrorKind::OutOfBounds, 90..101);
         assert!(m.contains("region 10") && m.contains("(100 bytes)"), "{m}");
+    }
+
+    fn gather(remote_offset: u64, len: u64, row_bytes: u64, pitch: u64) -> ReadDesc {
+        ReadDesc {
+            remote_rows: Some(RemoteRows { row_bytes, pitch }),
+            ..read(1, 10, remote_offset, len)
+        }
+    }
+
+    #[test]
+    fn a_gather_is_checked_over_its_whole_source_span() {
+        // Rows 0..4, 30..34, 60..64, 90..94: the span ends at byte 94 of 100.
+        check(vec![
+            read(1, 10, 0, 10),
+            ReadDesc {
+                local_offset: 10,
+                ..gather(0, 16, 4, 30)
+            },
+        ])
+        .unwrap();
+        // Three rows of 4 at pitch 48 from byte 8 end at 8 + 96 + 4 = 108 > 100, although the
+        // 12 bytes it moves would fit from byte 8.
+        let m = refused(gather(8, 12, 4, 48), ErrorKind::OutOfBounds, 8..108);
+        assert!(m.contains("bytes 8..108 outside region 10"), "{m}");
+        // A span that overflows u64 is out of bounds too.
+        let e = check(vec![ReadDesc {
+            remote_region: 11,
+            ..gather(0, 8, 4, u64::MAX)
+        }])
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+    }
+
+    #[test]
+    fn a_malformed_gather_is_invalid_input() {
+        for (len, row, pitch) in [(8, 0, 4), (10, 4, 8), (8, 4, 3)] {
+            let m = refused(gather(0, len, row, pitch), ErrorKind::InvalidInput, 0..len);
+            assert!(m.contains("gather"), "{m}");
+        }
+        // Pitch equal to the row: a contiguous read written as a gather is fine.
+        check(vec![gather(0, 50, 10, 10)]).unwrap();
+    }
+
+    #[test]
+    fn remote_runs_cut_a_gather_at_rows() {
+        let g = gather(5, 12, 4, 10);
+        assert_eq!(g.remote_span(), Some(24));
+        let runs: Vec<_> = g.remote_runs(0, 12).collect();
+        assert_eq!(runs, [(5, 0, 4), (15, 4, 4), (25, 8, 4)]);
+        // A piece from the middle of a row to the middle of another.
+        let runs: Vec<_> = g.remote_runs(2, 9).collect();
+        assert_eq!(runs, [(7, 2, 2), (15, 4, 4), (25, 8, 1)]);
+        assert_eq!(g.remote_runs(12, 12).count(), 0);
+        // A contiguous read is one run.
+        let c = read(1, 10, 5, 12);
+        assert_eq!(c.remote_runs(3, 12).collect::<Vec<_>>(), [(8, 3, 9)]);
+        assert_eq!(c.remote_span(), Some(12));
     }
 
     #[test]

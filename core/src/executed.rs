@@ -53,6 +53,7 @@ pub fn read(
         local_region,
         local_offset,
         len,
+        remote_rows: None,
     }
 }
 
@@ -85,6 +86,7 @@ mod tests {
                 local_region: 3,
                 local_offset: 10,
                 len: 8,
+                remote_rows: None,
             }
         );
         assert_eq!(read(7, (2, 16), locals, 1010, 8, Some(4)).local_region, 4);

@@ -52,5 +52,5 @@ pub use plan::{
 pub use stats::median;
 pub use transport::{
     new_incarnation, Capability, ExecutionLog, InFlight, PreparedBatch, ReadBatch, ReadDesc,
-    Registration, Transport, WireReport,
+    Registration, RemoteRows, RemoteRuns, Transport, WireReport,
 };

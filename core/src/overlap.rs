@@ -151,6 +151,7 @@ mod tests {
             local_region: g,
             local_offset: off,
             len,
+            remote_rows: None,
         }
     }
 

@@ -91,7 +91,9 @@ impl fmt::Debug for Registration {
     }
 }
 
-/// One read: `len` bytes from an owner's region into a local registered region.
+/// One read: `len` bytes from an owner's region into a local registered region. They land
+/// contiguously from `local_offset`; at the source they are contiguous from `remote_offset`
+/// too, or, for a gather read ([`RemoteRows`]), rows at a pitch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReadDesc {
     /// Publisher that holds the source bytes.
@@ -106,6 +108,86 @@ pub struct ReadDesc {
     pub local_offset: u64,
     /// Bytes to move.
     pub len: u64,
+    /// `None`: the source bytes are contiguous. `Some`: a gather read, whose source is rows at
+    /// a pitch (docs/design.md §4, "Gather reads").
+    pub remote_rows: Option<RemoteRows>,
+}
+
+/// The source layout of a gather read: its `len` bytes are `len / row_bytes` rows of
+/// `row_bytes` bytes each, row `i` starting at `remote_offset + i * pitch` in the owner's
+/// region, and they land one after another from `local_offset` (the column block of a
+/// row-major matrix read into a narrower one: one descriptor instead of one read per row).
+/// [`crate::contract::validate_batch`] refuses `row_bytes == 0`, a `len` that is no multiple of
+/// it and `pitch < row_bytes`, so rows never share source bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteRows {
+    /// Bytes of one row.
+    pub row_bytes: u64,
+    /// Bytes from one row's first source byte to the next row's.
+    pub pitch: u64,
+}
+
+impl ReadDesc {
+    /// Bytes of the owner's region the read spans from `remote_offset`: `len` for a contiguous
+    /// read, `(rows - 1) * pitch + row_bytes` for a gather; `None` when that overflows or the
+    /// gather is malformed (see [`RemoteRows`]).
+    pub fn remote_span(&self) -> Option<u64> {
+        match self.remote_rows {
+            None => Some(self.len),
+            Some(RemoteRows { row_bytes, pitch }) => {
+                if row_bytes == 0 || self.len % row_bytes != 0 || pitch < row_bytes {
+                    return None;
+                }
+                (self.len / row_bytes - 1)
+                    .checked_mul(pitch)?
+                    .checked_add(row_bytes)
+            }
+        }
+    }
+
+    /// The contiguous source runs of the read's bytes `from..to` (offsets in the read, from its
+    /// first landing byte), in order: `(remote offset in the region, offset in the read,
+    /// bytes)`. One run for a contiguous read; one per row touched for a gather. The caller
+    /// keeps `from <= to <= len` and a read that passed [`crate::contract::validate_batch`].
+    pub fn remote_runs(&self, from: u64, to: u64) -> RemoteRuns {
+        let (row, pitch) = match self.remote_rows {
+            Some(RemoteRows { row_bytes, pitch }) if row_bytes > 0 => (row_bytes, pitch),
+            _ => (u64::MAX, 0),
+        };
+        RemoteRuns {
+            base: self.remote_offset,
+            row,
+            pitch,
+            at: from,
+            to: to.min(self.len),
+        }
+    }
+}
+
+/// Iterator of [`ReadDesc::remote_runs`].
+#[derive(Debug, Clone)]
+pub struct RemoteRuns {
+    base: u64,
+    /// Row bytes (`u64::MAX`: one contiguous run).
+    row: u64,
+    pitch: u64,
+    at: u64,
+    to: u64,
+}
+
+impl Iterator for RemoteRuns {
+    type Item = (u64, u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64, u64)> {
+        if self.at >= self.to {
+            return None;
+        }
+        let (r, c) = (self.at / self.row, self.at % self.row);
+        let n = (self.row - c).min(self.to - self.at);
+        let item = (self.base + r * self.pitch + c, self.at, n);
+        self.at += n;
+        Some(item)
+    }
 }
 
 /// Every read of one update, in plan order.

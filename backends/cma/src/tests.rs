@@ -147,6 +147,7 @@ async fn unreadable_source_memory_is_typed_at_load_and_at_the_read() {
         local_region: dst.id(),
         local_offset: off,
         len,
+        remote_rows: None,
     };
     let p = rx
         .prepare(ReadBatch {
@@ -199,6 +200,7 @@ async fn a_fault_part_way_through_a_call_names_the_read_it_hit() {
             local_region: dst.id(),
             local_offset: off,
             len,
+            remote_rows: None,
         })
         .to_vec();
     let p = rx.prepare(ReadBatch { reads }).await.unwrap();
@@ -316,6 +318,7 @@ async fn prepare_refuses_zero_length_and_local_ranges_outside_with_owner_and_ran
         local_region,
         local_offset,
         len,
+        remote_rows: None,
     };
     for (r, range) in [
         (read(dst.id(), 0, 0), 8..8),
@@ -359,6 +362,7 @@ async fn prepare_refuses_unknown_owners_regions_and_remote_ranges_outside() {
         local_region: dst.id(),
         local_offset: 0,
         len,
+        remote_rows: None,
     };
     for (r, kind, range) in [
         (read(3, src.id(), 8, 16), ErrorKind::PeerUnknown, 8..24),
@@ -419,6 +423,7 @@ async fn a_batch_prepared_before_its_destination_was_deregistered_is_refused_at_
                 local_region: dst.id(),
                 local_offset: 100,
                 len: 64,
+                remote_rows: None,
             }],
         })
         .await
@@ -548,6 +553,7 @@ async fn quiescence_is_bounded_when_a_read_never_returns() {
                 local_region: region,
                 local_offset: (p * page) as u64,
                 len: page as u64,
+                remote_rows: None,
             })
             .collect(),
     };

@@ -35,6 +35,7 @@ async fn measure(label: &str, read_len: usize, options: CmaOptions) {
             local_region: dst.id(),
             local_offset: (i * read_len) as u64,
             len: read_len as u64,
+            remote_rows: None,
         })
         .collect();
     let t = Instant::now();

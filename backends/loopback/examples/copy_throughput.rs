@@ -65,6 +65,7 @@ async fn main() -> reshard_core::Result<()> {
                 local_region: rd.id(),
                 local_offset: k * step,
                 len: step,
+                remote_rows: None,
             })
             .collect();
         let t = Instant::now();

@@ -47,6 +47,7 @@ async fn pair(len: u64, pieces: u64, workers: usize, faults: Faults) -> Pair {
             local_region: rd.id(),
             local_offset: k * step,
             len: step,
+            remote_rows: None,
         })
         .collect();
     Pair {

@@ -50,6 +50,7 @@ fn read(
         local_region: dst.id(),
         local_offset: dof,
         len,
+        remote_rows: None,
     }
 }
 

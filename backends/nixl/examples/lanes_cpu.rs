@@ -46,6 +46,7 @@ async fn main() -> reshard_core::Result<()> {
                 local_region: d.id(),
                 local_offset: i << 24,
                 len: 1 << 24,
+                remote_rows: None,
             })
             .collect();
         let prepared = rx.prepare(ReadBatch { reads }).await?;

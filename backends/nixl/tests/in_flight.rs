@@ -142,6 +142,7 @@ async fn rig(tag: &str, publishers: usize, timeout_ms: u64) -> Rig {
                     local_region: sink.id(),
                     local_offset: 0,
                     len: 4096,
+                    remote_rows: None,
                 }],
             })
             .await
@@ -180,6 +181,7 @@ impl Rig {
                     local_region: rd.id(),
                     local_offset: (k * LEN) as u64 + i * READ,
                     len: READ,
+                    remote_rows: None,
                 });
             }
         }

@@ -79,6 +79,7 @@ async fn reads_spread_over_the_lanes_and_each_lane_completes_its_share() {
                 local_region: rd.id(),
                 local_offset: k as u64 * len as u64 + at,
                 len: l,
+                remote_rows: None,
             });
             at += l;
         }
@@ -164,6 +165,7 @@ async fn a_single_lane_completes_every_request() {
             local_region: d.id(),
             local_offset: 0,
             len: 3 * MIB,
+            remote_rows: None,
         }],
     };
     let prepared = rx.prepare(batch).await.unwrap();

@@ -39,6 +39,7 @@ fn read(owner: u32, src: &Registration, dst: &Registration, off: u64, len: u64) 
         local_region: dst.id(),
         local_offset: off,
         len,
+        remote_rows: None,
     }
 }
 
@@ -168,6 +169,7 @@ async fn reloading_a_changed_peer_bumps_the_epoch_and_the_next_prepare_uses_it()
             local_region: rd.id(),
             local_offset: 4096,
             len: 4096,
+            remote_rows: None,
         }],
     };
     let e = b.prepare(want.clone()).await.expect_err("stale metadata");
@@ -216,6 +218,7 @@ async fn a_prepared_batch_is_reposted_byte_exact_across_many_updates() {
                 local_region: rd.id(),
                 local_offset: k as u64 * len as u64 + c * chunk,
                 len: chunk,
+                remote_rows: None,
             });
         }
     }

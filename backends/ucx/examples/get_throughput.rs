@@ -114,6 +114,7 @@ async fn main() -> reshard_core::Result<()> {
             local_region: rd.id(),
             local_offset: i * chunk,
             len: chunk,
+            remote_rows: None,
         })
         .collect();
     let prepared = receiver.prepare(ReadBatch { reads }).await?;

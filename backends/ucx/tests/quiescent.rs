@@ -122,6 +122,7 @@ fn chunked(p: &Pair, len: u64, chunk: u64) -> ReadBatch {
                 local_region: p.rd.id(),
                 local_offset: i * chunk,
                 len: chunk,
+                remote_rows: None,
             })
             .collect(),
     }
@@ -567,6 +568,7 @@ async fn quiescent_after_transport_dropped_and_waiter_woken_tcp() {
             local_region: rd.id(),
             local_offset: 0,
             len: 64 * MIB as u64,
+            remote_rows: None,
         }],
     };
     let prepared = receiver.prepare(batch).await.unwrap();
@@ -767,6 +769,7 @@ async fn shm_fast_path_refuses_a_region_larger_than_its_mapping() {
                 local_region: p.rd.id(),
                 local_offset: 0,
                 len: 4096,
+                remote_rows: None,
             }],
         };
         let e = p
@@ -815,6 +818,7 @@ async fn shm_fast_path_off_is_byte_exact() {
         local_region: p.rd.id(),
         local_offset: tail,
         len: len as u64 - tail,
+        remote_rows: None,
     });
     let prepared = p.receiver.prepare(batch).await.unwrap();
     for _ in 0..2 {
@@ -883,6 +887,7 @@ async fn one_memory_registered_twice_is_refused_in_one_batch_and_ordered_as_wave
                 local_region: da.id(),
                 local_offset: 0,
                 len: len as u64,
+                remote_rows: None,
             },
             ReadDesc {
                 owner: 2,
@@ -891,6 +896,7 @@ async fn one_memory_registered_twice_is_refused_in_one_batch_and_ordered_as_wave
                 local_region: db.id(),
                 local_offset: 0,
                 len: 4096,
+                remote_rows: None,
             },
         ],
     };
@@ -981,6 +987,7 @@ async fn the_later_of_two_racing_loads_of_an_owner_wins() {
                 local_region: scratch_id,
                 local_offset: i,
                 len: 1,
+                remote_rows: None,
             })
             .collect();
         tokio::spawn(async move { a.prepare(ReadBatch { reads }).await.map(|_| ()) })
@@ -1002,6 +1009,7 @@ async fn the_later_of_two_racing_loads_of_an_owner_wins() {
                 local_region: rd.id(),
                 local_offset: 0,
                 len: 1 << 20,
+                remote_rows: None,
             }],
         })
         .await

@@ -83,6 +83,7 @@ fn chunked(p: &Pair, len: u64, chunk: u64) -> ReadBatch {
                 local_region: p.rd.id(),
                 local_offset: i * chunk,
                 len: chunk,
+                remote_rows: None,
             })
             .collect(),
     }
@@ -332,6 +333,7 @@ async fn reads_in_flight_cap_smaller_than_the_batch_is_byte_exact() {
             local_region: p.rd.id(),
             local_offset: tail,
             len: len as u64 - tail,
+            remote_rows: None,
         });
         let prepared = p.receiver.prepare(batch).await.unwrap();
         for _ in 0..2 {
@@ -496,6 +498,7 @@ async fn ucx_allocated_memory_is_shared_by_endpoints_and_read_byte_exact() {
         local_region: rd.id(),
         local_offset: off,
         len: n,
+        remote_rows: None,
     };
     let batch = ReadBatch {
         reads: vec![read(1, &ra, 0, half), read(2, &rb, half, len as u64 - half)],
@@ -531,6 +534,7 @@ async fn ucx_allocated_memory_is_shared_by_endpoints_and_read_byte_exact() {
             local_region: rd2.id(),
             local_offset: 0,
             len: len as u64,
+            remote_rows: None,
         }],
     };
     let p = tcp_receiver.prepare(batch).await.unwrap();

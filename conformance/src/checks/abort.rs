@@ -57,6 +57,7 @@ fn read_every_offer(tables: &[ShardTable], dst_region: u64) -> (Vec<ReadDesc>, O
                     local_region: dst_region,
                     local_offset: at + k,
                     len: n,
+                    remote_rows: None,
                 });
                 k += n;
             }

@@ -449,6 +449,7 @@ mod tests {
                 local_region: reg.id(),
                 local_offset: 0,
                 len: p.len,
+                remote_rows: None,
             }],
         };
         let prepared = t.prepare(batch).await.unwrap();

@@ -232,6 +232,7 @@ mod tests {
                 local_region: dst.id(),
                 local_offset: i * 400,
                 len: if i == 9 { 496 } else { 400 },
+                remote_rows: None,
             })
             .collect();
         reads.reverse();

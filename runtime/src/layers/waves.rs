@@ -217,6 +217,7 @@ mod tests {
                 local_region: self.dst,
                 local_offset,
                 len,
+                remote_rows: None,
             }
         }
     }

@@ -49,6 +49,7 @@ async fn unstoppable_gets_are_quarantined_then_released() {
                 local_region: rd.id(),
                 local_offset: i * chunk,
                 len: chunk,
+                remote_rows: None,
             })
             .collect(),
     };
