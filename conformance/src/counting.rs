@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use reshard_core::{
     CompletionSink, ErrorKind, ExecutionLog, HashPlan, HostBuffer, MemoryBlock, OwnerId,
-    PreparedBatch, ReadBatch, ReadDesc, Registration, Result, SegmentFold, SegmentTask, Transport,
-    WireReport,
+    PreparedBatch, ReadBatch, ReadDesc, Registration, RemoteRows, Result, SegmentFold, SegmentTask,
+    Transport, WireReport,
 };
 use reshard_runtime::{Layer, Receiver, ReceiverOptions, WavesLayer};
 
@@ -490,6 +490,7 @@ fn sorted(mut v: Vec<ReadDesc>) -> Vec<ReadDesc> {
             r.local_region,
             r.local_offset,
             r.len,
+            r.remote_rows.map(|g| (g.row_bytes, g.pitch)),
         )
     });
     v
@@ -782,4 +783,192 @@ pub async fn copy_hashes_are_the_landed_bytes_and_stored_before_the_report(c: &C
             "a post without a hash plan stored hashes"
         );
     }
+}
+
+/// One gather read of [`gather_reads_land_their_rows_in_order_and_hash_what_landed`]: source
+/// region `src` (as in [`ReadAt`]), first row at `src_offset`, `rows` rows of `row` bytes at
+/// `pitch`, landing in destination `dst` from `dst_offset`.
+#[derive(Clone, Copy, Debug)]
+struct GatherAt {
+    src: usize,
+    src_offset: u64,
+    row: u64,
+    pitch: u64,
+    rows: u64,
+    dst: usize,
+    dst_offset: u64,
+}
+
+impl GatherAt {
+    fn desc(&self, s: &Setup) -> ReadDesc {
+        let (owner, reg) = &s.src[self.src];
+        ReadDesc {
+            remote_rows: (self.pitch != 0).then_some(RemoteRows {
+                row_bytes: self.row,
+                pitch: self.pitch,
+            }),
+            ..read(
+                *owner,
+                reg,
+                self.src_offset,
+                &s.dst[self.dst],
+                self.dst_offset,
+                self.row * self.rows,
+            )
+        }
+    }
+
+    /// The bytes the read must land: its rows of the source, one after another.
+    fn expected(&self, s: &Setup) -> Vec<u8> {
+        let (owner, j) = (s.src[self.src].0, self.src % 2);
+        let pitch = if self.pitch == 0 {
+            self.row
+        } else {
+            self.pitch
+        };
+        (0..self.rows)
+            .flat_map(|i| source_bytes(owner, j, self.src_offset + i * pitch, self.row))
+            .collect()
+    }
+}
+
+/// Gather reads ([`reshard_core::RemoteRows`]: rows at a pitch at the source, landing one after
+/// another): narrow rows (a TP column block), thousands of rows, rows as long as the pitch
+/// (contiguous), rows long enough for a backend to cut them into pieces, a single row, and a
+/// plain read beside them, over both owners (both of a backend's read paths). Each lands its
+/// rows in order, byte-exact, and is reported only once they all landed; `wait` counts the
+/// bytes moved (not the source bytes spanned); any hash a backend stores while copying is the
+/// hash of the bytes that landed; the execution log holds the gathers as posted; a gather whose
+/// last row passes its region's end is refused at `prepare` with `OutOfBounds` naming its
+/// owner and its whole source span, before any byte moves.
+pub async fn gather_reads_land_their_rows_in_order_and_hash_what_landed(c: &Counting) {
+    let s = setup(c).await;
+    let g = |src, src_offset, row, pitch, rows, dst, dst_offset| GatherAt {
+        src,
+        src_offset,
+        row,
+        pitch,
+        rows,
+        dst,
+        dst_offset,
+    };
+    let gathers = [
+        // Half of each 1536-byte row: a TP2 column block of a bf16 [300, 768] matrix.
+        g(0, 0, 768, 1536, 300, 0, 0),
+        // Thousands of narrow rows, from an odd offset.
+        g(3, 12, 24, 40, 3000, 1, 1000),
+        // Rows as long as the pitch: one contiguous run written as a gather.
+        g(1, 5000, 64, 64, 100, 1, 300_000),
+        // Two rows of 400 kB: long enough for a backend to cut each into pieces.
+        g(2, 0, 400_000, 600_000, 2, 0, 240_000),
+        // A plain read beside them (`pitch` 0: no `remote_rows`).
+        g(2, 777, 50_000, 0, 1, 1, 200_000),
+        // One row.
+        g(1, 100, 4096, 8192, 1, 1, 400_000),
+    ];
+    let batch = ReadBatch {
+        reads: gathers.iter().map(|x| x.desc(&s)).collect(),
+    };
+    let expected: Vec<Vec<u8>> = gathers.iter().map(|x| x.expected(&s)).collect();
+    let prepared = s.receiver.prepare(batch.clone()).await.expect("prepare");
+    let log = ExecutionLog::new();
+    assert!(s.receiver.set_execution_log(Some(log.clone())));
+    // Segments over each read's landed bytes, as the receiver plans them: 768 bytes each.
+    let mut tasks = Vec::new();
+    let mut slot = 0u32;
+    for (i, x) in gathers.iter().enumerate() {
+        let len = x.row * x.rows;
+        for k in 0..(len / 768).min(200) {
+            tasks.push((
+                i,
+                SegmentTask {
+                    offset: k * 768,
+                    len: 768,
+                    slot,
+                },
+            ));
+            slot += 1;
+        }
+    }
+    let plan = Arc::new(HashPlan::new(gathers.len(), slot as usize, tasks.clone()));
+    for round in 0..2u8 {
+        s.dst_bufs.iter().for_each(|b| b.write().fill(0x5A ^ round));
+        plan.begin();
+        let broken = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+        let sink = {
+            let (dst, broken) = (s.dst_bufs.clone(), broken.clone());
+            let at: Vec<_> = gathers.iter().map(|x| (x.dst, x.dst_offset)).collect();
+            let expected = expected.clone();
+            CompletionSink::new(move |i| {
+                let (d, off) = at[i];
+                let landed = dst[d].read();
+                let landed = &landed[off as usize..off as usize + expected[i].len()];
+                if landed != &expected[i][..] {
+                    broken
+                        .lock()
+                        .push(format!("read {i} reported before its rows landed"));
+                }
+            })
+            .with_hashes(plan.clone())
+        };
+        let report = s
+            .receiver
+            .post_reporting(&prepared, sink)
+            .await
+            .expect("post")
+            .wait()
+            .await
+            .expect("wait");
+        assert_eq!(*broken.lock(), Vec::<String>::new(), "round {round}");
+        assert_eq!(
+            (report.reads, report.bytes),
+            (gathers.len() as u64, batch.bytes()),
+            "round {round}: wait counts the bytes moved"
+        );
+        for (i, x) in gathers.iter().enumerate() {
+            let landed = s.dst_bufs[x.dst].read();
+            let at = x.dst_offset as usize;
+            let landed = &landed[at..at + expected[i].len()];
+            assert!(
+                landed == &expected[i][..],
+                "round {round}: gather {i} ({x:?}) did not land its rows in order (first \
+                 differing byte {:?})",
+                landed.iter().zip(&expected[i]).position(|(a, b)| a != b)
+            );
+            for (_, t) in tasks.iter().filter(|(r, _)| *r == i) {
+                let seg = &landed[t.offset as usize..(t.offset + u64::from(t.len)) as usize];
+                if let Some(h) = plan.hash(t.slot as usize, u64::from(t.len)) {
+                    assert_eq!(
+                        h,
+                        twox_hash::XxHash3_64::oneshot(seg),
+                        "round {round}: gather {i}: the hash of {} bytes at {} is not the \
+                         hash of what landed there",
+                        t.len,
+                        t.offset
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            sorted(log.take()),
+            sorted(batch.reads.clone()),
+            "round {round}: the execution log holds the gathers as posted"
+        );
+    }
+    assert!(s.receiver.set_execution_log(None));
+    // Three rows of 4 KiB at a pitch that puts the last row past owner 4's first region:
+    // refused whole, naming the source span, though its 12 KiB would fit from its offset.
+    let len0 = c.src_lens[0][0];
+    let over = g(0, 4096, 4096, len0 / 2, 3, 0, 0);
+    let e = s
+        .receiver
+        .prepare(ReadBatch {
+            reads: vec![over.desc(&s)],
+        })
+        .await
+        .expect_err("a gather past its region's end");
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+    assert_eq!(e.context().owner, Some(4), "{e}");
+    assert_eq!(e.context().range, Some(4096..4096 + len0 + 4096), "{e}");
+    assert_eq!(e.context().backend.as_deref(), Some(c.harness.name()));
 }

@@ -203,7 +203,8 @@ macro_rules! conformance_tests {
 /// `unknown_peer_names_owner_range_and_backend`,
 /// `overlapping_destinations_are_refused_and_land_in_order_as_waves` and
 /// `reads_are_reported_once_each_only_after_their_bytes_landed` (the completion contract) and
-/// `copy_hashes_are_the_landed_bytes_and_stored_before_the_report` (hashing while copying). With `requires = $probe`, each first asks
+/// `copy_hashes_are_the_landed_bytes_and_stored_before_the_report` (hashing while copying) and
+/// `gather_reads_land_their_rows_in_order_and_hash_what_landed` (gather reads). With `requires = $probe`, each first asks
 /// [`backend_available`]. A building block of [`suite!`] (its `counting =` argument);
 /// backends call [`suite!`], not this.
 #[doc(hidden)]
@@ -218,6 +219,7 @@ macro_rules! counting_tests {
             overlapping_destinations_are_refused_and_land_in_order_as_waves,
             reads_are_reported_once_each_only_after_their_bytes_landed,
             copy_hashes_are_the_landed_bytes_and_stored_before_the_report,
+            gather_reads_land_their_rows_in_order_and_hash_what_landed,
         );
     };
     ($make:expr) => {

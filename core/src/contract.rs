@@ -144,9 +144,7 @@ pub fn validate_batch(
                 return Err(err(ErrorKind::OutOfBounds, r, rrange, msg));
             }
         };
-        let end = r
-            .remote_span()
-            .and_then(|n| r.remote_offset.checked_add(n));
+        let end = r.remote_span().and_then(|n| r.remote_offset.checked_add(n));
         if end.is_none_or(|e| e > rlen) {
             let msg = format!(
                 "read {i}: bytes {}..{} outside region {} of owner {} ({rlen} bytes)",

@@ -127,6 +127,20 @@ pub struct RemoteRows {
     pub pitch: u64,
 }
 
+impl RemoteRows {
+    /// Source bytes a gather of `len` bytes spans: `(rows - 1) * pitch + row_bytes`; `None`
+    /// when it overflows or the gather is malformed (see [`RemoteRows`]).
+    pub fn span(&self, len: u64) -> Option<u64> {
+        let RemoteRows { row_bytes, pitch } = *self;
+        if row_bytes == 0 || len % row_bytes != 0 || pitch < row_bytes || len == 0 {
+            return None;
+        }
+        (len / row_bytes - 1)
+            .checked_mul(pitch)?
+            .checked_add(row_bytes)
+    }
+}
+
 impl ReadDesc {
     /// Bytes of the owner's region the read spans from `remote_offset`: `len` for a contiguous
     /// read, `(rows - 1) * pitch + row_bytes` for a gather; `None` when that overflows or the
@@ -134,14 +148,7 @@ impl ReadDesc {
     pub fn remote_span(&self) -> Option<u64> {
         match self.remote_rows {
             None => Some(self.len),
-            Some(RemoteRows { row_bytes, pitch }) => {
-                if row_bytes == 0 || self.len % row_bytes != 0 || pitch < row_bytes {
-                    return None;
-                }
-                (self.len / row_bytes - 1)
-                    .checked_mul(pitch)?
-                    .checked_add(row_bytes)
-            }
+            Some(rows) => rows.span(self.len),
         }
     }
 

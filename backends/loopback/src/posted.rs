@@ -142,7 +142,7 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
         }
         #[cfg(test)]
         ctx.faults.before_piece(k, p.read, p.off);
-        let src = ctx.srcs[p.src as usize].addr + p.src_off as usize;
+        let src_base = ctx.srcs[p.src as usize].addr;
         let dst = ctx.dsts[p.dst as usize].addr + p.dst_off as usize;
         let mut hasher = ctx
             .completions
@@ -160,24 +160,29 @@ fn copy_pieces(ctx: &PostCtx, pieces: &[Piece], at: &Cell<usize>) -> JobResult {
                 let e = piece_error(ctx, p, ErrorKind::Aborted, "read aborted".into());
                 return Err(e.set_retryable(true));
             }
-            let n = (p.len - done).min(block) as usize;
-            let s = (src + done as usize) as *const u8;
-            let d = (dst + done as usize) as *mut u8;
-            if (s as usize) < (d as usize) + n && (d as usize) < (s as usize) + n {
-                // SAFETY: `post` checked that this piece's source and destination ranges lie
-                // inside live registered blocks, which `ctx` keeps alive (the `Arc`s in `Live`)
-                // and whose addresses are stable for their whole life (MemoryBlock contract).
-                // The ranges overlap here (a read within one block, or aliased blocks), so the
-                // overlap-tolerant `copy` is used. No one else writes the destination while the
-                // batch is in flight (MemoryBlock and ReadBatch contracts).
-                unsafe { std::ptr::copy(s, d, n) };
-            } else {
-                // SAFETY: as above (both ranges inside live, registered, stable blocks kept
-                // alive by `ctx`; the destination is not accessed by anyone else while in
-                // flight), and the two ranges were just checked not to overlap.
-                unsafe { std::ptr::copy_nonoverlapping(s, d, n) };
+            let n = (p.len - done).min(block);
+            // One run for a plain piece; one per row (or row fragment) for a gather.
+            for (src_off, at, len) in p.src_runs(done, done + n) {
+                let n = len as usize;
+                let s = (src_base + src_off as usize) as *const u8;
+                let d = (dst + at as usize) as *mut u8;
+                if (s as usize) < (d as usize) + n && (d as usize) < (s as usize) + n {
+                    // SAFETY: `post` checked that this piece's source range (a gather's whole
+                    // span) and destination range lie inside live registered blocks, which
+                    // `ctx` keeps alive (the `Arc`s in `Live`) and whose addresses are stable
+                    // for their whole life (MemoryBlock contract). The ranges overlap here (a
+                    // read within one block, or aliased blocks), so the overlap-tolerant `copy`
+                    // is used. No one else writes the destination while the batch is in flight
+                    // (MemoryBlock and ReadBatch contracts).
+                    unsafe { std::ptr::copy(s, d, n) };
+                } else {
+                    // SAFETY: as above (both ranges inside live, registered, stable blocks kept
+                    // alive by `ctx`; the destination is not accessed by anyone else while in
+                    // flight), and the two ranges were just checked not to overlap.
+                    unsafe { std::ptr::copy_nonoverlapping(s, d, n) };
+                }
             }
-            done += n as u64;
+            done += n;
             if let Some(h) = &mut hasher {
                 // SAFETY: the piece's first `done` destination bytes lie inside a live
                 // registered block kept alive by `ctx` (checked at post); this thread has just

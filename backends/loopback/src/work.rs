@@ -6,6 +6,8 @@
 //! boundary only when both parts are at least [`MIN_SPLIT`] bytes; otherwise it stays whole with
 //! one worker, and the next boundary, being absolute, corrects the drift.
 
+use reshard_core::{ReadDesc, RemoteRows};
+
 /// Bytes of one work list when a batch is cut into more lists than workers: the pool's workers
 /// take lists in order as each finishes its last, so a worker slowed by anything else on the
 /// machine (the verifier, another process) takes fewer, and both end together.
@@ -14,7 +16,8 @@ pub(crate) const LIST_BYTES: u64 = 8 << 20;
 /// Smallest piece a read is cut into when it is split between workers.
 pub(crate) const MIN_SPLIT: u64 = 256 * 1024;
 
-/// One contiguous copy: part (or all) of one read.
+/// One copy: part (or all) of one read, contiguous at the destination (and at the source
+/// unless the read is a gather).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Piece {
     /// Index of the read in the batch.
@@ -23,7 +26,8 @@ pub(crate) struct Piece {
     pub(crate) src: u32,
     /// Index of the destination region in the prepared state.
     pub(crate) dst: u32,
-    /// Byte offset in the source region.
+    /// Byte offset in the source region: of the piece's first byte, or for a gather of its
+    /// read's first row (the piece's own bytes are found through `off` and `rows`).
     pub(crate) src_off: u64,
     /// Byte offset in the destination region.
     pub(crate) dst_off: u64,
@@ -33,6 +37,33 @@ pub(crate) struct Piece {
     pub(crate) len: u64,
     /// This piece ends its read: its completion completes the read (counted once).
     pub(crate) last: bool,
+    /// The read's source rows when it is a gather (see [`reshard_core::RemoteRows`]).
+    pub(crate) rows: Option<RemoteRows>,
+}
+
+impl Piece {
+    /// The contiguous source runs of the piece's bytes `from..to` (offsets in the piece):
+    /// `(source offset in the region, offset in the piece, bytes)`.
+    pub(crate) fn src_runs(&self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+        // The read's first source byte: a plain piece's `src_off` is its own first byte.
+        let base = if self.rows.is_some() {
+            self.src_off
+        } else {
+            self.src_off - self.off
+        };
+        let read = ReadDesc {
+            owner: 0,
+            remote_region: 0,
+            remote_offset: base,
+            local_region: 0,
+            local_offset: 0,
+            len: self.off + self.len,
+            remote_rows: self.rows,
+        };
+        let off = self.off;
+        read.remote_runs(off + from, off + to)
+            .map(move |(src, at, n)| (src, at - off, n))
+    }
 }
 
 /// Splits `reads` (each a whole read as a piece) into at most `workers` lists balanced by bytes.
@@ -68,7 +99,12 @@ pub(crate) fn split(reads: &[Piece], workers: usize) -> Vec<Vec<Piece>> {
             }
             if take > 0 {
                 lists[w].push(Piece {
-                    src_off: r.src_off + off,
+                    // A gather's pieces keep their read's first row (see `Piece::src_off`).
+                    src_off: if r.rows.is_some() {
+                        r.src_off
+                    } else {
+                        r.src_off + off
+                    },
                     dst_off: r.dst_off + off,
                     off: r.off + off,
                     len: take,
@@ -105,6 +141,7 @@ mod tests {
                     off: 0,
                     len,
                     last: true,
+                    rows: None,
                 };
                 at += len;
                 p

@@ -1,7 +1,7 @@
 //! `record`: what a post writes to the execution log, computed back from the addresses the
 //! copy jobs use.
 
-use reshard_core::{executed, ExecutionLog};
+use reshard_core::{executed, ExecutionLog, ReadDesc, RemoteRows};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -23,8 +23,8 @@ fn spans(regions: &BTreeMap<u64, Region>) -> impl Iterator<Item = (u64, u64, u64
 }
 
 /// A read as the copy jobs execute it: source and destination indices, first source and
-/// destination addresses, and bytes.
-type Extent = (u32, u32, u64, u64, u64);
+/// destination addresses, bytes, and a gather's source rows.
+type Extent = (u32, u32, u64, u64, u64, Option<RemoteRows>);
 
 impl LoopbackTransport {
     /// Records every read of a post as the copy jobs will execute it: the owner is the one
@@ -56,14 +56,14 @@ impl LoopbackTransport {
             }
             let sa = srcs[p.src as usize].addr as u64 + p.src_off;
             let da = dsts[p.dst as usize].addr as u64 + p.dst_off;
-            let e = ext[p.read as usize].get_or_insert((p.src, p.dst, sa, da, 0));
+            let e = ext[p.read as usize].get_or_insert((p.src, p.dst, sa, da, 0, p.rows));
             e.2 = e.2.min(sa);
             e.3 = e.3.min(da);
             e.4 += p.len;
         }
         let peers = self.peers.read();
         let mut out = Vec::with_capacity(n);
-        for (s, d, sa, da, len) in ext.into_iter().flatten() {
+        for (s, d, sa, da, len, rows) in ext.into_iter().flatten() {
             let src = &st.srcs[s as usize];
             let used = src.agent.upgrade();
             let is_used = |p: &Arc<Peer>| {
@@ -80,19 +80,17 @@ impl LoopbackTransport {
                     .min()
                     .unwrap_or(src.owner)
             };
+            // A gather's region must hold its whole source span, not just `len` bytes.
+            let spanned = rows.and_then(|g| g.span(len)).unwrap_or(len);
             let remote = used.as_ref().map_or((0, sa), |a| {
-                region_at(&a.regions.read(), sa, len, src.region)
+                region_at(&a.regions.read(), sa, spanned, src.region)
             });
             let prefer = st.dsts[d as usize].region;
             let locals = self.agent.regions.read();
-            out.push(executed::read(
-                owner,
-                remote,
-                spans(&locals),
-                da,
-                len,
-                Some(prefer),
-            ));
+            out.push(ReadDesc {
+                remote_rows: rows,
+                ..executed::read(owner, remote, spans(&locals), da, len, Some(prefer))
+            });
         }
         log.record(out);
     }

@@ -71,7 +71,12 @@ impl LoopbackTransport {
                     )
                 })?;
             let r = &reads[s.first_read];
-            let addr = check(s.owner, span(r.remote_offset, r.len), &region, s.max_end)?;
+            let addr = check(
+                s.owner,
+                span(r.remote_offset, r.remote_span().unwrap_or(r.len)),
+                &region,
+                s.max_end,
+            )?;
             srcs.push(Live {
                 owner: Some(s.owner),
                 addr,

@@ -114,7 +114,9 @@ impl LoopbackTransport {
             };
             // Validated: neither sum overflows.
             let src = &mut srcs[s as usize];
-            src.max_end = src.max_end.max(r.remote_offset + r.len);
+            // A gather spans more source bytes than it moves (validated to fit).
+            let span = r.remote_span().unwrap_or(r.len);
+            src.max_end = src.max_end.max(r.remote_offset + span);
             let dst = &mut dsts[d as usize];
             dst.max_end = dst.max_end.max(r.local_offset + r.len);
             whole.push(Piece {
@@ -126,6 +128,7 @@ impl LoopbackTransport {
                 off: 0,
                 len: r.len,
                 last: true,
+                rows: r.remote_rows,
             });
         }
         // Destinations are disjoint (validated), so workers never write the same bytes.
