@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use reshard_core::config::Config;
 use reshard_core::{Error, ErrorKind, Result};
+use reshard_planner::plan::PlanOptions;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_runtime::{ReceiverOptions, StageTimes};
@@ -79,6 +80,11 @@ fn arm_options(name: &str, cfg: &Config) -> Result<ReceiverOptions> {
             dedup: false,
             batched_reslice: false,
             cache_descriptors: false,
+            // The seed's "before" had no gather reads: full pulls and re-slices instead.
+            plan: PlanOptions {
+                gather_reads: false,
+                ..reshard.plan
+            },
             ..reshard
         }),
         other => Err(Error::new(

@@ -149,6 +149,8 @@ fn plan_options(use_dedup: bool, threshold: u64) -> PlanOptions {
     PlanOptions {
         full_pull_threshold: threshold,
         allow_overlap: !use_dedup,
+        // The counterfactual arm is the seed's "before": no gather reads either.
+        gather_reads: use_dedup,
     }
 }
 

@@ -61,6 +61,9 @@ pub fn backend_options<T: DeserializeOwned + Default>(config: &TransportConfig) 
 pub struct PlannerConfig {
     /// A copy needing more runs than this is pulled whole and re-sliced (when offers tile dim 0).
     pub full_pull_threshold: u64,
+    /// Read a column block of a row-major tensor as one gather read (rows at a pitch) where
+    /// it lands contiguously, instead of one read per row or a full pull (docs/design.md §4).
+    pub gather_reads: bool,
     /// Spread owners across replicas by receiver rank (off by default: measured slower).
     pub spread_owners: bool,
     /// Replica dedup; turning it off is the benchmark-only counterfactual arm.
@@ -105,6 +108,7 @@ impl Default for PlannerConfig {
     fn default() -> Self {
         PlannerConfig {
             full_pull_threshold: 64,
+            gather_reads: true,
             spread_owners: false,
             dedup: true,
         }

@@ -32,6 +32,19 @@ pub struct PlannedRead {
     pub dst_offset: u64,
     /// Index into [`Plan::tensors`] of the (first) tensor the bytes belong to.
     pub tensor: u32,
+    /// `Some`: a gather read, whose `len` bytes are rows at a pitch at the source, landing
+    /// contiguously (docs/design.md §4, "Gather reads"); `None`: contiguous at the source.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub src_rows: Option<crate::transport::RemoteRows>,
+}
+
+impl PlannedRead {
+    /// Bytes of the owner's region the read spans from `src_offset` (`len` unless a gather).
+    pub fn src_span(&self) -> u64 {
+        self.src_rows
+            .and_then(|g| g.span(self.len))
+            .unwrap_or(self.len)
+    }
 }
 
 /// A staging buffer holding one box of a tensor, row-major: a dim-0 row range (full pull), one
@@ -239,10 +252,16 @@ impl Plan {
     }
 
     /// Fingerprint of a read sequence alone, as a recording transport wrapper sees it.
-    pub fn reads_fingerprint(reads: impl IntoIterator<Item = (OwnerId, u64, u64, u64)>) -> u64 {
+    /// A gather's rows count: `(owner, region, offset, len, rows)`.
+    pub fn reads_fingerprint(
+        reads: impl IntoIterator<Item = (OwnerId, u64, u64, u64, Option<crate::transport::RemoteRows>)>,
+    ) -> u64 {
         let mut f = Fingerprinter::new();
-        for (owner, region, offset, len) in reads {
+        for (owner, region, offset, len, rows) in reads {
             f.u64(owner as u64).u64(region).u64(offset).u64(len);
+            if let Some(g) = rows {
+                f.u64(g.row_bytes).u64(g.pitch);
+            }
         }
         f.finish()
     }
@@ -260,4 +279,7 @@ fn fingerprint_read(f: &mut Fingerprinter, r: &PlannedRead) {
         .u64(kind)
         .u64(idx as u64)
         .u64(r.dst_offset);
+    if let Some(g) = r.src_rows {
+        f.u64(g.row_bytes).u64(g.pitch);
+    }
 }

@@ -119,7 +119,7 @@ pub struct ReadDesc {
 /// row-major matrix read into a narrower one: one descriptor instead of one read per row).
 /// [`crate::contract::validate_batch`] refuses `row_bytes == 0`, a `len` that is no multiple of
 /// it and `pitch < row_bytes`, so rows never share source bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct RemoteRows {
     /// Bytes of one row.
     pub row_bytes: u64,

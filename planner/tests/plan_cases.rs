@@ -115,11 +115,24 @@ fn read(owner: u32, src: u64, len: u64, dst: Dest, dst_offset: u64, tensor: u32)
         dst,
         dst_offset,
         tensor,
+        src_rows: None,
     }
 }
 
 fn default_plan(t: &MergedTable, l: &WantedLayout) -> Plan {
     plan(t, l, &PlanOptions::default()).unwrap()
+}
+
+/// The planner without gather reads: a column block is read row by row, or pulled whole and
+/// re-sliced (the baseline arm's planner, and what these cases pin down).
+const NO_GATHER: PlanOptions = PlanOptions {
+    full_pull_threshold: 64,
+    allow_overlap: false,
+    gather_reads: false,
+};
+
+fn rows_plan(t: &MergedTable, l: &WantedLayout) -> Plan {
+    plan(t, l, &NO_GATHER).unwrap()
 }
 
 #[test]
@@ -155,7 +168,7 @@ fn dim1_slice_with_few_rows_reads_each_row() {
         &[4, 4],
         vec![copy("w", &[0, 4], &[4, 4], 0)],
     )]);
-    let p = default_plan(&t, &l);
+    let p = rows_plan(&t, &l);
     let want: Vec<_> = (0..4)
         .map(|r| read(3, r * 16 + 8, 8, Dest::Param(0), r * 8, 0))
         .collect();
@@ -186,7 +199,7 @@ fn row_parallel_case() -> (MergedTable, WantedLayout) {
 #[test]
 fn dim1_slice_with_many_rows_is_a_full_pull_and_reslice() {
     let (t, l) = row_parallel_case();
-    let p = default_plan(&t, &l);
+    let p = rows_plan(&t, &l);
     assert_eq!(
         p.reads,
         vec![
@@ -223,6 +236,74 @@ fn dim1_slice_with_many_rows_is_a_full_pull_and_reslice() {
     assert_eq!(p.stats.owners, 2);
 }
 
+/// A gather read of `rows` rows of `row` bytes at `pitch`.
+fn gather(r: PlannedRead, row: u64, pitch: u64) -> PlannedRead {
+    PlannedRead {
+        src_rows: Some(reshard_core::RemoteRows {
+            row_bytes: row,
+            pitch,
+        }),
+        ..r
+    }
+}
+
+#[test]
+fn dim1_slice_is_one_gather_read() {
+    let w = bf16("w", &[4, 8]);
+    let t = deduped(&[table(3, &[&w], &[off("w", &[0, 0], &[4, 8])])]);
+    let l = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[4, 4],
+        vec![copy("w", &[0, 4], &[4, 4], 0)],
+    )]);
+    let p = default_plan(&t, &l);
+    // Columns 4..8 of each 16-byte row: 8 bytes from byte 8, four rows 16 bytes apart.
+    assert_eq!(
+        p.reads,
+        vec![gather(read(3, 8, 32, Dest::Param(0), 0, 0), 8, 16)]
+    );
+    assert_eq!(p.stats.reads, 1);
+    assert_eq!(p.stats.exact_descriptors, 4);
+    assert_eq!(p.stats.descriptors_saved, 3);
+    assert_eq!((p.stats.wire_bytes, p.stats.extra_wire_bytes), (32, 0));
+    assert_ne!(p.fingerprint, rows_plan(&t, &l).fingerprint);
+}
+
+#[test]
+fn many_rows_of_a_column_block_are_gathered_instead_of_pulled_whole() {
+    // The full-pull case: 128 rows of a dim-1 half. With gather reads each offer's rows are
+    // one read of just the wanted columns: no staging, no re-slice, no extra wire bytes.
+    let (t, l) = row_parallel_case();
+    let p = default_plan(&t, &l);
+    assert_eq!(
+        p.reads,
+        vec![
+            gather(read(0, 8, 64 * 8, Dest::Param(0), 0, 0), 8, 16),
+            gather(read(1, 8, 64 * 8, Dest::Param(0), 64 * 8, 0), 8, 16),
+        ]
+    );
+    assert!(p.staging.is_empty() && p.reslices.is_empty());
+    assert_eq!(p.stats.full_pull_sources, 0);
+    assert_eq!(p.stats.exact_descriptors, 128);
+    assert_eq!(p.stats.reads, 2);
+    assert_eq!((p.stats.wire_bytes, p.stats.extra_wire_bytes), (128 * 8, 0));
+    // A destination whose rows do not follow one another (the column half lands in a wider
+    // parameter) is no gather: the rows land strided, so the full pull stays.
+    let wide = layout(vec![param(
+        "p",
+        DType::Bf16,
+        &[128, 6],
+        vec![WantedCopy {
+            dst_strides: vec![6, 1],
+            ..copy("w", &[0, 4], &[128, 4], 0)
+        }],
+    )]);
+    let p = default_plan(&t, &wide);
+    assert!(p.reads.iter().all(|r| r.src_rows.is_none()), "{:?}", p.reads);
+    assert_eq!(p.stats.full_pull_sources, 1);
+}
+
 #[test]
 fn full_pull_threshold_is_configurable() {
     let (t, l) = row_parallel_case();
@@ -231,6 +312,7 @@ fn full_pull_threshold_is_configurable() {
         &l,
         &PlanOptions {
             full_pull_threshold: 128,
+            gather_reads: false,
             ..PlanOptions::default()
         },
     )
@@ -243,6 +325,7 @@ fn full_pull_threshold_is_configurable() {
         &l,
         &PlanOptions {
             full_pull_threshold: 127,
+            gather_reads: false,
             ..PlanOptions::default()
         },
     )
@@ -274,6 +357,7 @@ fn staging_holds_only_offers_the_full_pulled_copies_touch() {
     )]);
     let opts = PlanOptions {
         full_pull_threshold: 16,
+        gather_reads: false,
         ..PlanOptions::default()
     };
     let p = plan(&t, &l, &opts).unwrap();
@@ -311,7 +395,7 @@ fn two_copies_of_one_tensor_share_one_staging_buffer() {
             vec![copy("w", &[0, 4], &[128, 4], 0)],
         ),
     ]);
-    let p = default_plan(&t, &l);
+    let p = rows_plan(&t, &l);
     assert_eq!(p.stats.full_pull_sources, 1);
     assert_eq!(p.stats.reads, 1);
     assert_eq!(p.reslices.len(), 2);
@@ -618,10 +702,11 @@ fn replicated_offers_do_not_tile_so_no_dedup_reads_per_row() {
         &[128, 4],
         vec![copy("w", &[0, 4], &[128, 4], 0)],
     )]);
-    let d = default_plan(&deduped(&tables), &l);
+    let d = rows_plan(&deduped(&tables), &l);
     assert_eq!((d.stats.reads, d.stats.full_pull_sources), (1, 1));
     let opts = PlanOptions {
         allow_overlap: true,
+        gather_reads: false,
         ..PlanOptions::default()
     };
     let n = plan(&merge(&tables).unwrap(), &l, &opts).unwrap();
@@ -657,7 +742,7 @@ fn digest_checks_cover_whole_offers_and_full_pulls() {
             vec![copy("b", &[0, 0], &[128, 4], 0)],
         ),
     ]);
-    let p = default_plan(&t, &l);
+    let p = rows_plan(&t, &l);
     assert_eq!(p.checks.len(), 3);
     let c = &p.checks[0];
     assert_eq!(
@@ -844,7 +929,7 @@ fn a_partial_column_read_is_checked_by_whole_blocks_or_staged() {
         vec![copy("w", &[0, 4], &[4, 4], 0)],
     )]);
     let whole = || table(0, &[&w], &[off("w", &[0, 0], &[4, 16])]);
-    let p = default_plan(&deduped(&[with_grid(whole(), 4, 2)]), &l);
+    let p = rows_plan(&deduped(&[with_grid(whole(), 4, 2)]), &l);
     let got: Vec<_> = p
         .checks
         .iter()
@@ -870,7 +955,7 @@ fn a_partial_column_read_is_checked_by_whole_blocks_or_staged() {
     assert_eq!((p.stats.checked_bytes, p.stats.wire_bytes), (32, 32));
     // Blocks of 3 columns: 4..8 sits inside blocks 1..3 (columns 3..9), which are staged,
     // one read per row, and checked there; 8 extra bytes for 32 wanted.
-    let p = default_plan(&deduped(&[with_grid(whole(), 4, 3)]), &l);
+    let p = rows_plan(&deduped(&[with_grid(whole(), 4, 3)]), &l);
     let s = Dest::Staging(0);
     let got: Vec<_> = p
         .checks

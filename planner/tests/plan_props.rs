@@ -72,6 +72,7 @@ struct RawCase {
     gap: u64,
     two_regions: bool,
     digests: Digests,
+    gather: bool,
 }
 
 fn want_strategy() -> impl Strategy<Value = RawWant> {
@@ -136,14 +137,18 @@ fn case_strategy() -> impl Strategy<Value = RawCase> {
             1 => Just(Digests::Standard),
             3 => any::<(u64, u64)>().prop_map(|(r, c)| Digests::Grid(r, c)),
         ],
+        prop::bool::weighted(0.7),
     )
-        .prop_map(|(tensors, threshold, gap, two_regions, digests)| RawCase {
-            tensors,
-            threshold,
-            gap,
-            two_regions,
-            digests,
-        })
+        .prop_map(
+            |(tensors, threshold, gap, two_regions, digests, gather)| RawCase {
+                tensors,
+                threshold,
+                gap,
+                two_regions,
+                digests,
+                gather,
+            },
+        )
 }
 
 /// A built scenario: tables, the source memory they describe, a layout and its expected bytes.
@@ -157,6 +162,8 @@ struct Case {
     expected: Vec<Vec<u64>>,
     threshold: u64,
     digests: Digests,
+    /// Plan with gather reads.
+    gather: bool,
 }
 
 /// The tag of byte `b` of global element `g` of tensor `t`: unique across the whole case.
@@ -376,6 +383,7 @@ fn build(raw: &RawCase) -> Case {
         expected,
         threshold: raw.threshold,
         digests: raw.digests,
+        gather: raw.gather,
     }
 }
 
@@ -521,12 +529,17 @@ fn execute(case: &Case, table: &MergedTable, plan: &Plan) -> Result<Installed, T
         .map(|s| vec![0; s.bytes as usize])
         .collect();
     for r in &plan.reads {
-        let (s, e) = (r.src_offset, r.src_offset + r.len);
-        let inside = ranges
-            .get(&(r.owner, r.src_region))
-            .is_some_and(|v| v.iter().any(|&(a, b)| a <= s && e <= b));
-        prop_assert!(inside, "read {r:?} leaves the offers of its owner");
-        let src = &case.memory[&(r.owner, r.src_region)][s as usize..e as usize];
+        // A gather's rows, one after another; a plain read is one row.
+        let mut src = Vec::with_capacity(r.len as usize);
+        for (s, len) in src_rows(r) {
+            let e = s + len;
+            let inside = ranges
+                .get(&(r.owner, r.src_region))
+                .is_some_and(|v| v.iter().any(|&(a, b)| a <= s && e <= b));
+            prop_assert!(inside, "read {r:?} leaves the offers of its owner");
+            src.extend_from_slice(&case.memory[&(r.owner, r.src_region)][s as usize..e as usize]);
+        }
+        let src = &src[..];
         let (buf, count) = match r.dst {
             Dest::Param(i) => (&mut params[i as usize], &mut writes[i as usize]),
             Dest::Staging(i) => (&mut staging[i as usize], &mut staged[i as usize]),
@@ -682,7 +695,11 @@ fn checks_cover_every_read_byte(
         .reads
         .get((pick.0 % plan.reads.len().max(1) as u64) as usize)
     {
-        let at = r.src_offset + pick.1 % r.len;
+        let x = pick.1 % r.len;
+        let at = match r.src_rows {
+            Some(g) => r.src_offset + x / g.row_bytes * g.pitch + x % g.row_bytes,
+            None => r.src_offset + x,
+        };
         let tag = case.memory[&(r.owner, r.src_region)][at as usize];
         let bad = run_checks(case, plan, got, Some(tag))?;
         prop_assert!(
@@ -694,10 +711,21 @@ fn checks_cover_every_read_byte(
     Ok(())
 }
 
+/// The source runs of read `r`, `(offset, bytes)`: its rows for a gather, else the whole read.
+fn src_rows(r: &reshard_core::PlannedRead) -> Vec<(u64, u64)> {
+    match r.src_rows {
+        Some(g) => (0..r.len / g.row_bytes)
+            .map(|i| (r.src_offset + i * g.pitch, g.row_bytes))
+            .collect(),
+        None => vec![(r.src_offset, r.len)],
+    }
+}
+
 fn options(case: &Case, allow_overlap: bool) -> PlanOptions {
     PlanOptions {
         full_pull_threshold: case.threshold,
         allow_overlap,
+        gather_reads: case.gather,
     }
 }
 

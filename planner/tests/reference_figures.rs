@@ -21,6 +21,14 @@ fn stats(table: &MergedTable, rank: u32, opts: &PlanOptions) -> PlanStats {
     plan(table, &layout, opts).unwrap().stats
 }
 
+/// The planner the design table was computed for: no gather reads, so a row-parallel copy of
+/// many rows is a full pull (docs/design.md §8).
+const PRIOR_ART: PlanOptions = PlanOptions {
+    full_pull_threshold: 64,
+    allow_overlap: false,
+    gather_reads: false,
+};
+
 #[test]
 fn design_table_with_dedup_for_both_receiver_ranks() {
     let merged = design_table();
@@ -30,7 +38,7 @@ fn design_table_with_dedup_for_both_receiver_ranks() {
     assert_eq!(report.offers_in, 8 * (48 * 18 + 3) + 48 * 128 * 3);
     assert_eq!(report.kept, 48 * 18 + 3 + 48 * 128 * 3);
     for rank in 0..2 {
-        let s = stats(&deduped, rank, &PlanOptions::default());
+        let s = stats(&deduped, rank, &PRIOR_ART);
         assert_eq!(s.copies, 18_867, "rank {rank}");
         assert_eq!(s.full_pull_sources, 6_192, "rank {rank}");
         assert_eq!(s.reads, 19_011, "rank {rank}");
@@ -66,7 +74,7 @@ fn design_table_without_dedup_for_both_receiver_ranks() {
     let merged = design_table();
     let opts = PlanOptions {
         allow_overlap: true,
-        ..PlanOptions::default()
+        ..PRIOR_ART
     };
     let replicated_per_layer: u64 =
         8_388_608 + 2 * 1_048_576 + 2 * 256 + 2 * 4_096 + 128 * 2048 * 2;
@@ -82,6 +90,25 @@ fn design_table_without_dedup_for_both_receiver_ranks() {
         assert_eq!(s.copies, 18_867, "rank {rank}");
         assert_eq!(s.reads, 809_112, "rank {rank}");
         assert_eq!(s.wire_bytes, expected_wire, "rank {rank}");
+        assert_eq!(s.owners, 8, "rank {rank}");
+    }
+}
+
+/// The design table's layout with gather reads (the default): each `o_proj` and `down_proj`
+/// column half is one gather read per offer instead of a full pull, so the 10,066,329,600 extra
+/// wire bytes of the full pulls (half of every `o_proj` and `down_proj`) are gone, with no
+/// staging and no re-slice.
+#[test]
+fn design_table_with_gather_reads_reads_only_wanted_bytes() {
+    let (deduped, _) = dedup(&design_table(), DedupOptions::default()).unwrap();
+    for rank in 0..2 {
+        let s = stats(&deduped, rank, &PlanOptions::default());
+        assert_eq!(s.reads, 19_011, "rank {rank}");
+        assert_eq!(s.copies, 18_867, "rank {rank}");
+        assert_eq!(s.full_pull_sources, 0, "rank {rank}");
+        assert_eq!(s.extra_wire_bytes, 0, "rank {rank}");
+        assert_eq!(s.wire_bytes, 40_611_246_080 - 10_066_329_600, "rank {rank}");
+        assert_eq!(s.exact_descriptors, 12_694_035, "rank {rank}");
         assert_eq!(s.owners, 8, "rank {rank}");
     }
 }

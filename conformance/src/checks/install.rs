@@ -116,16 +116,23 @@ pub async fn executed_reads_equal_the_plan(h: &Harness) {
     let executed = &posted[0];
     let planned: Arc<Plan> = rx.plan().expect("plan").clone();
     assert_eq!(executed.reads.len() as u64, planned.stats.coalesced_reads);
-    let fp = |it: &mut dyn Iterator<Item = (u32, u64, u64, u64)>| Plan::reads_fingerprint(it);
+    type Key = (u32, u64, u64, u64, Option<reshard_core::RemoteRows>);
+    let fp = |it: &mut dyn Iterator<Item = Key>| Plan::reads_fingerprint(it);
     assert_eq!(
-        fp(&mut executed
-            .reads
-            .iter()
-            .map(|r| (r.owner, r.remote_region, r.remote_offset, r.len))),
-        fp(&mut planned
-            .reads
-            .iter()
-            .map(|r| (r.owner, r.src_region, r.src_offset, r.len))),
+        fp(&mut executed.reads.iter().map(|r| (
+            r.owner,
+            r.remote_region,
+            r.remote_offset,
+            r.len,
+            r.remote_rows
+        ))),
+        fp(&mut planned.reads.iter().map(|r| (
+            r.owner,
+            r.src_region,
+            r.src_offset,
+            r.len,
+            r.src_rows
+        ))),
     );
     let table = dedup(&merge(&tables).expect("merge"), DedupOptions::default())
         .expect("dedup")

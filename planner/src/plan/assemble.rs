@@ -193,6 +193,7 @@ fn pull_whole_offer(
         dst: Dest::Staging(si),
         dst_offset,
         tensor,
+        src_rows: None,
     });
     let whole = PartRect {
         rows: (0, v.rows),
@@ -234,6 +235,7 @@ fn pull_part(
         dst: Dest::Staging(si),
         dst_offset,
         tensor,
+        src_rows: None,
     };
     if width == row_bytes {
         reads.push(read(rect.rows.0 * row_bytes, rows * row_bytes, 0));

@@ -2,6 +2,7 @@
 //! dim-0 tiling, coverage), and each copy planned as exact reads or a full pull.
 
 use super::*;
+use reshard_core::RemoteRows;
 
 /// Sentinel for "tensor not seen yet" in [`Planner::slot_of`].
 pub(super) const UNSEEN: u32 = u32::MAX;
@@ -204,8 +205,9 @@ impl<'a> Planner<'a> {
         }
         self.check_coverage(param, c, copy_elems)?;
 
-        // Count before materialising: runs are products of extents.
-        let mut total_runs = 0u64;
+        // Count before materialising: runs are products of extents. A gather is one
+        // descriptor however many rows it has.
+        let (mut total_runs, mut descriptors) = (0u64, 0u64);
         self.runs.clear();
         for k in 0..self.ov.len() {
             let b = &t.offers[self.ov.offers[k]].tensor_box;
@@ -213,10 +215,12 @@ impl<'a> Planner<'a> {
             let rs = run_shape(self.ov.ext(k), &self.src_strides, &c.dst_strides);
             self.runs.push(rs.runs);
             total_runs = total_runs.saturating_add(rs.runs);
+            let one = self.opts.gather_reads && gathers(&rs, &c.dst_strides);
+            descriptors = descriptors.saturating_add(if one { 1 } else { rs.runs });
         }
         self.exact_descriptors = self.exact_descriptors.saturating_add(total_runs);
 
-        let too_many = total_runs > self.opts.full_pull_threshold;
+        let too_many = descriptors > self.opts.full_pull_threshold;
         if too_many && self.states[slot as usize].tiles_dim0 {
             self.full_pull(slot, pi, c, copy_elems * elem);
         } else {
@@ -545,48 +549,69 @@ impl<'a> Planner<'a> {
         self.idx.clear();
         self.idx.resize(rs.outer, 0);
         let first = self.reads.len();
-        loop {
-            let src = offer.location.offset + elem * s;
-            let dst = c.dst_offset + elem * t_pos;
-            let merged = self.reads.len() > first
-                && self.reads.last_mut().is_some_and(|last| {
-                    let contiguous =
-                        last.src_offset + last.len == src && last.dst_offset + last.len == dst;
-                    if contiguous {
-                        last.len += run_len;
+        let gather = self.opts.gather_reads && gathers(&rs, ds);
+        if gather {
+            // Every dim-0 row's block, landing one after another: one gather read.
+            self.reads.push(PlannedRead {
+                owner: offer.owner,
+                src_region: offer.location.region,
+                src_offset: offer.location.offset + elem * s,
+                len: rs.runs * run_len,
+                dst: Dest::Param(pi),
+                dst_offset: c.dst_offset + elem * t_pos,
+                tensor: slot,
+                src_rows: Some(RemoteRows {
+                    row_bytes: run_len,
+                    pitch: elem * ss[0],
+                }),
+            });
+        }
+        // Otherwise each run is a read, merged with the last when contiguous on both sides.
+        if !gather {
+            loop {
+                let src = offer.location.offset + elem * s;
+                let dst = c.dst_offset + elem * t_pos;
+                let merged = self.reads.len() > first
+                    && self.reads.last_mut().is_some_and(|last| {
+                        let contiguous =
+                            last.src_offset + last.len == src && last.dst_offset + last.len == dst;
+                        if contiguous {
+                            last.len += run_len;
+                        }
+                        contiguous
+                    });
+                if !merged {
+                    self.reads.push(PlannedRead {
+                        owner: offer.owner,
+                        src_region: offer.location.region,
+                        src_offset: src,
+                        len: run_len,
+                        dst: Dest::Param(pi),
+                        dst_offset: dst,
+                        tensor: slot,
+                        src_rows: None,
+                    });
+                }
+                // Odometer over the outer dims, innermost fastest (row-major run order).
+                let mut d = rs.outer;
+                let more = loop {
+                    if d == 0 {
+                        break false;
                     }
-                    contiguous
-                });
-            if !merged {
-                self.reads.push(PlannedRead {
-                    owner: offer.owner,
-                    src_region: offer.location.region,
-                    src_offset: src,
-                    len: run_len,
-                    dst: Dest::Param(pi),
-                    dst_offset: dst,
-                    tensor: slot,
-                });
-            }
-            // Odometer over the outer dims, innermost fastest (row-major run order).
-            let mut d = rs.outer;
-            let more = loop {
-                if d == 0 {
-                    break false;
+                    d -= 1;
+                    self.idx[d] += 1;
+                    s += ss[d];
+                    t_pos += ds[d];
+                    if self.idx[d] < o_ext[d] {
+                        break true;
+                    }
+                    s -= o_ext[d] * ss[d];
+                    t_pos -= o_ext[d] * ds[d];
+                    self.idx[d] = 0;
+                };
+                if !more {
+                    break;
                 }
-                d -= 1;
-                self.idx[d] += 1;
-                s += ss[d];
-                t_pos += ds[d];
-                if self.idx[d] < o_ext[d] {
-                    break true;
-                }
-                s -= o_ext[d] * ss[d];
-                t_pos -= o_ext[d] * ds[d];
-                self.idx[d] = 0;
-            };
-            if !more {
-                break;
             }
         }
         if let Some(rect) = rect {
@@ -668,6 +693,14 @@ pub(super) fn rect_checks(
             checks.push(check(CheckedPart::Block(j as u32), 0, v.rows, a, z - a));
         }
     }
+}
+
+/// True when the runs of an overlap of shape `rs` are the blocks of its dim-0 rows (one outer
+/// dim, several runs) and land one right after another at destination element strides
+/// `dst_strides`: one gather read ([`RemoteRows`]) moves them all. The source rows lie at the
+/// offer's dim-0 stride, at least a block apart since offers are row-major.
+pub(super) fn gathers(rs: &RunShape, dst_strides: &[u64]) -> bool {
+    rs.outer == 1 && rs.runs > 1 && dst_strides.first() == Some(&rs.block)
 }
 
 /// True when a box of extent `ext` lands contiguously at destination element strides `strides`

@@ -10,7 +10,10 @@ pub(super) fn coalesce(mut reads: Vec<PlannedRead>) -> Vec<PlannedRead> {
     let mut out: Vec<PlannedRead> = Vec::with_capacity(reads.len());
     for r in reads {
         if let Some(last) = out.last_mut() {
-            if last.owner == r.owner
+            // A gather is one descriptor of its own: never merged.
+            if last.src_rows.is_none()
+                && r.src_rows.is_none()
+                && last.owner == r.owner
                 && last.src_region == r.src_region
                 && last.src_offset + last.len == r.src_offset
                 && last.dst == r.dst

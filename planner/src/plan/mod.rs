@@ -39,6 +39,11 @@ pub struct PlanOptions {
     /// Benchmark-only no-dedup arm: overlapping offers are all read instead of failing with
     /// `OverlappingOffers` (correct only when they are byte-identical replicas).
     pub allow_overlap: bool,
+    /// Read a column block that lands contiguously (each source row's block right after the
+    /// previous one's) as one gather read ([`reshard_core::RemoteRows`]) instead of one read
+    /// per row: it counts as one descriptor against `full_pull_threshold`, so a row-parallel
+    /// copy reads only its own columns instead of a full pull (docs/design.md §4).
+    pub gather_reads: bool,
 }
 
 impl Default for PlanOptions {
@@ -46,6 +51,7 @@ impl Default for PlanOptions {
         PlanOptions {
             full_pull_threshold: 64,
             allow_overlap: false,
+            gather_reads: true,
         }
     }
 }
@@ -131,6 +137,7 @@ mod tests {
             dst: Dest::Param(0),
             dst_offset,
             tensor: 0,
+            src_rows: None,
         };
         let out = coalesce(vec![r(8, 8), r(0, 0), r(16, 32)]);
         assert_eq!(out.len(), 2);

@@ -134,7 +134,7 @@ pub(super) fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> Read
             },
             local_offset: r.dst_offset,
             len: r.len,
-            remote_rows: None,
+            remote_rows: r.src_rows,
         })
         .collect();
     ReadBatch { reads }

@@ -115,6 +115,7 @@ mod tests {
             dst: Dest::Param(0),
             dst_offset,
             tensor: 0,
+            src_rows: None,
         };
         // Reads 0..100 and 100..300 of parameter 0; a check of 3 rows of 60 bytes every 100
         // bytes from 20, segments of 25 (25, 25, 10 per row).

@@ -359,6 +359,7 @@ mod tests {
             dst,
             dst_offset,
             tensor: 0,
+            src_rows: None,
         }
     }
 

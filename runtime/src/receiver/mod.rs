@@ -621,7 +621,7 @@ fn name_tensor(e: Error, plan: &Plan) -> Error {
         r.owner == owner
             && range
                 .as_ref()
-                .is_none_or(|g| g.start < r.src_offset + r.len && r.src_offset < g.end)
+                .is_none_or(|g| g.start < r.src_offset + r.src_span() && r.src_offset < g.end)
     });
     match hit {
         Some(r) => {

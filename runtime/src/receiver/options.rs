@@ -81,6 +81,7 @@ impl ReceiverOptions {
             spread_owners: cfg.planner.spread_owners,
             plan: PlanOptions {
                 full_pull_threshold: cfg.planner.full_pull_threshold,
+                gather_reads: cfg.planner.gather_reads,
                 ..PlanOptions::default()
             },
             verify_digests: cfg.receiver.verify_digests,
