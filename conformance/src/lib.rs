@@ -138,6 +138,7 @@ macro_rules! conformance_tests {
             install_byte_exact_moe_ep8_dp8_to_tp2,
             install_byte_exact_gqa_kv_heads_below_publisher_tp,
             row_parallel_full_pulls_are_byte_exact,
+            row_parallel_gathers_are_byte_exact_and_checked,
             executed_reads_equal_the_plan,
             descriptors_are_reused_across_updates,
             successive_steps_install_new_weights,

@@ -300,7 +300,11 @@ fn many_rows_of_a_column_block_are_gathered_instead_of_pulled_whole() {
         }],
     )]);
     let p = default_plan(&t, &wide);
-    assert!(p.reads.iter().all(|r| r.src_rows.is_none()), "{:?}", p.reads);
+    assert!(
+        p.reads.iter().all(|r| r.src_rows.is_none()),
+        "{:?}",
+        p.reads
+    );
     assert_eq!(p.stats.full_pull_sources, 1);
 }
 

@@ -71,7 +71,11 @@ pub async fn install_byte_exact_moe_ep8_dp8_to_tp2(h: &Harness) {
         let r = rx.update(&cluster.tables()).await.expect("refit");
         assert!(r.dedup.dropped > 0, "replicas must be deduplicated");
         assert_eq!(r.plan.owners, 8, "experts come from all eight ranks");
-        assert!(r.plan.full_pull_sources > 0);
+        let plan = rx.plan().expect("plan");
+        assert!(
+            plan.reads.iter().any(|r| r.src_rows.is_some()),
+            "row-parallel column halves are gather reads"
+        );
         assert!(
             r.fully_checked(),
             "{} of {} bytes checked",
@@ -87,10 +91,19 @@ pub async fn install_byte_exact_gqa_kv_heads_below_publisher_tp(h: &Harness) {
     refit_all(h, tiny_dense(2), "tp=4", 2).await;
 }
 
-/// Row-parallel tensors need one run per row, so they are pulled whole and re-sliced.
+/// Row-parallel tensors need one run per row; without gather reads (the baseline's planner)
+/// they are pulled whole and re-sliced.
 pub async fn row_parallel_full_pulls_are_byte_exact(h: &Harness) {
     let cluster = h.cluster(tiny_dense(4), "dp=2").await;
-    let mut rx = h.receiver(&cluster, 2, 1).await;
+    let t = h.endpoint("receiver-1-of-2").expect("receiver endpoint");
+    let opts = ReceiverOptions {
+        plan: PlanOptions {
+            gather_reads: false,
+            ..PlanOptions::default()
+        },
+        ..ReceiverOptions::default()
+    };
+    let mut rx = h.receiver_on(&cluster, t, 2, 1, opts).await;
     let r = rx.update(&cluster.tables()).await.expect("refit");
     // o_proj and down_proj of both layers.
     assert!(r.plan.full_pull_sources >= 4, "{:?}", r.plan);
@@ -175,4 +188,50 @@ pub async fn successive_steps_install_new_weights(h: &Harness) {
     rx.update(&cluster.tables()).await.expect("refit");
     assert_installed(&cluster, &rx);
     assert_ne!(before, snapshot(&rx));
+}
+
+/// Row-parallel tensors read as gather reads (the default planner): each column half is one
+/// read of just its columns, landing where the parameter wants it and checked there against
+/// the publisher's column-block digests, so nothing is pulled whole, nothing re-sliced for
+/// them, and every byte is checked; the refit installs byte-exact over several steps.
+pub async fn row_parallel_gathers_are_byte_exact_and_checked(h: &Harness) {
+    // Rows of 1 KiB in o_proj ([128, 8 x 64]) and down_proj ([128, 512]): two column blocks
+    // of the digest grid each, so each TP2 half is a whole block, checked where it lands.
+    let model = reshard_planner::presets::ModelConfig {
+        name: "tiny-dense-wide-rows".into(),
+        head_dim: 64,
+        intermediate: 512,
+        ..tiny_dense(4)
+    };
+    let mut cluster = h.cluster(model, "dp=2").await;
+    let mut step = 0;
+    for rank in 0..2 {
+        let mut rx = h.receiver(&cluster, 2, rank).await;
+        for _ in 0..2 {
+            step += 1;
+            cluster.publish_step(step).expect("publish");
+            let r = rx.update(&cluster.tables()).await.expect("refit");
+            let plan = rx.plan().expect("plan");
+            let gathers: Vec<_> = plan.reads.iter().filter(|r| r.src_rows.is_some()).collect();
+            assert!(
+                gathers.len() >= 4,
+                "o_proj and down_proj of both layers are gathers: {:?}",
+                r.plan
+            );
+            assert!(
+                gathers
+                    .iter()
+                    .all(|g| matches!(g.dst, reshard_core::Dest::Param(_))),
+                "a gather lands in its parameter, not in staging"
+            );
+            assert_eq!(r.plan.full_pull_sources, 0, "{:?}", r.plan);
+            assert!(
+                r.fully_checked(),
+                "{} of {} bytes checked",
+                r.checked_bytes,
+                r.wire_bytes
+            );
+            assert_installed(&cluster, &rx);
+        }
+    }
 }
