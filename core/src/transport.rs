@@ -445,7 +445,10 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Loads a peer's metadata under the publisher rank its offers use.
     async fn load_peer(&self, owner: OwnerId, metadata: Bytes) -> Result<()>;
 
-    /// Validates and translates a batch once.
+    /// Validates and translates a batch once ([`crate::contract::validate_batch`]). A gather
+    /// read ([`RemoteRows`]) is executed row by row as its source runs
+    /// ([`ReadDesc::remote_runs`]) say, landing contiguously like any read; it is one read for
+    /// completions, reports and the execution log.
     async fn prepare(&self, batch: ReadBatch) -> Result<PreparedBatch>;
 
     /// Posts every read of a prepared batch, all owners before any wait.

@@ -989,6 +989,25 @@ fn a_partial_column_read_is_checked_by_whole_blocks_or_staged() {
         ),
         (48, 48, 16)
     );
+    // With gather reads, the same two cases: the checked blocks are one gather straight into
+    // the parameter, and the staged blocks one gather into staging, with the same checks.
+    let p = default_plan(&deduped(&[with_grid(whole(), 4, 2)]), &l);
+    assert_eq!(
+        p.reads,
+        vec![gather(read(0, 8, 32, Dest::Param(0), 0, 0), 8, 32)]
+    );
+    assert_eq!((p.stats.checked_bytes, p.stats.wire_bytes), (32, 32));
+    let p = default_plan(&deduped(&[with_grid(whole(), 4, 3)]), &l);
+    assert_eq!(p.reads, vec![gather(read(0, 6, 48, s, 0, 0), 12, 32)]);
+    assert_eq!(p.checks.len(), 2);
+    assert_eq!(
+        (
+            p.stats.checked_bytes,
+            p.stats.wire_bytes,
+            p.stats.extra_wire_bytes
+        ),
+        (48, 48, 16)
+    );
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! re-slices, coalescing and statistics.
 
 use super::*;
+use reshard_core::RemoteRows;
 
 impl<'a> Planner<'a> {
     /// Builds staging buffers, full-pull reads and re-slices, coalesces reads and fills in the
@@ -26,9 +27,9 @@ impl<'a> Planner<'a> {
                     &mut self.checks,
                     o,
                     elem,
-                    acc.state,
-                    si,
+                    (acc.state, si),
                     rect,
+                    self.opts.gather_reads,
                 );
                 staged_parts += 1;
                 staged_read_bytes = staged_read_bytes.saturating_add(buffer.bytes);
@@ -210,16 +211,17 @@ fn pull_whole_offer(
 }
 
 /// Reads `rect` of offer `o` (whole row chunks with every column, or whole column blocks with
-/// every row) into staging buffer `si`, row-major, and checks its parts there; returns the
-/// buffer.
+/// every row) into staging buffer `si` for tensor `tensor`, row-major, and checks its parts
+/// there; returns the buffer. Column blocks are one gather read with `gather`, else a read per
+/// row.
 fn pull_part(
     reads: &mut Vec<PlannedRead>,
     checks: &mut Vec<DigestCheck>,
     o: &MergedOffer,
     elem: u64,
-    tensor: u32,
-    si: u32,
+    (tensor, si): (u32, u32),
     rect: PartRect,
+    gather: bool,
 ) -> StagingBuffer {
     let b = &o.tensor_box;
     let v = MatrixView::of(&b.extent);
@@ -239,6 +241,18 @@ fn pull_part(
     };
     if width == row_bytes {
         reads.push(read(rect.rows.0 * row_bytes, rows * row_bytes, 0));
+    } else if gather && rows > 1 {
+        reads.push(PlannedRead {
+            src_rows: Some(RemoteRows {
+                row_bytes: width,
+                pitch: row_bytes,
+            }),
+            ..read(
+                rect.rows.0 * row_bytes + rect.cols.0 * cell,
+                rows * width,
+                0,
+            )
+        });
     } else {
         for r in 0..rows {
             let src = (rect.rows.0 + r) * row_bytes + rect.cols.0 * cell;
