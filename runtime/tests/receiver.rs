@@ -280,9 +280,11 @@ async fn overlapping_reslices_run_in_plan_order() {
         .await
         .unwrap();
     let opts = ReceiverOptions {
-        // One run per row is already "too many": both copies become full pulls.
+        // One run per row is already "too many": both copies become full pulls (a gather
+        // would read each copy's columns as one read and need no re-slice).
         plan: PlanOptions {
             full_pull_threshold: 1,
+            gather_reads: false,
             ..PlanOptions::default()
         },
         ..ReceiverOptions::default()
