@@ -66,7 +66,9 @@ fn plan_json_has_the_contract_keys() {
         }
         // 2 layers: 2 x 393 + 3 globals.
         assert_eq!(r["copies"], 789);
-        assert_eq!(r["full_pull_sources"], 2 * 129);
+        // Every row-parallel half (o_proj and 128 down_proj per layer) is a gather read.
+        assert_eq!(r["full_pull_sources"], 0);
+        assert_eq!(r["extra_wire_bytes"], 0);
     }
 }
 
