@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use reshard_backend_cma::{CmaOptions, CmaTransport};
 use reshard_core::{
-    ErrorKind, ExecutionLog, HostBuffer, ReadBatch, ReadDesc, RemoteRows, Transport,
+    CompletionSink, ErrorKind, ExecutionLog, HashPlan, HostBuffer, ReadBatch, ReadDesc, RemoteRows,
+    SegmentFold, SegmentTask, Transport,
 };
 
 /// Set in the publisher process.
@@ -134,10 +135,17 @@ fn gather(
     }
 }
 
-/// Every read of `reads` (into one 1 MiB destination) posted on an endpoint with `options`:
-/// reports every read and byte, lands every read's rows byte-exact and nothing else, and
-/// the execution log records each read as posted, its rows included.
-async fn read_exactly(p: &Publisher, options: CmaOptions, reads: impl Fn(u64) -> Vec<ReadDesc>) {
+/// Every read of `reads` (into one 1 MiB destination) posted on an endpoint with `options`,
+/// once plainly and once hashing while copying (a plan of one segment per read, which cuts
+/// each call into 256 KiB system calls, resumed where the last stopped, mid-row too): each
+/// post reports every read and byte and lands every read's rows byte-exact and nothing else;
+/// every hash stored is that of the read's landed bytes; the execution log records each read
+/// as posted, its rows included. Returns how many hashes were stored.
+async fn read_exactly(
+    p: &Publisher,
+    options: CmaOptions,
+    reads: impl Fn(u64) -> Vec<ReadDesc>,
+) -> usize {
     let what = format!("{options:?}");
     let rx = CmaTransport::new("gather-receiver", options).unwrap();
     rx.load_peer(OWNER, p.meta.clone().into()).await.unwrap();
@@ -149,23 +157,59 @@ async fn read_exactly(p: &Publisher, options: CmaOptions, reads: impl Fn(u64) ->
         reads: reads(reg.id()),
     };
     let prepared = rx.prepare(batch.clone()).await.unwrap();
-    let report = rx.post(&prepared).await.unwrap().wait().await.unwrap();
-    assert_eq!(report.reads, batch.reads.len() as u64, "{what}");
-    let total: u64 = batch.reads.iter().map(|r| r.len).sum();
-    assert_eq!(report.bytes, total, "{what}");
     let mut want = vec![0u8; REGION as usize];
     for r in &batch.reads {
         let at = r.local_offset as usize;
         want[at..at + r.len as usize].copy_from_slice(&expected(r));
     }
-    let got = dst.read();
-    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-        panic!(
-            "{what}: byte {i} of the destination is {} not {}",
-            got[i], want[i]
-        );
+    let total: u64 = batch.reads.iter().map(|r| r.len).sum();
+    let plan = Arc::new(HashPlan::new(
+        batch.reads.len(),
+        batch.reads.len(),
+        batch.reads.iter().enumerate().map(|(i, r)| {
+            let task = SegmentTask {
+                offset: 0,
+                len: r.len as u32,
+                slot: i as u32,
+            };
+            (i, task)
+        }),
+    ));
+    let mut stored = 0;
+    for hashed in [false, true] {
+        let what = format!("{what}, hashed {hashed}");
+        dst.write().fill(0);
+        let inflight = if hashed {
+            plan.begin();
+            let sink = CompletionSink::new(|_| {}).with_hashes(plan.clone());
+            rx.post_reporting(&prepared, sink).await.unwrap()
+        } else {
+            rx.post(&prepared).await.unwrap()
+        };
+        let report = inflight.wait().await.unwrap();
+        assert_eq!(report.reads, batch.reads.len() as u64, "{what}");
+        assert_eq!(report.bytes, total, "{what}");
+        let got = dst.read();
+        if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "{what}: byte {i} of the destination is {} not {}",
+                got[i], want[i]
+            );
+        }
+        for (i, r) in batch.reads.iter().enumerate().filter(|_| hashed) {
+            // A read cut over several calls is several pieces: its one segment straddles them
+            // and is not stored (the receiver hashes it itself).
+            if let Some(h) = plan.hash(i, r.len) {
+                let mut f = SegmentFold::new();
+                let at = r.local_offset as usize;
+                f.segment(&want[at..at + r.len as usize]);
+                assert_eq!(h.to_le_bytes()[..], f.hashes()[..], "{what}: read {i}");
+                stored += 1;
+            }
+        }
+        assert_eq!(log.take(), batch.reads, "{what}: the execution log");
     }
-    assert_eq!(log.take(), batch.reads, "{what}: the execution log");
+    stored
 }
 
 /// Options under which the reads below are cut every way: one call per 1024 remote iovecs
@@ -199,6 +243,14 @@ async fn gather_reads_from_another_process_are_byte_exact() {
             vec![gather(&p, dst, 0, 7, 3000 * 24, Some((24, 100)))]
         })
         .await;
+        // Rows of 1000 bytes: hashed, a call is cut into 256 KiB system calls mid-row; under
+        // 8 MiB calls of 1024 iovecs the read is one piece, so its hash is stored.
+        let stored = read_exactly(&p, options.clone(), |dst| {
+            vec![gather(&p, dst, 0, 3, 600 * 1000, Some((1000, 1500)))]
+        })
+        .await;
+        let one_piece = options.piece_bytes >= 600_000 && options.iovecs_per_call >= 600;
+        assert_eq!(stored, usize::from(one_piece), "{options:?}");
         // (b) rows whose pitch is their length: one contiguous source.
         read_exactly(&p, options.clone(), |dst| {
             vec![gather(&p, dst, 5, 300_001, 2000 * 16, Some((16, 16)))]
