@@ -349,8 +349,7 @@ mod tests {
     }
 
     /// The source addresses of every byte the calls read for read `read`, in landing order,
-    /// from the calls' remote iovecs (what the kernel is asked for), checking that the local
-    /// side of each call stays contiguous for it.
+    /// from the calls' remote iovecs (what the kernel is asked for).
     fn source_bytes(c: &Calls, read: u32) -> Vec<u64> {
         let mut out = Vec::new();
         for call in &c.calls {
