@@ -6,8 +6,16 @@
 //! pair up: consecutive reads whose remote (or local) bytes are contiguous share one iovec on
 //! that side. Many small reads of one owner thus become one call, which is where this backend
 //! gets its speed; a read longer than what is left in a call continues in the next one.
+//!
+//! A gather read ([`RemoteRows`]) lands contiguously but is rows at a pitch at the source: its
+//! local side is one range like any read's, its remote side one iovec per row (per row
+//! fragment where a call starts or ends mid-row), cut by the contract's own
+//! [`ReadDesc::remote_runs`]. Those iovecs count against `iovecs_per_call` like any other, so
+//! a gather of more rows than fit one call continues in the next call, as a long read does.
 
 use std::ops::Range;
+
+use reshard_core::{ReadDesc, RemoteRows};
 
 use crate::sys::Span;
 
@@ -16,15 +24,58 @@ use crate::sys::Span;
 pub(crate) struct Seg {
     /// Index of the read in the batch.
     pub(crate) read: u32,
-    /// Address in the peer process.
+    /// Address in the peer process of the segment's first byte.
     pub(crate) remote: u64,
-    /// Address in this process.
+    /// Address in this process (the segment's bytes land contiguously from here).
     pub(crate) local: u64,
     /// Offset of the segment's first byte in its read.
     pub(crate) off: u64,
     pub(crate) len: u64,
     /// This segment ends its read: the call that moves it completes the read.
     pub(crate) last: bool,
+    /// Where its read's bytes are in the peer process.
+    pub(crate) src: Source,
+}
+
+/// Where a read's bytes are in the peer process: the address of its first byte and, for a
+/// gather read, its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Source {
+    /// Address of the read's byte 0.
+    pub(crate) addr: u64,
+    pub(crate) rows: Option<RemoteRows>,
+}
+
+impl Source {
+    /// A contiguous source from `addr`.
+    #[cfg(test)]
+    pub(crate) fn at(addr: u64) -> Self {
+        Source { addr, rows: None }
+    }
+
+    /// The contiguous source runs `(address, bytes)` of the read's bytes `from..to`: the
+    /// contract's cut ([`ReadDesc::remote_runs`]) with the region's offset replaced by the
+    /// address it is at (only the source fields of the descriptor are read).
+    pub(crate) fn runs(self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64)> {
+        let d = ReadDesc {
+            owner: 0,
+            remote_region: 0,
+            remote_offset: self.addr,
+            local_region: 0,
+            local_offset: 0,
+            len: to,
+            remote_rows: self.rows,
+        };
+        d.remote_runs(from, to).map(|(addr, _, n)| (addr, n))
+    }
+}
+
+impl Seg {
+    /// The source runs `(address, bytes)` of the segment's bytes `from..to` (offsets in the
+    /// segment).
+    pub(crate) fn runs(&self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64)> {
+        self.src.runs(self.off + from, self.off + to)
+    }
 }
 
 /// One `process_vm_readv`.
@@ -37,12 +88,13 @@ pub(crate) struct Call {
     pub(crate) bytes: u64,
 }
 
-/// A read to translate: peer index, read index, remote and local address, length.
+/// A read to translate: peer index, read index, where it is in the peer, local address,
+/// length.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Wanted {
     pub(crate) peer: u32,
     pub(crate) read: u32,
-    pub(crate) remote: u64,
+    pub(crate) src: Source,
     pub(crate) local: u64,
     pub(crate) len: u64,
 }
@@ -127,17 +179,33 @@ impl Builder {
                 remote: Vec::new(),
                 local: Vec::new(),
             });
-            let (remote, local) = (w.remote + off, w.local + off);
+            let local = w.local + off;
             let room = self.piece_bytes - o.bytes;
-            let over = |spans: &[Span], addr| {
-                spans.len() + usize::from(needs_new(spans, addr)) > self.iovecs
-            };
-            if room == 0 || over(&o.remote, remote) || over(&o.local, local) {
+            let iovecs = self.iovecs;
+            let over =
+                |spans: &[Span], addr| spans.len() + usize::from(needs_new(spans, addr)) > iovecs;
+            if room == 0 || over(&o.local, local) {
                 self.flush();
                 continue;
             }
-            let take = (w.len - off).min(room);
-            append(&mut o.remote, remote, take);
+            // The source runs of what fits the call's bytes, while they fit its iovecs: one
+            // run for a contiguous read, one per row (or row fragment) for a gather.
+            let end = w.len.min(off + room);
+            let mut remote = None;
+            let mut take = 0u64;
+            for (addr, n) in w.src.runs(off, end) {
+                if over(&o.remote, addr) {
+                    break;
+                }
+                append(&mut o.remote, addr, n);
+                remote.get_or_insert(addr);
+                take += n;
+            }
+            let Some(remote) = remote else {
+                // Not even one more remote iovec fits: the read continues in a new call.
+                self.flush();
+                continue;
+            };
             append(&mut o.local, local, take);
             o.bytes += take;
             off += take;
@@ -148,6 +216,7 @@ impl Builder {
                 off: off - take,
                 len: take,
                 last: off == w.len,
+                src: w.src,
             });
         }
     }
@@ -175,7 +244,9 @@ pub(crate) fn spans_upto(segs: &[Seg], skip: u64, max: u64) -> (Vec<Span>, Vec<S
             continue;
         }
         let n = (s.len - skip).min(left);
-        append(&mut remote, s.remote + skip, n);
+        for (addr, k) in s.runs(skip, skip + n) {
+            append(&mut remote, addr, k);
+        }
         append(&mut local, s.local + skip, n);
         left -= n;
         skip = 0;
@@ -203,7 +274,7 @@ mod tests {
         Wanted {
             peer,
             read,
-            remote,
+            src: Source::at(remote),
             local,
             len,
         }
@@ -228,7 +299,8 @@ mod tests {
             let mine: Vec<&Seg> = c.segs.iter().filter(|s| s.read == i as u32).collect();
             let mut off = 0;
             for (k, s) in mine.iter().enumerate() {
-                assert_eq!((s.remote, s.local), (x.remote + off, x.local + off));
+                let first = x.src.runs(off, off + 1).next().unwrap().0;
+                assert_eq!((s.remote, s.local), (first, x.local + off));
                 assert_eq!(s.off, off, "the segment's offset in its read");
                 off += s.len;
                 assert_eq!(s.last, k + 1 == mine.len());
@@ -260,6 +332,113 @@ mod tests {
         assert_eq!(c.calls[2].segs.len(), 3000 - 2048 + 1);
         let one = check(&v, 4 << 20, 1);
         assert!(one.calls.len() >= 3000);
+    }
+
+    /// A gather of `rows` rows of `row` bytes at `pitch` from `remote`.
+    fn g(read: u32, remote: u64, local: u64, rows: u64, row: u64, pitch: u64) -> Wanted {
+        Wanted {
+            src: Source {
+                addr: remote,
+                rows: Some(RemoteRows {
+                    row_bytes: row,
+                    pitch,
+                }),
+            },
+            ..w(0, read, remote, local, rows * row)
+        }
+    }
+
+    /// The source addresses of every byte the calls read for read `read`, in landing order,
+    /// from the calls' remote iovecs (what the kernel is asked for).
+    fn source_bytes(c: &Calls, read: u32) -> Vec<u64> {
+        let mut out = Vec::new();
+        for call in &c.calls {
+            let segs = &c.segs[call.segs.clone()];
+            let (remote, _) = spans(segs, 0);
+            let mut addrs = remote.iter().flat_map(|s| s.addr..s.addr + s.len);
+            for s in segs {
+                let mine: Vec<u64> = addrs.by_ref().take(s.len as usize).collect();
+                if s.read == read {
+                    out.extend(mine);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_gather_is_one_remote_iovec_per_row_and_continues_in_the_next_call() {
+        // 3000 rows of 16 bytes every 64: one remote iovec each, so 3 calls of at most 1024
+        // iovecs; the local side is one range per call.
+        let v = [g(0, 0x10_0000, 0x90_0000, 3000, 16, 64)];
+        let c = check(&v, 8 << 20, 1024);
+        assert_eq!(c.calls.len(), 3, "{:?}", c.calls);
+        for call in &c.calls {
+            let (r, l) = spans(&c.segs[call.segs.clone()], 0);
+            assert_eq!(l.len(), 1);
+            assert!(r.len() <= 1024);
+        }
+        let want: Vec<u64> = (0..3000u64)
+            .flat_map(|i| 0x10_0000 + 64 * i..0x10_0000 + 64 * i + 16)
+            .collect();
+        assert_eq!(source_bytes(&c, 0), want);
+        // Calls of 40 bytes cut rows in the middle: each piece starts and ends mid-row.
+        let v = [g(0, 1000, 0x9000, 10, 16, 50)];
+        let c = check(&v, 40, 1024);
+        assert_eq!(c.calls.len(), 4);
+        let want: Vec<u64> = (0..10u64)
+            .flat_map(|i| 1000 + 50 * i..1000 + 50 * i + 16)
+            .collect();
+        assert_eq!(source_bytes(&c, 0), want);
+        // After 13 bytes of the second call (bytes 40..80 of the read: row 2 from column 8),
+        // the remote iovecs resume at row 3, column 5.
+        let segs = &c.segs[c.calls[1].segs.clone()];
+        let (r, l) = spans(segs, 13);
+        assert_eq!(
+            r[0],
+            Span {
+                addr: 1000 + 150 + 5,
+                len: 11
+            }
+        );
+        assert_eq!(
+            l,
+            [Span {
+                addr: 0x9000 + 53,
+                len: 27
+            }]
+        );
+    }
+
+    #[test]
+    fn a_gather_at_a_pitch_of_its_row_is_one_iovec_and_mixes_with_plain_reads() {
+        let v = [
+            w(0, 0, 0x5000, 0x9000, 100),
+            g(1, 0x1_0000, 0x9000 + 100, 5000, 8, 8),
+            w(0, 2, 0x2_0000, 0x9000 + 40_100, 100),
+            g(3, 0x3_0000, 0x9000 + 40_200, 3, 4, 1000),
+        ];
+        let c = check(&v, 8 << 20, 8);
+        assert_eq!(c.calls.len(), 1, "{:?}", c.calls);
+        let (r, l) = spans(&c.segs, 0);
+        // Rows that touch coalesce: the 5000-row gather is one iovec.
+        assert_eq!(
+            r[1],
+            Span {
+                addr: 0x1_0000,
+                len: 40_000
+            }
+        );
+        assert_eq!(r.len(), 6);
+        assert_eq!(l.len(), 1);
+        assert_eq!(
+            source_bytes(&c, 2),
+            (0x2_0000..0x2_0000 + 100).collect::<Vec<_>>()
+        );
+        let want: Vec<u64> = (0..3u64)
+            .flat_map(|i| 0x3_0000 + 1000 * i..0x3_0000 + 1000 * i + 4)
+            .collect();
+        assert_eq!(source_bytes(&c, 3), want);
     }
 
     #[test]
@@ -294,6 +473,7 @@ mod tests {
                 off: 0,
                 len: 10,
                 last: true,
+                src: Source::at(100),
             },
             Seg {
                 read: 1,
@@ -302,6 +482,7 @@ mod tests {
                 off: 0,
                 len: 10,
                 last: true,
+                src: Source::at(500),
             },
         ];
         let (r, l) = spans(&segs, 13);

@@ -14,9 +14,11 @@
 
 use async_trait::async_trait;
 use rayon::ThreadPool;
+use reshard_core::contract::span;
 use reshard_core::gate::{BatchGate, GateGuard};
 use reshard_core::{
-    CompletionSink, Countdown, Error, ErrorKind, InFlight, OwnerId, ReadBatch, Result, WireReport,
+    CompletionSink, Countdown, Error, ErrorKind, InFlight, OwnerId, ReadBatch, ReadDesc, Result,
+    WireReport,
 };
 use std::io;
 use std::ops::Range;
@@ -153,10 +155,7 @@ impl Run {
         let call = st.inside().first().map(|&i| &c.calls[i])?;
         let owner = self.prepared.peers.get(call.peer as usize)?.0;
         let r = self.batch.reads.get(seg.read as usize)?;
-        Some((
-            owner,
-            r.remote_offset..r.remote_offset.saturating_add(r.len),
-        ))
+        Some((owner, remote_range(r)))
     }
 
     /// The loop of one copy job: claim calls until none is left or the gate is closed.
@@ -300,7 +299,7 @@ impl Run {
     fn name_read(&self, e: Error, owner: OwnerId, seg: Option<&Seg>) -> Error {
         let e = e.with_owner(owner).with_backend(SCHEME);
         match seg.and_then(|s| self.batch.reads.get(s.read as usize)) {
-            Some(r) => e.with_range(r.remote_offset..r.remote_offset.saturating_add(r.len)),
+            Some(r) => e.with_range(remote_range(r)),
             None => e,
         }
     }
@@ -331,6 +330,12 @@ impl Run {
         self.name_read(Error::new(kind, msg).with_source(e), owner, seg)
             .set_retryable(false)
     }
+}
+
+/// The bytes of the owner's region a read spans, which errors name: a gather's rows from the
+/// first to the last, not its length.
+pub(crate) fn remote_range(r: &ReadDesc) -> Range<u64> {
+    span(r.remote_offset, r.remote_span().unwrap_or(r.len))
 }
 
 /// Feeds the hashers of the segments (of one call) that bytes `from..to` of the call's stream
@@ -550,6 +555,7 @@ mod tests {
                 off: 0,
                 len: 300,
                 last: true,
+                src: plan::Source::at(0),
             },
             Seg {
                 read: 1,
@@ -558,6 +564,7 @@ mod tests {
                 off: 100,
                 len: 300,
                 last: false,
+                src: plan::Source::at(0),
             },
         ];
         let t = |offset, len, slot| (offset, len, slot);

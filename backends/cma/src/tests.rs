@@ -210,6 +210,44 @@ async fn a_fault_part_way_through_a_call_names_the_read_it_hit() {
     assert_eq!(e.context().range, Some(2 * page + 100..2 * page + 150));
 }
 
+/// A gather whose rows fault part-way through is a `Transport` error naming the gather's
+/// whole source span (first row to last), not `len` bytes from its offset.
+#[tokio::test]
+async fn a_fault_in_a_gather_names_its_source_span() {
+    let tx = endpoint("tx");
+    let rx = endpoint("rx");
+    let page = 4096u64;
+    let mem = Arc::new(Mapped::new(4 * page as usize));
+    let src = tx.register(mem.clone()).await.unwrap();
+    let dst = rx
+        .register(Arc::new(HostBuffer::zeroed(page as usize)))
+        .await
+        .unwrap();
+    rx.load_peer(7, tx.export_metadata().await.unwrap())
+        .await
+        .unwrap();
+    // 4 rows of 100 bytes a page apart from byte 50: bytes 50..12_438 of the region.
+    let read = ReadDesc {
+        owner: 7,
+        remote_region: src.id(),
+        remote_offset: 50,
+        local_region: dst.id(),
+        local_offset: 0,
+        len: 400,
+        remote_rows: Some(reshard_core::RemoteRows {
+            row_bytes: 100,
+            pitch: page,
+        }),
+    };
+    let p = rx.prepare(ReadBatch { reads: vec![read] }).await.unwrap();
+    rx.post(&p).await.unwrap().wait().await.unwrap();
+    mem.protect(2 * page as usize, page as usize);
+    let e = rx.post(&p).await.unwrap().wait().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert_eq!(e.context().owner, Some(7));
+    assert_eq!(e.context().range, Some(50..50 + 3 * page + 100), "{e}");
+}
+
 #[tokio::test]
 async fn registration_is_host_only_with_ids_from_one_and_epochs_move() {
     let t = endpoint("t");

@@ -13,7 +13,8 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::peer::Peer;
-use crate::run::{CmaInFlight, Run};
+use crate::plan::Source;
+use crate::run::{remote_range, CmaInFlight, Run};
 use crate::SCHEME;
 
 use super::*;
@@ -38,7 +39,7 @@ impl CmaTransport {
                 .with_owner(*owner)
                 .with_backend(SCHEME);
                 if let Some(r) = r {
-                    e = e.with_range(span(r.remote_offset, r.len));
+                    e = e.with_range(remote_range(r));
                 }
                 return Err(e);
             }
@@ -97,7 +98,7 @@ impl CmaTransport {
             ),
         )
         .with_owner(r.owner)
-        .with_range(span(r.remote_offset, r.len))
+        .with_range(remote_range(r))
         .with_backend(SCHEME)
         .set_quarantined())
     }
@@ -108,8 +109,9 @@ impl CmaTransport {
     /// in that peer's regions and this endpoint's registrations. A read cut into several
     /// segments is recorded once, whole; a skipped read (fault injection) not at all.
     pub(super) fn record(&self, log: &ExecutionLog, st: &Prepared, skip: Option<u32>) {
-        // Per read: (peer index, first remote address, first local address, bytes).
-        let mut ext: BTreeMap<u32, (u32, u64, u64, u64)> = BTreeMap::new();
+        // Per read: peer index, first remote address, first local address, bytes, and where
+        // its source is (a gather's rows).
+        let mut ext: BTreeMap<u32, (u32, u64, u64, u64, Source)> = BTreeMap::new();
         for call in &st.calls.calls {
             for s in &st.calls.segs[call.segs.clone()] {
                 if Some(s.read) == skip {
@@ -117,7 +119,7 @@ impl CmaTransport {
                 }
                 let e = ext
                     .entry(s.read)
-                    .or_insert((call.peer, s.remote, s.local, 0));
+                    .or_insert((call.peer, s.remote, s.local, 0, s.src));
                 e.1 = e.1.min(s.remote);
                 e.2 = e.2.min(s.local);
                 e.3 += s.len;
@@ -126,7 +128,7 @@ impl CmaTransport {
         let peers = self.peers.read();
         let local = self.local.read();
         let mut out = Vec::with_capacity(ext.len());
-        for (_, (p, ra, la, len)) in ext {
+        for (_, (p, ra, la, len, src)) in ext {
             let (owner, used) = &st.peers[p as usize];
             let same = |q: &Arc<Peer>| {
                 q.pid == used.pid
@@ -143,16 +145,21 @@ impl CmaTransport {
                     .min()
                     .unwrap_or(*owner)
             };
+            // A gather spans from its first row's first byte to its last row's last byte.
+            let last = src.runs(len - 1, len).last().map_or(ra, |(a, _)| a);
             let remote = executed::locate(
                 used.regions.values().map(|r| (r.id, r.addr, r.len)),
                 ra,
-                len,
+                last + 1 - ra,
                 None,
             );
             let locals = local
                 .iter()
                 .map(|(&id, b)| (id, b.addr() as u64, b.len() as u64));
-            out.push(executed::read(owner, remote, locals, la, len, None));
+            out.push(ReadDesc {
+                remote_rows: src.rows,
+                ..executed::read(owner, remote, locals, la, len, None)
+            });
         }
         log.record(out);
     }

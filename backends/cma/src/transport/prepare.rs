@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::peer::Peer;
-use crate::plan::{self, Wanted};
+use crate::plan::{self, Source, Wanted};
 use crate::SCHEME;
 
 use super::*;
@@ -75,9 +75,13 @@ impl CmaTransport {
             wanted.push(Wanted {
                 peer: p,
                 read: i as u32,
-                // In range: offset + len fits the region (validated above), whose addr + len does
-                // not overflow (checked at decode).
-                remote: region.addr + r.remote_offset,
+                // In range: offset plus the read's source span (a gather's rows included) fits
+                // the region (validated above), whose addr + len does not overflow (checked at
+                // decode).
+                src: Source {
+                    addr: region.addr + r.remote_offset,
+                    rows: r.remote_rows,
+                },
                 local: block.addr() as u64 + r.local_offset,
                 len: r.len,
             });
