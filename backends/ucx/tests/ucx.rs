@@ -542,3 +542,209 @@ async fn ucx_allocated_memory_is_shared_by_endpoints_and_read_byte_exact() {
     assert!(dst.read()[..] == data[..], "byte-exact over tcp");
     drop((ra, rb, rt));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Gather reads: rows at a pitch at the source, landing contiguously.
+
+/// Bytes no shift of which equals itself (unlike `pattern`, periodic at 251): a row read one
+/// row too early or late, or a source read as contiguous, lands different bytes.
+fn unique(len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ (i >> 8) as u8)
+        .collect()
+}
+
+/// A gather of `rows` rows of `row` bytes at `pitch` from `remote_offset`, landing at
+/// `local_offset`.
+fn gather(
+    rs: &Registration,
+    rd: &Registration,
+    remote_offset: u64,
+    local_offset: u64,
+    rows: u64,
+    row: u64,
+    pitch: u64,
+) -> ReadDesc {
+    ReadDesc {
+        owner: 7,
+        remote_region: rs.id(),
+        remote_offset,
+        local_region: rd.id(),
+        local_offset,
+        len: rows * row,
+        remote_rows: Some(reshard_core::RemoteRows {
+            row_bytes: row,
+            pitch,
+        }),
+    }
+}
+
+/// What `reads` leave in a zeroed destination of `len` bytes, computed row by row from `src`.
+fn expected(src: &[u8], reads: &[ReadDesc], len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for r in reads {
+        let (row, pitch) = match r.remote_rows {
+            Some(g) => (g.row_bytes as usize, g.pitch as usize),
+            None => (r.len as usize, 0),
+        };
+        for i in 0..r.len as usize / row {
+            let from = r.remote_offset as usize + i * pitch;
+            let to = r.local_offset as usize + i * row;
+            out[to..to + row].copy_from_slice(&src[from..from + row]);
+        }
+    }
+    out
+}
+
+/// Gathers of thousands of small rows, of rows cut into pieces, a gather whose pitch equals
+/// its row, and plain reads in one batch, posted twice: byte-exact, every read reported once
+/// (after all its rows), and recorded in the execution log as asked. `shm` puts the source in
+/// UCX-allocated shared memory (read by direct copies when `options.shm_fast_path`).
+async fn gathers_are_byte_exact(options: UcxOptions, shm: bool, what: &str) {
+    let len = 2 << 20;
+    let data = unique(len);
+    let publisher = endpoint("publisher", options.clone());
+    let receiver = endpoint("receiver", options);
+    let src: Arc<dyn MemoryBlock> = if shm {
+        let m = publisher
+            .allocate_host(len)
+            .await
+            .expect("allocate")
+            .expect("ucx allocates host memory");
+        m.bytes_mut().copy_from_slice(&data);
+        m
+    } else {
+        Arc::new(HostBuffer::from_bytes(&data))
+    };
+    let dst = Arc::new(HostBuffer::zeroed(len));
+    let rs = publisher.register(src).await.expect("register src");
+    let rd = receiver
+        .register(dst.clone() as Arc<dyn MemoryBlock>)
+        .await
+        .expect("register dst");
+    receiver
+        .load_peer(7, publisher.export_metadata().await.expect("export"))
+        .await
+        .expect("load");
+    let mut reads = vec![
+        // 5000 rows of 24 bytes at a pitch of 40, from an odd offset.
+        gather(&rs, &rd, 13, 0, 5000, 24, 40),
+        // A plain read between the gathers.
+        ReadDesc {
+            owner: 7,
+            remote_region: rs.id(),
+            remote_offset: 300_001,
+            local_region: rd.id(),
+            local_offset: 120_000,
+            len: 7777,
+            remote_rows: None,
+        },
+        // Pitch equal to the row: a contiguous source written as a gather.
+        gather(&rs, &rd, 400_000, 130_000, 100, 64, 64),
+        // Rows longer than a piece (64 KiB here), each cut into pieces.
+        gather(&rs, &rd, 500_000, 200_000, 5, 100_000, 150_000),
+        // A single row.
+        gather(&rs, &rd, 1_300_000, 800_000, 1, 333, 1000),
+    ];
+    let ends: Vec<u64> = reads.iter().map(|r| r.local_offset + r.len).collect();
+    assert!(ends.iter().all(|&e| e <= len as u64));
+    // The plain read last too, so a gather is not always the batch's first read.
+    reads.push(ReadDesc {
+        local_offset: 900_000,
+        remote_offset: 2,
+        len: 4096,
+        ..reads[1]
+    });
+    let want = expected(&data, &reads, len);
+    let batch = ReadBatch {
+        reads: reads.clone(),
+    };
+    let prepared = receiver.prepare(batch).await.expect("prepare");
+    let log = reshard_core::ExecutionLog::new();
+    assert!(receiver.set_execution_log(Some(log.clone())));
+    for round in 0..2 {
+        dst.write().fill(0);
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let sink = {
+            let seen = seen.clone();
+            let dst = dst.clone();
+            let reads = reads.clone();
+            let want = want.clone();
+            reshard_core::CompletionSink::new(move |i| {
+                // Reported only once every row of the read is in place.
+                let r = &reads[i];
+                let at = r.local_offset as usize..(r.local_offset + r.len) as usize;
+                let whole = dst.read()[at.clone()] == want[at];
+                seen.lock().push((i, whole));
+            })
+        };
+        let report = receiver
+            .post_reporting(&prepared, sink)
+            .await
+            .expect("post")
+            .wait()
+            .await
+            .expect("wait");
+        let total: u64 = reads.iter().map(|r| r.len).sum();
+        assert_eq!(report.bytes, total, "{what}");
+        assert_eq!(report.reads, reads.len() as u64, "{what}");
+        assert!(
+            dst.read()[..] == want[..],
+            "{what} round {round}: byte-exact"
+        );
+        let mut seen = seen.lock().clone();
+        seen.sort_unstable();
+        let all: Vec<_> = (0..reads.len()).map(|i| (i, true)).collect();
+        assert_eq!(seen, all, "{what}: each read reported once, whole");
+        let key = |r: &ReadDesc| (r.local_offset, r.remote_offset, r.len);
+        let mut logged = log.take();
+        logged.sort_unstable_by_key(key);
+        let mut asked = reads.clone();
+        asked.sort_unstable_by_key(key);
+        assert_eq!(
+            logged, asked,
+            "{what}: the log records the gathers as asked"
+        );
+    }
+    drop((rs, rd, publisher));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gather_reads_over_tcp_gets_are_byte_exact() {
+    if !available() {
+        return;
+    }
+    let options = UcxOptions {
+        piece_bytes: 64 << 10,
+        ..tcp(8)
+    };
+    gathers_are_byte_exact(options, false, "tcp gets").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gather_reads_over_shared_memory_gets_are_byte_exact() {
+    if !available() {
+        return;
+    }
+    let options = UcxOptions {
+        piece_bytes: 64 << 10,
+        shm_fast_path: false,
+        ..UcxOptions::default()
+    };
+    gathers_are_byte_exact(options, true, "shared-memory gets").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gather_reads_over_direct_shared_memory_copies_are_byte_exact() {
+    if !available() {
+        return;
+    }
+    for copy_threads in [1, 3] {
+        let options = UcxOptions {
+            piece_bytes: 64 << 10,
+            copy_threads: Some(copy_threads),
+            ..UcxOptions::default()
+        };
+        gathers_are_byte_exact(options, true, "direct copies").await;
+    }
+}

@@ -25,6 +25,8 @@ struct Resolved {
     local_addr: u64,
     local_kind: MemoryKind,
     len: u64,
+    /// Where its bytes are in the owner's region: contiguous, or rows at a pitch.
+    desc: ReadDesc,
     remote_range: Range<u64>,
 }
 
@@ -75,7 +77,7 @@ impl NixlTransport {
                 contract::validated_lookup_failed(SCHEME, i, r, what)
             };
             for (i, r) in batch.reads.iter().enumerate() {
-                let remote = span(r.remote_offset, r.len);
+                let remote = span(r.remote_offset, r.remote_span().unwrap_or(r.len));
                 let peer = st
                     .peers
                     .get(&r.owner)
@@ -105,6 +107,7 @@ impl NixlTransport {
                     local_addr: local.addr + r.local_offset,
                     local_kind: local.kind,
                     len: r.len,
+                    desc: *r,
                     remote_range: remote,
                 });
             }
@@ -136,20 +139,26 @@ impl NixlTransport {
                     remote_keys.len() - 1
                 }
             };
+            // One descriptor pair per contiguous source run (the whole read, or one row of a
+            // gather), cut at the request size; the local descriptors of a gather's rows are
+            // consecutive, so its destination stays contiguous.
             let mut pieces = Vec::with_capacity(r.len.div_ceil(piece) as usize);
-            let mut off = 0;
-            while off < r.len {
-                let n = piece.min(r.len - off);
-                local_descs[l].push((r.local_addr + off, n));
-                remote_descs[m].push((r.remote_addr + off, n));
-                pieces.push((
-                    l,
-                    local_descs[l].len() as i32 - 1,
-                    m,
-                    remote_descs[m].len() as i32 - 1,
-                    n,
-                ));
-                off += n;
+            let region_base = r.remote_addr - r.desc.remote_offset;
+            for (roff, at, run) in r.desc.remote_runs(0, r.len) {
+                let mut off = 0;
+                while off < run {
+                    let n = piece.min(run - off);
+                    local_descs[l].push((r.local_addr + at + off, n));
+                    remote_descs[m].push((region_base + roff + off, n));
+                    pieces.push((
+                        l,
+                        local_descs[l].len() as i32 - 1,
+                        m,
+                        remote_descs[m].len() as i32 - 1,
+                        n,
+                    ));
+                    off += n;
+                }
             }
             at.push(pieces);
         }
@@ -174,6 +183,7 @@ impl NixlTransport {
             let last = at[i].len() - 1;
             for (k, &(l, li, m, mi, n)) in at[i].iter().enumerate() {
                 let read_len = if k == 0 { r.len } else { 0 };
+                let read_rows = if k == 0 { r.desc.remote_rows } else { None };
                 let ends = u64::from(k == last);
                 // The newest request of these lists, while it has room: NIXL reports
                 // progress only per request, so requests are capped at `request_bytes`
@@ -185,6 +195,7 @@ impl NixlTransport {
                         g.local_ix.push(li);
                         g.remote_ix.push(mi);
                         g.read_len.push(read_len);
+                        g.read_rows.push(read_rows);
                         g.pieces.push((i as u32, n));
                         g.ends += ends;
                         g.bytes += n;
@@ -197,6 +208,7 @@ impl NixlTransport {
                         local_ix: vec![li],
                         remote_ix: vec![mi],
                         read_len: vec![read_len],
+                        read_rows: vec![read_rows],
                         ends,
                         pieces: vec![(i as u32, n)],
                         range: r.remote_range.clone(),
@@ -239,7 +251,14 @@ impl NixlTransport {
                             r.owner == owner
                                 && r.remote_kind == k
                                 && agent
-                                    .prep_dlist(name, k, &[(r.remote_addr, r.len)])
+                                    .prep_dlist(
+                                        name,
+                                        k,
+                                        &[(
+                                            r.remote_addr,
+                                            r.remote_range.end - r.remote_range.start,
+                                        )],
+                                    )
                                     .is_err()
                         });
                         match bad {

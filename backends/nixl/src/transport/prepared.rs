@@ -2,7 +2,9 @@
 //! phase), how its requests are made, recorded and released, and what `post` re-checks.
 
 use parking_lot::Mutex;
-use reshard_core::{executed, Error, ErrorKind, ExecutionLog, OwnerId, Result};
+use reshard_core::{
+    executed, Error, ErrorKind, ExecutionLog, OwnerId, ReadDesc, RemoteRows, Result,
+};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -15,8 +17,9 @@ use crate::SCHEME;
 
 /// One NIXL request's worth of reads: one owner, one local and one remote memory kind.
 ///
-/// A read longer than the request size is split into pieces (consecutive descriptors, in
-/// this or the following groups of its owner); every field below is per piece.
+/// A read longer than the request size, or a gather (one piece per row), is split into pieces
+/// (consecutive descriptors, in this or the following groups of its owner); every field
+/// below is per piece.
 pub(crate) struct Group {
     pub(crate) owner: OwnerId,
     /// The lane whose agent the request is made, posted and polled on.
@@ -28,6 +31,8 @@ pub(crate) struct Group {
     /// Per piece: the whole read's length if the piece starts a read, else 0 (the execution
     /// log records a read once, whole, when its first piece is posted).
     pub(super) read_len: Vec<u64>,
+    /// Per piece: the read's source rows if the piece starts a gather read, else `None`.
+    pub(super) read_rows: Vec<Option<RemoteRows>>,
     /// Reads whose last piece this request carries: what its completion adds to the count.
     pub(super) ends: u64,
     /// Per piece: `(index of its read in the batch, bytes)`, to report a read complete when
@@ -186,18 +191,30 @@ impl Prepared {
                 if len == 0 {
                     continue;
                 }
-                let (la, _) = local[group.local_ix[k] as usize];
-                let (ra, _) = remote.descs[group.remote_ix[k] as usize];
+                let (li, ri) = (group.local_ix[k] as usize, group.remote_ix[k] as usize);
+                let (la, _) = local[li];
+                let (ra, _) = remote.descs[ri];
+                // A gather is recorded as one when its descriptors lie where its rows are;
+                // else as the contiguous read its first descriptor starts (which a reader of
+                // the log sees differ from what was asked).
+                let rows = group.read_rows[k]
+                    .filter(|&rows| follows_rows(rows, len, &local[li..], &remote.descs[ri..]));
+                let extent = rows
+                    .and_then(|rows| gather_at_zero(rows, len).remote_span())
+                    .unwrap_or(len);
                 let remote_at = executed::locate(
                     remote.peer.regions.values().map(|r| (r.id, r.addr, r.len)),
                     ra,
-                    len,
+                    extent,
                     None,
                 );
                 // Only regions in the memory space the local list is in.
                 let locals = self.local_table.iter().filter(|t| t.1 == space_l);
                 let locals = locals.map(|&(id, _, s, e)| (id, s, e - s));
-                out.push(executed::read(owner, remote_at, locals, la, len, None));
+                out.push(ReadDesc {
+                    remote_rows: rows,
+                    ..executed::read(owner, remote_at, locals, la, len, None)
+                });
             }
         }
         log.record(out);
@@ -243,6 +260,41 @@ impl Prepared {
         }
         Ok(())
     }
+}
+
+/// A gather of `len` bytes in `rows` from offset 0: its runs are offsets from its first row.
+fn gather_at_zero(rows: RemoteRows, len: u64) -> ReadDesc {
+    ReadDesc {
+        owner: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        local_region: 0,
+        local_offset: 0,
+        len,
+        remote_rows: Some(rows),
+    }
+}
+
+/// Whether the descriptors of a gather of `len` bytes in `rows` (`local` and `remote` from its
+/// first pair on, consecutive in their lists) land contiguously and take their sources where
+/// the rows are, relative to the first descriptor's source.
+fn follows_rows(rows: RemoteRows, len: u64, local: &[(u64, u64)], remote: &[(u64, u64)]) -> bool {
+    let asked = gather_at_zero(rows, len);
+    let (Some(&(la, _)), Some(&(ra, _))) = (local.first(), remote.first()) else {
+        return false;
+    };
+    let mut at = 0;
+    for (&(l, n), &(r, rn)) in local.iter().zip(remote) {
+        if at >= len {
+            break;
+        }
+        let want = asked.remote_runs(at, len).next().map(|(o, _, _)| o);
+        if n != rn || l.wrapping_sub(la) != at || Some(r.wrapping_sub(ra)) != want {
+            return false;
+        }
+        at += n;
+    }
+    at == len
 }
 
 // `Prepared` has no `Drop`: its last `Arc` goes only when no in-flight handle and no

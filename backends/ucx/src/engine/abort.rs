@@ -161,7 +161,7 @@ impl Engine {
         if let Some(r) = first {
             e = e
                 .with_owner(r.owner)
-                .with_range(span(r.remote_offset, r.len));
+                .with_range(span(r.remote_offset, r.remote_span().unwrap_or(r.len)));
         }
         let e = e.set_quarantined();
         run.signal.set_quiet();
@@ -242,7 +242,7 @@ impl Engine {
             e = e.with_owner(o);
         }
         if let Some(r) = r {
-            e = e.with_range(span(r.remote_offset, r.len));
+            e = e.with_range(span(r.remote_offset, r.remote_span().unwrap_or(r.len)));
         }
         e
     }

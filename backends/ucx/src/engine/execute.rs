@@ -206,7 +206,7 @@ impl Engine {
                         ),
                     )
                     .with_owner(r.owner)
-                    .with_range(span(r.remote_offset, r.len))
+                    .with_range(span(r.remote_offset, r.remote_span().unwrap_or(r.len)))
                     .with_backend(SCHEME)
                     .set_quarantined());
                 }
@@ -525,7 +525,7 @@ pub(super) fn read_error(run: &Running, piece: u32, e: UcxStatusError) -> Error 
     if let Some(r) = read.and_then(|&i| run.batch.reads.get(i as usize)) {
         err = err
             .with_owner(r.owner)
-            .with_range(span(r.remote_offset, r.len));
+            .with_range(span(r.remote_offset, r.remote_span().unwrap_or(r.len)));
     }
     err
 }

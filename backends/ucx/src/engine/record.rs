@@ -2,11 +2,12 @@
 
 use std::rc::Rc;
 
-use reshard_core::{executed, OwnerId};
+use reshard_core::{executed, OwnerId, ReadDesc};
 
 use super::execute::Running;
 use super::peers::Peer;
 use super::Engine;
+use crate::raw::GetOp;
 
 impl Engine {
     /// Records read of `piece` in the batch's execution log when `piece` is the read's first
@@ -33,6 +34,22 @@ impl Engine {
             .map(|(_, o)| o.len as u64)
             .sum();
         let asked = &run.batch.reads[read as usize];
+        // A gather is recorded as one when its pieces' sources, relative to the first piece's,
+        // lie where its rows are; else as the contiguous read the first piece starts (which a
+        // reader of the log sees differ from what was asked).
+        let rows = asked.remote_rows.filter(|_| {
+            follows_rows(
+                asked,
+                read,
+                &run.res.ops[p..],
+                &run.res.op_off[p..],
+                &run.res.op_read[p..],
+            )
+        });
+        let extent = match rows {
+            Some(_) => asked.remote_span().unwrap_or(len),
+            None => len,
+        };
         // The endpoints loaded for each owner (not the batch's own owner -> peer table, which
         // is what resolution could have got wrong).
         let mut used: Vec<(OwnerId, &Rc<Peer>)> = self
@@ -53,13 +70,13 @@ impl Engine {
                             return None;
                         }
                         if op.direct.is_null() {
-                            let end = op.remote_addr.checked_add(len)?;
+                            let end = op.remote_addr.checked_add(extent)?;
                             (op.remote_addr >= reg.base && end <= reg.base + reg.len)
                                 .then(|| (id, op.remote_addr - reg.base))
                         } else {
                             let base = key.local_ptr(reg.base)? as usize;
                             let src = op.direct as usize;
-                            let end = src.checked_add(len as usize)?;
+                            let end = src.checked_add(extent as usize)?;
                             (src >= base && end <= base + reg.len as usize)
                                 .then(|| (id, (src - base) as u64))
                         }
@@ -77,13 +94,33 @@ impl Engine {
             .iter()
             .map(|r| (r.id, r.addr as u64, r.len));
         let prefer = Some(asked.local_region);
-        log.record([executed::read(
-            owner,
-            remote,
-            locals,
-            op.local as u64,
-            len,
-            prefer,
-        )]);
+        log.record([ReadDesc {
+            remote_rows: rows,
+            ..executed::read(owner, remote, locals, op.local as u64, len, prefer)
+        }]);
     }
+}
+
+/// Whether the pieces of read `read` (`ops`, `offs` and `reads` from its first piece on) take their sources where
+/// the rows of the gather `asked` are: each piece's remote address (or source pointer) is the
+/// first piece's moved by the distance [`ReadDesc::remote_runs`] gives between their offsets.
+fn follows_rows(asked: &ReadDesc, read: u32, ops: &[GetOp], offs: &[u64], reads: &[u32]) -> bool {
+    let source = |at: u64| asked.remote_runs(at, asked.len).next().map(|(o, _, _)| o);
+    let (Some(first), Some(op0)) = (source(0), ops.first()) else {
+        return false;
+    };
+    ops.iter()
+        .zip(offs)
+        .zip(reads)
+        .take_while(|(_, &r)| r == read)
+        .all(|((op, &off), _)| {
+            let Some(want) = source(off).map(|o| o - first) else {
+                return false;
+            };
+            if op.direct.is_null() {
+                op.remote_addr.wrapping_sub(op0.remote_addr) == want
+            } else {
+                (op.direct as u64).wrapping_sub(op0.direct as u64) == want
+            }
+        })
 }

@@ -21,7 +21,8 @@ use crate::SCHEME;
 /// A batch translated to raw reads: valid while the objects in `peers` and `regions` live,
 /// which the `Rc`s guarantee.
 pub(super) struct Resolved {
-    /// One `ucp_get_nbx` per piece: reads longer than `piece_bytes` are cut into pieces.
+    /// One `ucp_get_nbx` (or direct copy) per piece: one per contiguous source run of a read
+    /// (a gather has one per row), runs longer than `piece_bytes` cut into pieces.
     pub(super) ops: Vec<GetOp>,
     /// The batch read each piece belongs to (errors name the read's owner and range).
     pub(super) op_read: Vec<u32>,
@@ -173,7 +174,7 @@ impl Engine {
         let mut direct: HashMap<(OwnerId, u64), Option<usize>> = HashMap::new();
         let mut maps = None;
         for (i, r) in batch.reads.iter().enumerate() {
-            let remote = span(r.remote_offset, r.len);
+            let remote = span(r.remote_offset, r.remote_span().unwrap_or(r.len));
             let peer = match peers.get(&r.owner) {
                 Some(p) => p,
                 None => {
@@ -230,31 +231,35 @@ impl Engine {
                 },
                 _ => None,
             };
-            // Both ranges are inside registered regions whose addresses did not overflow, so
-            // these sums and casts are exact.
-            let mut done = 0;
-            while done < r.len {
-                let n = (r.len - done).min(self.opts.piece_bytes);
-                let remote_addr = region.base + r.remote_offset + done;
-                let direct = match base {
-                    Some(b) => (b + (r.remote_offset + done) as usize) as *const u8,
-                    None => std::ptr::null(),
-                };
-                let local_addr = local.addr + (r.local_offset + done) as usize;
-                ops.push(GetOp {
-                    direct,
-                    ep: peer.ep.handle(),
-                    rkey: rkey.handle(),
-                    remote_addr,
-                    local: local_addr as *mut u8,
-                    len: n as usize,
-                    memh: memh.handle().handle(),
-                    memory_type: raw::memory_type(local.kind),
-                });
-                piece_owner.push(r.owner);
-                op_read.push(i as u32);
-                op_off.push(done);
-                done += n;
+            // Both ranges are inside registered regions whose addresses did not overflow (a
+            // gather's whole source span was validated), so these sums and casts are exact.
+            // One get (or copy) per contiguous source run (the whole read, or one row of a
+            // gather), cut at `piece_bytes`; the destination stays contiguous.
+            for (roff, at, run) in r.remote_runs(0, r.len) {
+                let mut done = 0;
+                while done < run {
+                    let n = (run - done).min(self.opts.piece_bytes);
+                    let remote_addr = region.base + roff + done;
+                    let direct = match base {
+                        Some(b) => (b + (roff + done) as usize) as *const u8,
+                        None => std::ptr::null(),
+                    };
+                    let local_addr = local.addr + (r.local_offset + at + done) as usize;
+                    ops.push(GetOp {
+                        direct,
+                        ep: peer.ep.handle(),
+                        rkey: rkey.handle(),
+                        remote_addr,
+                        local: local_addr as *mut u8,
+                        len: n as usize,
+                        memh: memh.handle().handle(),
+                        memory_type: raw::memory_type(local.kind),
+                    });
+                    piece_owner.push(r.owner);
+                    op_read.push(i as u32);
+                    op_off.push(at + done);
+                    done += n;
+                }
             }
         }
         if u32::try_from(ops.len()).is_err() {
