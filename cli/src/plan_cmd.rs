@@ -151,6 +151,7 @@ fn plan_options(use_dedup: bool, threshold: u64) -> PlanOptions {
         allow_overlap: !use_dedup,
         // The counterfactual arm is the seed's "before": no gather reads either.
         gather_reads: use_dedup,
+        ..PlanOptions::default()
     }
 }
 

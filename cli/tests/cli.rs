@@ -66,9 +66,9 @@ fn plan_json_has_the_contract_keys() {
         }
         // 2 layers: 2 x 393 + 3 globals.
         assert_eq!(r["copies"], 789);
-        // Every row-parallel half (o_proj and 128 down_proj per layer) is a gather read.
-        assert_eq!(r["full_pull_sources"], 0);
-        assert_eq!(r["extra_wire_bytes"], 0);
+        // Each layer's o_proj half (4 KiB rows) is a gather read; its 128 down_proj halves
+        // (768-byte rows, below gather_min_row_bytes) are full pulls.
+        assert_eq!(r["full_pull_sources"], 2 * 128);
     }
 }
 

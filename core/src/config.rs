@@ -64,6 +64,9 @@ pub struct PlannerConfig {
     /// Read a column block of a row-major tensor as one gather read (rows at a pitch) where
     /// it lands contiguously, instead of one read per row or a full pull (docs/design.md §4).
     pub gather_reads: bool,
+    /// The shortest row a gather read is planned for, in bytes; shorter rows are read row by
+    /// row or pulled whole (BENCHMARKS.md, "Gather reads").
+    pub gather_min_row_bytes: u64,
     /// Spread owners across replicas by receiver rank (off by default: measured slower).
     pub spread_owners: bool,
     /// Replica dedup; turning it off is the benchmark-only counterfactual arm.
@@ -109,6 +112,7 @@ impl Default for PlannerConfig {
         PlannerConfig {
             full_pull_threshold: 64,
             gather_reads: true,
+            gather_min_row_bytes: 4096,
             spread_owners: false,
             dedup: true,
         }

@@ -119,8 +119,14 @@ fn read(owner: u32, src: u64, len: u64, dst: Dest, dst_offset: u64, tensor: u32)
     }
 }
 
+/// The default planner, except that it gathers rows of any length (these cases' rows are a
+/// few bytes long).
 fn default_plan(t: &MergedTable, l: &WantedLayout) -> Plan {
-    plan(t, l, &PlanOptions::default()).unwrap()
+    let opts = PlanOptions {
+        gather_min_row_bytes: 0,
+        ..PlanOptions::default()
+    };
+    plan(t, l, &opts).unwrap()
 }
 
 /// The planner without gather reads: a column block is read row by row, or pulled whole and
@@ -129,6 +135,7 @@ const NO_GATHER: PlanOptions = PlanOptions {
     full_pull_threshold: 64,
     allow_overlap: false,
     gather_reads: false,
+    gather_min_row_bytes: 0,
 };
 
 fn rows_plan(t: &MergedTable, l: &WantedLayout) -> Plan {
@@ -268,6 +275,20 @@ fn dim1_slice_is_one_gather_read() {
     assert_eq!(p.stats.descriptors_saved, 3);
     assert_eq!((p.stats.wire_bytes, p.stats.extra_wire_bytes), (32, 0));
     assert_ne!(p.fingerprint, rows_plan(&t, &l).fingerprint);
+    // Rows shorter than `gather_min_row_bytes` (4 KiB by default) are read one by one.
+    let p = plan(&t, &l, &PlanOptions::default()).unwrap();
+    assert_eq!(p.stats.reads, 4);
+    assert!(p.reads.iter().all(|r| r.src_rows.is_none()));
+    let p = plan(
+        &t,
+        &l,
+        &PlanOptions {
+            gather_min_row_bytes: 8,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(p.stats.reads, 1, "rows of exactly the minimum gather");
 }
 
 #[test]

@@ -726,6 +726,7 @@ fn options(case: &Case, allow_overlap: bool) -> PlanOptions {
         full_pull_threshold: case.threshold,
         allow_overlap,
         gather_reads: case.gather,
+        gather_min_row_bytes: 0,
     }
 }
 

@@ -27,6 +27,7 @@ const PRIOR_ART: PlanOptions = PlanOptions {
     full_pull_threshold: 64,
     allow_overlap: false,
     gather_reads: false,
+    gather_min_row_bytes: 0,
 };
 
 #[test]
@@ -94,20 +95,36 @@ fn design_table_without_dedup_for_both_receiver_ranks() {
     }
 }
 
-/// The design table's layout with gather reads (the default): each `o_proj` and `down_proj`
-/// column half is one gather read per offer instead of a full pull, so the 10,066,329,600 extra
-/// wire bytes of the full pulls (half of every `o_proj` and `down_proj`) are gone, with no
-/// staging and no re-slice.
+/// The design table's layout with gather reads. By default (rows of at least 4 KiB) each
+/// `o_proj` column half (4 KiB rows) is one gather read per offer instead of a full pull, and
+/// the experts' `down_proj` (768-byte half rows) stay full pulls; gathering every row length
+/// removes all 10,066,329,600 extra wire bytes of the full pulls (half of every `o_proj` and
+/// `down_proj`), with no staging and no re-slice.
 #[test]
 fn design_table_with_gather_reads_reads_only_wanted_bytes() {
     let (deduped, _) = dedup(&design_table(), DedupOptions::default()).unwrap();
+    let every_row = PlanOptions {
+        gather_min_row_bytes: 0,
+        ..PlanOptions::default()
+    };
+    // 48 layers x one 16 MiB o_proj pulled whole for an 8 MiB half.
+    let o_proj_extra = 48 * 8 * 1_048_576;
     for rank in 0..2 {
         let s = stats(&deduped, rank, &PlanOptions::default());
-        assert_eq!(s.reads, 19_011, "rank {rank}");
+        assert_eq!(s.copies, 18_867, "rank {rank}");
+        assert_eq!(s.full_pull_sources, 6_192 - 48, "rank {rank}");
+        assert_eq!(
+            s.extra_wire_bytes,
+            10_066_329_600 - o_proj_extra,
+            "rank {rank}"
+        );
+        assert_eq!(s.wire_bytes, 40_611_246_080 - o_proj_extra, "rank {rank}");
+        let s = stats(&deduped, rank, &every_row);
         assert_eq!(s.copies, 18_867, "rank {rank}");
         assert_eq!(s.full_pull_sources, 0, "rank {rank}");
         assert_eq!(s.extra_wire_bytes, 0, "rank {rank}");
         assert_eq!(s.wire_bytes, 40_611_246_080 - 10_066_329_600, "rank {rank}");
+        assert_eq!(s.reads, 19_011, "rank {rank}");
         assert_eq!(s.exact_descriptors, 12_694_035, "rank {rank}");
         assert_eq!(s.owners, 8, "rank {rank}");
     }

@@ -200,8 +200,19 @@ pub async fn row_parallel_gathers_are_byte_exact_and_checked(h: &Harness) {
     };
     let mut cluster = h.cluster(model, "dp=2").await;
     let mut step = 0;
+    // These rows are 512 bytes: below the default shortest row to gather.
+    let opts = ReceiverOptions {
+        plan: PlanOptions {
+            gather_min_row_bytes: 0,
+            ..PlanOptions::default()
+        },
+        ..ReceiverOptions::default()
+    };
     for rank in 0..2 {
-        let mut rx = h.receiver(&cluster, 2, rank).await;
+        let t = h
+            .endpoint(&format!("receiver-{rank}-of-2"))
+            .expect("receiver endpoint");
+        let mut rx = h.receiver_on(&cluster, t, 2, rank, opts.clone()).await;
         for _ in 0..2 {
             step += 1;
             cluster.publish_step(step).expect("publish");

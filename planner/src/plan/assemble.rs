@@ -29,7 +29,9 @@ impl<'a> Planner<'a> {
                     elem,
                     (acc.state, si),
                     rect,
-                    self.opts.gather_reads,
+                    self.opts
+                        .gather_reads
+                        .then_some(self.opts.gather_min_row_bytes),
                 );
                 staged_parts += 1;
                 staged_read_bytes = staged_read_bytes.saturating_add(buffer.bytes);
@@ -212,8 +214,8 @@ fn pull_whole_offer(
 
 /// Reads `rect` of offer `o` (whole row chunks with every column, or whole column blocks with
 /// every row) into staging buffer `si` for tensor `tensor`, row-major, and checks its parts
-/// there; returns the buffer. Column blocks are one gather read with `gather`, else a read per
-/// row.
+/// there; returns the buffer. Column blocks are one gather read when `gather` is the shortest
+/// row to gather and theirs are no shorter, else a read per row.
 fn pull_part(
     reads: &mut Vec<PlannedRead>,
     checks: &mut Vec<DigestCheck>,
@@ -221,7 +223,7 @@ fn pull_part(
     elem: u64,
     (tensor, si): (u32, u32),
     rect: PartRect,
-    gather: bool,
+    gather: Option<u64>,
 ) -> StagingBuffer {
     let b = &o.tensor_box;
     let v = MatrixView::of(&b.extent);
@@ -241,7 +243,7 @@ fn pull_part(
     };
     if width == row_bytes {
         reads.push(read(rect.rows.0 * row_bytes, rows * row_bytes, 0));
-    } else if gather && rows > 1 {
+    } else if gather.is_some_and(|min| width >= min) && rows > 1 {
         reads.push(PlannedRead {
             src_rows: Some(RemoteRows {
                 row_bytes: width,

@@ -215,7 +215,7 @@ impl<'a> Planner<'a> {
             let rs = run_shape(self.ov.ext(k), &self.src_strides, &c.dst_strides);
             self.runs.push(rs.runs);
             total_runs = total_runs.saturating_add(rs.runs);
-            let one = self.opts.gather_reads && gathers(&rs, &c.dst_strides);
+            let one = self.opts.gathers(&rs, &c.dst_strides, elem);
             descriptors = descriptors.saturating_add(if one { 1 } else { rs.runs });
         }
         self.exact_descriptors = self.exact_descriptors.saturating_add(total_runs);
@@ -549,7 +549,7 @@ impl<'a> Planner<'a> {
         self.idx.clear();
         self.idx.resize(rs.outer, 0);
         let first = self.reads.len();
-        let gather = self.opts.gather_reads && gathers(&rs, ds);
+        let gather = self.opts.gathers(&rs, ds, elem);
         if gather {
             // Every dim-0 row's block, landing one after another: one gather read.
             self.reads.push(PlannedRead {

@@ -44,6 +44,21 @@ pub struct PlanOptions {
     /// per row: it counts as one descriptor against `full_pull_threshold`, so a row-parallel
     /// copy reads only its own columns instead of a full pull (docs/design.md §4).
     pub gather_reads: bool,
+    /// The shortest row a gather read is planned for (bytes): every row is one get, copy or
+    /// descriptor for a backend, so below this a full pull (more wire bytes, fewer and longer
+    /// reads) is planned instead. BENCHMARKS.md ("Gather reads"): with 768-byte rows, loopback
+    /// and cma refit faster by gathering, UCX and NIXL on one host slower.
+    pub gather_min_row_bytes: u64,
+}
+
+impl PlanOptions {
+    /// Whether an overlap of shape `rs` with elements of `elem` bytes, landing at destination
+    /// element strides `dst_strides`, is planned as one gather read (see [`build::gathers`]).
+    pub(in crate::plan) fn gathers(&self, rs: &RunShape, dst_strides: &[u64], elem: u64) -> bool {
+        self.gather_reads
+            && rs.block.saturating_mul(elem) >= self.gather_min_row_bytes
+            && gathers(rs, dst_strides)
+    }
 }
 
 impl Default for PlanOptions {
@@ -52,6 +67,7 @@ impl Default for PlanOptions {
             full_pull_threshold: 64,
             allow_overlap: false,
             gather_reads: true,
+            gather_min_row_bytes: 4096,
         }
     }
 }

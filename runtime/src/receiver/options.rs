@@ -82,6 +82,7 @@ impl ReceiverOptions {
             plan: PlanOptions {
                 full_pull_threshold: cfg.planner.full_pull_threshold,
                 gather_reads: cfg.planner.gather_reads,
+                gather_min_row_bytes: cfg.planner.gather_min_row_bytes,
                 ..PlanOptions::default()
             },
             verify_digests: cfg.receiver.verify_digests,
