@@ -85,6 +85,8 @@ struct Input {
     threshold: u8,
     dedup: bool,
     spread: Option<u8>,
+    /// Gather reads off (`None`), or on for rows of at least this many bytes.
+    gather_min_row: Option<u8>,
 }
 
 fn name(i: u8) -> String {
@@ -202,10 +204,19 @@ fuzz_target!(|input: Input| {
     let opts = PlanOptions {
         full_pull_threshold: u64::from(input.threshold),
         allow_overlap: !input.dedup,
+        gather_reads: input.gather_min_row.is_some(),
+        gather_min_row_bytes: input.gather_min_row.map_or(0, u64::from),
     };
     if let Ok(p) = plan(&deduped, &layout, &opts) {
         let again = plan(&deduped, &layout, &opts).expect("same input, same result");
         assert_eq!(p.fingerprint, again.fingerprint);
         assert!(p.reads.iter().all(|r| r.len > 0), "no empty reads");
+        // A gather's rows divide it and never overlap (what validate_batch will ask).
+        assert!(
+            p.reads
+                .iter()
+                .all(|r| r.src_rows.is_none_or(|g| g.span(r.len).is_some())),
+            "malformed gather"
+        );
     }
 });
