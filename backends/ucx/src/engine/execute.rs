@@ -344,6 +344,7 @@ impl Engine {
                 dst: op.local,
                 src: op.direct,
                 len: op.len,
+                rows: op.rows,
                 read: run.res.op_read[piece as usize],
                 off: run.res.op_off[piece as usize],
             });

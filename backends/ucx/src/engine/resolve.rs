@@ -22,7 +22,8 @@ use crate::SCHEME;
 /// which the `Rc`s guarantee.
 pub(super) struct Resolved {
     /// One `ucp_get_nbx` (or direct copy) per piece: one per contiguous source run of a read
-    /// (a gather has one per row), runs longer than `piece_bytes` cut into pieces.
+    /// (a gather read by gets has one per row), runs longer than `piece_bytes` cut into
+    /// pieces; a direct copy of a gather walks its rows, one piece per `piece_bytes`.
     pub(super) ops: Vec<GetOp>,
     /// The batch read each piece belongs to (errors name the read's owner and range).
     pub(super) op_read: Vec<u32>,
@@ -233,8 +234,40 @@ impl Engine {
             };
             // Both ranges are inside registered regions whose addresses did not overflow (a
             // gather's whole source span was validated), so these sums and casts are exact.
-            // One get (or copy) per contiguous source run (the whole read, or one row of a
-            // gather), cut at `piece_bytes`; the destination stays contiguous.
+            // A direct copy walks a gather's rows itself (`raw::Rows`): one piece per
+            // `piece_bytes` of destination, however short the rows, so a gather of small rows
+            // costs one task, one hasher and one count per piece, not per row.
+            if let (Some(b), Some(g)) = (base, r.remote_rows) {
+                let mut at = 0;
+                while at < r.len {
+                    let n = (r.len - at).min(self.opts.piece_bytes);
+                    let (row, head) = (at / g.row_bytes, at % g.row_bytes);
+                    let roff = r.remote_offset + row * g.pitch + head;
+                    let local_addr = local.addr + (r.local_offset + at) as usize;
+                    ops.push(GetOp {
+                        direct: (b + roff as usize) as *const u8,
+                        rows: Some(raw::Rows {
+                            row: g.row_bytes as usize,
+                            pitch: g.pitch as usize,
+                            head: head as usize,
+                        }),
+                        ep: peer.ep.handle(),
+                        rkey: rkey.handle(),
+                        remote_addr: region.base + roff,
+                        local: local_addr as *mut u8,
+                        len: n as usize,
+                        memh: memh.handle().handle(),
+                        memory_type: raw::memory_type(local.kind),
+                    });
+                    piece_owner.push(r.owner);
+                    op_read.push(i as u32);
+                    op_off.push(at);
+                    at += n;
+                }
+                continue;
+            }
+            // Otherwise one get (or copy) per contiguous source run (the whole read, or one
+            // row of a gather), cut at `piece_bytes`; the destination stays contiguous.
             for (roff, at, run) in r.remote_runs(0, r.len) {
                 let mut done = 0;
                 while done < run {
@@ -247,6 +280,7 @@ impl Engine {
                     let local_addr = local.addr + (r.local_offset + at + done) as usize;
                     ops.push(GetOp {
                         direct,
+                        rows: None,
                         ep: peer.ep.handle(),
                         rkey: rkey.handle(),
                         remote_addr,

@@ -28,7 +28,7 @@ pub(crate) use context::{memory_type, Context, ContextOptions};
 pub(crate) use endpoint::Endpoint;
 pub(crate) use memory::{MemHandle, RKey};
 pub(crate) use request::{get, take_completions, GetOp, Request, Started};
-pub(crate) use shm_copy::{copy_all, CopyTask};
+pub(crate) use shm_copy::{copy_all, CopyTask, Rows};
 pub(crate) use worker::{Armed, Worker};
 
 pub use status::UcxStatusError;

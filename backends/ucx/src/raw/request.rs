@@ -77,6 +77,9 @@ pub(crate) struct GetOp {
     /// The source bytes mapped in this process ([`RKey::local_ptr`]), or null: the read is then
     /// a local copy instead of a `ucp_get_nbx`.
     pub(crate) direct: *const u8,
+    /// For a direct copy that gathers: where the source bytes after the first lie (a get
+    /// always reads one contiguous run, so this is `None` whenever `direct` is null).
+    pub(crate) rows: Option<shm_copy::Rows>,
     pub(crate) ep: sys::ucp_ep_h,
     pub(crate) rkey: sys::ucp_rkey_h,
     pub(crate) remote_addr: u64,
@@ -93,11 +96,22 @@ pub(crate) struct GetOp {
 /// that nothing else touches, and all of it must stay so until the read completes.
 pub(crate) unsafe fn get(ucx: &'static Ucx, op: &GetOp, token: u64) -> Started {
     if !op.direct.is_null() {
-        // SAFETY: `direct..direct+len` is the remote range inside a shared-memory segment UCX
+        // SAFETY: `direct..direct+len` (or a gather's rows) is the remote range inside a shared-memory segment UCX
         // mapped for a live key (the caller keeps it alive), `local..local+len` is registered
         // memory nothing else touches (caller's guarantee); they are different mappings, so
         // they do not overlap as Rust objects (the same physical pages at most, read-only).
-        unsafe { shm_copy::stream_copy(op.local, op.direct, op.len) };
+        let task = shm_copy::CopyTask {
+            dst: op.local,
+            src: op.direct,
+            len: op.len,
+            rows: op.rows,
+            read: 0,
+            off: 0,
+        };
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        // SAFETY: as above, for every row of a gather (its whole source span is inside the
+        // segment); one task, so no other destination to overlap.
+        unsafe { shm_copy::copy_all(None, &[task], &stop, None) };
         return Started::Done;
     }
     let mut param = sys::ucp_request_param_t {

@@ -40,19 +40,110 @@ pub(crate) unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
+/// The source rows of a direct copy that gathers: the destination is contiguous, its bytes
+/// come from rows of `row` bytes, `pitch` bytes apart, and the copy's first byte is `head`
+/// bytes into its row (so the next row starts `pitch - head` bytes after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rows {
+    /// Bytes of each row (at least 1).
+    pub(crate) row: usize,
+    /// Distance between the starts of consecutive rows (at least `row`).
+    pub(crate) pitch: usize,
+    /// Offset of the copy's first byte in its row (less than `row`).
+    pub(crate) head: usize,
+}
+
+impl Rows {
+    /// The rows of destination byte `at` on: the source moves by whole rows (at the pitch)
+    /// plus the offset in the row. Returns that source distance and the new head.
+    fn advance(self, at: usize) -> (usize, Rows) {
+        let k = self.head + at;
+        let (rows, head) = (k / self.row, k % self.row);
+        (rows * self.pitch + head - self.head, Rows { head, ..self })
+    }
+}
+
 /// One direct copy of `len` bytes from `src` to `dst` (see [`copy_all`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CopyTask {
     /// Destination: registered local memory.
     pub(crate) dst: *mut u8,
-    /// Source: a peer's shared-memory segment mapped here.
+    /// Source of the first byte: a peer's shared-memory segment mapped here.
     pub(crate) src: *const u8,
     /// Bytes to copy.
     pub(crate) len: usize,
+    /// Where the source bytes after the first come from when the copy gathers rows; `None`:
+    /// the source is contiguous.
+    pub(crate) rows: Option<Rows>,
     /// The batch read the bytes belong to, and the offset of `dst` in it (for the hasher).
     pub(crate) read: u32,
     /// Offset of this task's first byte in its read.
     pub(crate) off: u64,
+}
+
+impl CopyTask {
+    /// The task's destination bytes `at..at + n`, as a task of their own.
+    ///
+    /// # Safety
+    /// `at + n <= self.len`, and `self` satisfies [`copy_all`]'s contract.
+    unsafe fn part(&self, at: usize, n: usize) -> CopyTask {
+        let (src_at, rows) = match self.rows {
+            None => (at, None),
+            Some(r) => {
+                let (d, r) = r.advance(at);
+                (d, Some(r))
+            }
+        };
+        // SAFETY: destination byte `at` is inside the task, and its source is `src_at` bytes
+        // after the first byte's, inside the same source span (the caller's guarantee).
+        let (dst, src) = unsafe { (self.dst.add(at), self.src.add(src_at)) };
+        CopyTask {
+            dst,
+            src,
+            len: n,
+            rows,
+            read: self.read,
+            off: self.off + at as u64,
+        }
+    }
+
+    /// Copies destination bytes `at..at + n` with plain stores (`stream`: streaming stores
+    /// for runs long enough), one contiguous source run (a row or part of one) at a time.
+    ///
+    /// # Safety
+    /// As [`CopyTask::part`].
+    unsafe fn copy(&self, at: usize, n: usize, stream: bool) {
+        let plain = |d: *mut u8, s: *const u8, len: usize| {
+            // SAFETY: a run of this task's ranges (caller's guarantee), disjoint from others.
+            unsafe {
+                if stream {
+                    stream_copy(d, s, len)
+                } else {
+                    std::ptr::copy_nonoverlapping(s, d, len)
+                }
+            }
+        };
+        // SAFETY: forwarded from the caller.
+        let t = unsafe { self.part(at, n) };
+        let Some(r) = t.rows else {
+            plain(t.dst, t.src, n);
+            return;
+        };
+        let (mut done, mut run, mut src) = (0, r.row - r.head, t.src);
+        while done < n {
+            let len = run.min(n - done);
+            // SAFETY: `done + len <= n` destination bytes of the part, and `src..src+len`
+            // the rest of one of its rows.
+            plain(unsafe { t.dst.add(done) }, src, len);
+            done += len;
+            if done < n {
+                // SAFETY: the next row of the gather, still inside its source span (more
+                // destination bytes follow, so the row exists).
+                src = unsafe { src.add(len + r.pitch - r.row) };
+                run = r.row;
+            }
+        }
+    }
 }
 
 // SAFETY: a task is two addresses and a length; `copy_all`'s caller guarantees the ranges are
@@ -93,15 +184,8 @@ pub(crate) unsafe fn copy_all(
         let mut off = 0;
         while off < t.len {
             let n = (t.len - off).min(SPLIT);
-            // SAFETY: `off < len`: inside both ranges of the task.
-            let (dst, src) = unsafe { (t.dst.add(off), t.src.add(off)) };
-            parts.push(CopyTask {
-                dst,
-                src,
-                len: n,
-                read: t.read,
-                off: t.off + off as u64,
-            });
+            // SAFETY: `off + n <= len`: inside the task.
+            parts.push(unsafe { t.part(off, n) });
             off += n;
         }
     }
@@ -116,7 +200,7 @@ pub(crate) unsafe fn copy_all(
                     let n = (t.len - done).min(HASH_BLOCK);
                     // SAFETY: a sub-range of one caller task (disjoint destinations); plain
                     // stores, so the block is still in cache for the hash below.
-                    unsafe { std::ptr::copy_nonoverlapping(t.src.add(done), t.dst.add(done), n) };
+                    unsafe { t.copy(done, n, false) };
                     done += n;
                     // SAFETY: the part's first `done` destination bytes were just written by
                     // this thread and no one else writes them while the batch runs (the
@@ -127,7 +211,7 @@ pub(crate) unsafe fn copy_all(
                 }
             }
             // SAFETY: each part is a sub-range of one caller task (disjoint destinations).
-            None => unsafe { stream_copy(t.dst, t.src, t.len) },
+            None => unsafe { t.copy(0, t.len, true) },
         }
         true
     };
@@ -240,6 +324,7 @@ mod tests {
                 dst: unsafe { dst.as_mut_ptr().add(d) },
                 src: unsafe { src.as_ptr().add(s) },
                 len,
+                rows: None,
                 read: 0,
                 off: 0,
             })
@@ -261,6 +346,48 @@ mod tests {
         // SAFETY: as above.
         assert!(!unsafe { copy_all(Some(&pool), &tasks, &AtomicBool::new(true), None) });
         assert!(dst.iter().all(|&b| b == 0));
+    }
+
+    /// A gather task starting `head` bytes into its first row, longer than [`SPLIT`] so the
+    /// pool cuts it mid-row: every destination byte comes from its row, in order.
+    #[test]
+    fn gather_tasks_copy_their_rows_in_order_across_splits() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let (row, pitch, head, len) = (1000, 1536, 337, SPLIT + 12_345);
+        let rows = (head + len).div_ceil(row);
+        let src: Vec<u8> = (0..rows * pitch)
+            .map(|i| (i * 31 + i / 251) as u8)
+            .collect();
+        let want: Vec<u8> = (0..len)
+            .map(|at| {
+                let k = head + at;
+                src[(k / row) * pitch + k % row]
+            })
+            .collect();
+        let mut dst = vec![0u8; len];
+        let task = CopyTask {
+            dst: dst.as_mut_ptr(),
+            // SAFETY: `head < row <= src.len()`.
+            src: unsafe { src.as_ptr().add(head) },
+            len,
+            rows: Some(Rows { row, pitch, head }),
+            read: 0,
+            off: 0,
+        };
+        for pool in [Some(&pool), None] {
+            dst.iter_mut().for_each(|b| *b = 0);
+            // SAFETY: every row of the task lies inside `src`, its destination is `dst`.
+            assert!(unsafe { copy_all(pool, &[task], &AtomicBool::new(false), None) });
+            assert!(dst == want, "gathered rows land in order");
+        }
+        // A part taken mid-row starts at its own row's byte.
+        // SAFETY: inside the task.
+        let part = unsafe { task.part(row * 3 + 5, 10) };
+        assert_eq!(part.src, src[3 * pitch + head + 5..].as_ptr());
+        assert_eq!(part.rows.map(|r| r.head), Some(head + 5));
     }
 
     #[test]
