@@ -345,14 +345,19 @@ pub struct OfferLocation {
 pub const PARTS_PER_AXIS: u64 = 16;
 
 /// The fewest bytes a segment (one row of one column block) of the standard grid holds, unless
-/// the whole row is shorter: a row of `n` bytes gets the largest power-of-two number of blocks,
-/// at most [`PARTS_PER_AXIS`], that keeps its segments at least this long. Every byte a
-/// receiver checks is hashed one segment at a time, and XXH3 on a few hundred bytes runs at
-/// about 0.6 of its speed on long inputs, 0.8 at 1 KiB (BENCHMARKS.md, "Digest coverage").
-/// 512 rather than 1 KiB so that a TP2 receiver's half of a 1.5 KiB row (a Qwen3-30B expert's
-/// `down_proj`) is a whole column block, checkable where a gather read lands it instead of
-/// staged (BENCHMARKS.md, "Gather reads").
-pub const MIN_SEGMENT_BYTES: u64 = 512;
+/// the whole row is shorter or is cut in two ([`MIN_HALF_SEGMENT_BYTES`]): a row of `n` bytes
+/// gets the largest power-of-two number of blocks, at most [`PARTS_PER_AXIS`], that keeps its
+/// segments at least this long. Every byte a receiver checks is hashed one segment at a time,
+/// and XXH3 on a few hundred bytes runs at about 0.6 of its speed on long inputs, 0.8 at 1 KiB
+/// (BENCHMARKS.md, "Digest coverage"); a 512-byte grid everywhere cost about 5% of a refit
+/// (BENCHMARKS.md, "Gather reads").
+pub const MIN_SEGMENT_BYTES: u64 = 1024;
+
+/// The fewest bytes of a segment in a row cut into two column blocks: any row of at least twice
+/// this is cut at least in two, so a TP2 receiver's half of a 1.5 KiB row (a Qwen3-30B
+/// expert's `down_proj`) is a whole column block, checkable where a gather read lands it
+/// instead of staged (BENCHMARKS.md, "Gather reads").
+pub const MIN_HALF_SEGMENT_BYTES: u64 = 512;
 
 /// An offer's box as a matrix: `rows` (dim 0) by `cols` (dim 1) cells of `inner` elements (the
 /// product of dims 2..). A 1-D box is one row of columns, a scalar one cell. Row chunks and
@@ -392,10 +397,14 @@ impl MatrixView {
     /// Rows per row chunk and columns per column block of the standard grid for elements of
     /// `elem` bytes: [`PARTS_PER_AXIS`] row chunks (fewer when there are fewer rows), and a
     /// power of two of column blocks up to [`PARTS_PER_AXIS`] whose segments hold at least
-    /// [`MIN_SEGMENT_BYTES`] (one block when the row is shorter).
+    /// [`MIN_SEGMENT_BYTES`], or two blocks of at least [`MIN_HALF_SEGMENT_BYTES`] (one block
+    /// when the row is shorter).
     pub fn grid(&self, elem: u64) -> (u64, u64) {
         let row_bytes = self.cols.saturating_mul(self.inner).saturating_mul(elem);
-        let fit = (row_bytes / MIN_SEGMENT_BYTES).clamp(1, PARTS_PER_AXIS);
+        let halves = (row_bytes / MIN_HALF_SEGMENT_BYTES).min(2);
+        let fit = (row_bytes / MIN_SEGMENT_BYTES)
+            .max(halves)
+            .clamp(1, PARTS_PER_AXIS);
         let blocks = 1u64 << (63 - fit.leading_zeros());
         (
             self.rows.div_ceil(PARTS_PER_AXIS).max(1),
@@ -713,14 +722,17 @@ mod tests {
         // The standard grid: 16 row chunks at most, and one column block on rows this short.
         let (_, std) = PartDigests::compute(&bytes, &extent, 2);
         assert_eq!((std.chunk_rows, std.block_cols), (1, 7));
-        // Rows of 4 KiB: eight blocks of 512 bytes; 64 KiB rows: sixteen; 1.5 KiB: two (a TP2
-        // half of a Qwen3 expert's down_proj row is one block); 768 bytes: one.
-        assert_eq!(MatrixView::of(&[4096, 2048]).grid(2), (256, 256));
+        // Rows of 4 KiB: four blocks of 1 KiB; 64 KiB rows: sixteen; 1.5 KiB: two (a TP2
+        // half of a Qwen3 expert's down_proj row is one block); 1 KiB: two of 512 bytes; 768
+        // bytes: one.
+        assert_eq!(MatrixView::of(&[4096, 2048]).grid(2), (256, 512));
+        assert_eq!(MatrixView::of(&[4096, 1024]).grid(2), (256, 512));
+        assert_eq!(MatrixView::of(&[10, 512]).grid(2), (1, 256));
         assert_eq!(MatrixView::of(&[4096, 14336]).grid(4), (256, 896));
         assert_eq!(MatrixView::of(&[2048, 768]).grid(2), (128, 384));
         assert_eq!(MatrixView::of(&[2048, 384]).grid(2), (128, 384));
         assert_eq!(MatrixView::of(&[3, 4096, 8]).grid(1), (1, 256));
-        assert_eq!(MatrixView::of(&[2048]).grid(2), (1, 256));
+        assert_eq!(MatrixView::of(&[2048]).grid(2), (1, 512));
         assert_eq!(MatrixView::of(&[7]).grid(2), (1, 7));
         assert_eq!(MatrixView::of(&[]).grid(8), (1, 1));
     }
