@@ -157,17 +157,7 @@ impl ReadDesc {
     /// bytes)`. One run for a contiguous read; one per row touched for a gather. The caller
     /// keeps `from <= to <= len` and a read that passed [`crate::contract::validate_batch`].
     pub fn remote_runs(&self, from: u64, to: u64) -> RemoteRuns {
-        let (row, pitch) = match self.remote_rows {
-            Some(RemoteRows { row_bytes, pitch }) if row_bytes > 0 => (row_bytes, pitch),
-            _ => (u64::MAX, 0),
-        };
-        RemoteRuns {
-            base: self.remote_offset,
-            row,
-            pitch,
-            at: from,
-            to: to.min(self.len),
-        }
+        RemoteRuns::new(self.remote_offset, self.remote_rows, from, to.min(self.len))
     }
 }
 
@@ -180,6 +170,25 @@ pub struct RemoteRuns {
     pitch: u64,
     at: u64,
     to: u64,
+}
+
+impl RemoteRuns {
+    /// The contiguous source runs of bytes `from..to` of a read whose first source byte is at
+    /// `base` and whose source is `rows` (`None`: contiguous): [`ReadDesc::remote_runs`] for a
+    /// backend that keeps a read's source as an address or a piece of its own.
+    pub fn new(base: u64, rows: Option<RemoteRows>, from: u64, to: u64) -> Self {
+        let (row, pitch) = match rows {
+            Some(RemoteRows { row_bytes, pitch }) if row_bytes > 0 => (row_bytes, pitch),
+            _ => (u64::MAX, 0),
+        };
+        RemoteRuns {
+            base,
+            row,
+            pitch,
+            at: from,
+            to,
+        }
+    }
 }
 
 impl Iterator for RemoteRuns {

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use reshard_core::{ReadDesc, RemoteRows};
+use reshard_core::{RemoteRows, RemoteRuns};
 
 use crate::sys::Span;
 
@@ -54,19 +54,9 @@ impl Source {
     }
 
     /// The contiguous source runs `(address, bytes)` of the read's bytes `from..to`: the
-    /// contract's cut ([`ReadDesc::remote_runs`]) with the region's offset replaced by the
-    /// address it is at (only the source fields of the descriptor are read).
+    /// contract's cut ([`RemoteRuns`]) from the address the read's first source byte is at.
     pub(crate) fn runs(self, from: u64, to: u64) -> impl Iterator<Item = (u64, u64)> {
-        let d = ReadDesc {
-            owner: 0,
-            remote_region: 0,
-            remote_offset: self.addr,
-            local_region: 0,
-            local_offset: 0,
-            len: to,
-            remote_rows: self.rows,
-        };
-        d.remote_runs(from, to).map(|(addr, _, n)| (addr, n))
+        RemoteRuns::new(self.addr, self.rows, from, to).map(|(addr, _, n)| (addr, n))
     }
 }
 

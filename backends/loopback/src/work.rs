@@ -6,7 +6,7 @@
 //! boundary only when both parts are at least [`MIN_SPLIT`] bytes; otherwise it stays whole with
 //! one worker, and the next boundary, being absolute, corrects the drift.
 
-use reshard_core::{ReadDesc, RemoteRows};
+use reshard_core::{RemoteRows, RemoteRuns};
 
 /// Bytes of one work list when a batch is cut into more lists than workers: the pool's workers
 /// take lists in order as each finishes its last, so a worker slowed by anything else on the
@@ -51,17 +51,8 @@ impl Piece {
         } else {
             self.src_off - self.off
         };
-        let read = ReadDesc {
-            owner: 0,
-            remote_region: 0,
-            remote_offset: base,
-            local_region: 0,
-            local_offset: 0,
-            len: self.off + self.len,
-            remote_rows: self.rows,
-        };
         let off = self.off;
-        read.remote_runs(off + from, off + to)
+        RemoteRuns::new(base, self.rows, off + from, off + to)
             .map(move |(src, at, n)| (src, at - off, n))
     }
 }

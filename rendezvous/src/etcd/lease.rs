@@ -72,6 +72,14 @@ fn txn_revision(r: &etcd_client::TxnResponse) -> i64 {
     r.header().map_or(0, |h| h.revision())
 }
 
+/// The key a failed guarded write read back instead (its transaction's `Get`), if it exists.
+fn read_back(r: etcd_client::TxnResponse) -> Option<etcd_client::KeyValue> {
+    r.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+        _ => None,
+    })
+}
+
 /// What a claim found.
 enum Claimed {
     /// The record is written, attached to the lease: the key's revision.
@@ -139,11 +147,7 @@ impl Etcd {
         if r.succeeded() {
             return Ok(Some(txn_revision(&r)));
         }
-        let kv = r.op_responses().into_iter().find_map(|op| match op {
-            TxnOpResponse::Get(g) => g.kvs().first().cloned(),
-            _ => None,
-        });
-        Ok(kv
+        Ok(read_back(r)
             .filter(|kv| kv.lease() == lease && kv.value() == value.as_slice())
             .map(|kv| kv.mod_revision()))
     }
@@ -223,11 +227,7 @@ impl Etcd {
             if r.succeeded() {
                 return Ok(Claimed::Written(txn_revision(&r)));
             }
-            let kv = r.op_responses().into_iter().find_map(|op| match op {
-                TxnOpResponse::Get(g) => g.kvs().first().cloned(),
-                _ => None,
-            });
-            let Some(kv) = kv else {
+            let Some(kv) = read_back(r) else {
                 continue; // deleted between the compare and the read: try again
             };
             let other = kv.lease();
