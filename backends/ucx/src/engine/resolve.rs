@@ -234,66 +234,48 @@ impl Engine {
             };
             // Both ranges are inside registered regions whose addresses did not overflow (a
             // gather's whole source span was validated), so these sums and casts are exact.
-            // A direct copy walks a gather's rows itself (`raw::Rows`): one piece per
-            // `piece_bytes` of destination, however short the rows, so a gather of small rows
-            // costs one task, one hasher and one count per piece, not per row.
-            if let (Some(b), Some(g)) = (base, r.remote_rows) {
-                let mut at = 0;
-                while at < r.len {
-                    let n = (r.len - at).min(self.opts.piece_bytes);
-                    let (row, head) = (at / g.row_bytes, at % g.row_bytes);
-                    let roff = r.remote_offset + row * g.pitch + head;
-                    let local_addr = local.addr + (r.local_offset + at) as usize;
-                    ops.push(GetOp {
-                        direct: (b + roff as usize) as *const u8,
-                        rows: Some(raw::Rows {
+            // Pieces as (source offset in the region, offset in the read, bytes, rows a direct
+            // copy walks); the destination stays contiguous. A direct copy walks a gather's rows
+            // itself (`raw::Rows`): one piece per `piece_bytes` of destination, however short
+            // the rows, so a gather of small rows costs one task, one hasher and one count per
+            // piece, not per row. Otherwise one get (or copy) per contiguous source run (the
+            // whole read, or one row of a gather), cut at `piece_bytes`.
+            let step = self.opts.piece_bytes;
+            let pieces: Box<dyn Iterator<Item = (u64, u64, u64, Option<raw::Rows>)>> =
+                match (base, r.remote_rows) {
+                    (Some(_), Some(g)) => Box::new(cuts(r.len, step).map(move |(at, n)| {
+                        let (row, head) = (at / g.row_bytes, at % g.row_bytes);
+                        let rows = raw::Rows {
                             row: g.row_bytes as usize,
                             pitch: g.pitch as usize,
                             head: head as usize,
-                        }),
-                        ep: peer.ep.handle(),
-                        rkey: rkey.handle(),
-                        remote_addr: region.base + roff,
-                        local: local_addr as *mut u8,
-                        len: n as usize,
-                        memh: memh.handle().handle(),
-                        memory_type: raw::memory_type(local.kind),
-                    });
-                    piece_owner.push(r.owner);
-                    op_read.push(i as u32);
-                    op_off.push(at);
-                    at += n;
-                }
-                continue;
-            }
-            // Otherwise one get (or copy) per contiguous source run (the whole read, or one
-            // row of a gather), cut at `piece_bytes`; the destination stays contiguous.
-            for (roff, at, run) in r.remote_runs(0, r.len) {
-                let mut done = 0;
-                while done < run {
-                    let n = (run - done).min(self.opts.piece_bytes);
-                    let remote_addr = region.base + roff + done;
-                    let direct = match base {
-                        Some(b) => (b + (roff + done) as usize) as *const u8,
-                        None => std::ptr::null(),
-                    };
-                    let local_addr = local.addr + (r.local_offset + at + done) as usize;
-                    ops.push(GetOp {
-                        direct,
-                        rows: None,
-                        ep: peer.ep.handle(),
-                        rkey: rkey.handle(),
-                        remote_addr,
-                        local: local_addr as *mut u8,
-                        len: n as usize,
-                        memh: memh.handle().handle(),
-                        memory_type: raw::memory_type(local.kind),
-                    });
-                    piece_owner.push(r.owner);
-                    op_read.push(i as u32);
-                    op_off.push(at + done);
-                    done += n;
-                }
+                        };
+                        (r.remote_offset + row * g.pitch + head, at, n, Some(rows))
+                    })),
+                    _ => Box::new(r.remote_runs(0, r.len).flat_map(move |(roff, at, run)| {
+                        cuts(run, step).map(move |(d, n)| (roff + d, at + d, n, None))
+                    })),
+                };
+            for (roff, at, n, rows) in pieces {
+                let direct = match base {
+                    Some(b) => (b + roff as usize) as *const u8,
+                    None => std::ptr::null(),
+                };
+                let local_addr = local.addr + (r.local_offset + at) as usize;
+                ops.push(GetOp {
+                    direct,
+                    rows,
+                    ep: peer.ep.handle(),
+                    rkey: rkey.handle(),
+                    remote_addr: region.base + roff,
+                    local: local_addr as *mut u8,
+                    len: n as usize,
+                    memh: memh.handle().handle(),
+                    memory_type: raw::memory_type(local.kind),
+                });
+                piece_owner.push(r.owner);
+                op_read.push(i as u32);
+                op_off.push(at);
             }
         }
         if u32::try_from(ops.len()).is_err() {
@@ -323,4 +305,10 @@ impl Engine {
             _regions: regions.into_values().collect(),
         })
     }
+}
+
+/// `len` bytes cut into pieces of at most `step` (at least 1): `(offset, bytes)` of each.
+fn cuts(len: u64, step: u64) -> impl Iterator<Item = (u64, u64)> {
+    let step = step.max(1);
+    (0..len.div_ceil(step)).map(move |k| (k * step, (len - k * step).min(step)))
 }
