@@ -1,7 +1,8 @@
 //! The shared conformance suite over UCX endpoints (each its own UCP context, worker and
 //! progress thread), one `reshard_conformance::suite!` call per configuration: UCX's default
-//! transports (every family, the publishers also in a child process), TCP only (module `tcp`)
-//! and the smallest pieces (module `small_pieces`, the counting family).
+//! transports (every family, the publishers also in a child process), TCP only (module `tcp`),
+//! and the counting family with the smallest pieces (module `small_pieces`) and with gets
+//! instead of direct copies from shared memory (module `shm_gets`).
 
 use std::sync::Arc;
 
@@ -69,14 +70,16 @@ fn counting_with(options: fn() -> UcxOptions) -> Counting {
         // Reads of owner 9's shared memory, copied directly and hashed block by block as they
         // land: each under one piece (64 KiB at the smallest `piece_bytes`) and the copy pool's
         // 4 MiB split, so one hasher sees all of it; the default pieces' reads span several
-        // 256 KiB blocks, with segments across block boundaries.
-        hashed_reads: Some(if options().piece_bytes >= 4 * MIB {
-            vec![
-                at(2, 7, 1, 0, 3 * MIB + 5),
-                at(3, 20_000, 1, 8 * MIB, 700_000),
-            ]
-        } else {
-            vec![at(2, 7, 1, 0, 60_000), at(3, 20_000, 1, 8 * MIB, 40_000)]
+        // 256 KiB blocks, with segments across block boundaries. Gets hash nothing.
+        hashed_reads: options().shm_fast_path.then(|| {
+            if options().piece_bytes >= 4 * MIB {
+                vec![
+                    at(2, 7, 1, 0, 3 * MIB + 5),
+                    at(3, 20_000, 1, 8 * MIB, 700_000),
+                ]
+            } else {
+                vec![at(2, 7, 1, 0, 60_000), at(3, 20_000, 1, 8 * MIB, 40_000)]
+            }
         }),
         ..Counting::new(harness, endpoint, SkipAt::Post)
     }
@@ -124,6 +127,27 @@ mod small_pieces {
     fn options() -> UcxOptions {
         UcxOptions {
             piece_bytes: reshard_backend_ucx::MIN_PIECE_BYTES,
+            ..UcxOptions::default()
+        }
+    }
+
+    reshard_conformance::suite! {
+        requires = reshard_backend_ucx::probe(),
+        counting = counting_with(options),
+        families = [counting],
+    }
+}
+
+/// The counting family again with the shared-memory fast path off: owner 9's UCX-allocated
+/// shared memory is read with `ucp_get_nbx` over UCX's shared-memory transports instead of
+/// copied directly, so every read, gathers row by row included, takes the get path on both
+/// owners.
+mod shm_gets {
+    use super::*;
+
+    fn options() -> UcxOptions {
+        UcxOptions {
+            shm_fast_path: false,
             ..UcxOptions::default()
         }
     }
