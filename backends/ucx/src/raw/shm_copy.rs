@@ -18,7 +18,7 @@ const STREAM_MIN: usize = 1 << 20;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use reshard_core::CompletionSink;
+use reshard_core::{CompletionSink, RemoteRows, RemoteRuns};
 
 /// Block of a hashed copy: copied with plain stores, then its landed bytes hashed while they
 /// are still in cache (small enough to stay in L2 between the copy and the hash).
@@ -54,12 +54,17 @@ pub(crate) struct Rows {
 }
 
 impl Rows {
-    /// The rows of destination byte `at` on: the source moves by whole rows (at the pitch)
-    /// plus the offset in the row. Returns that source distance and the new head.
-    fn advance(self, at: usize) -> (usize, Rows) {
-        let k = self.head + at;
-        let (rows, head) = (k / self.row, k % self.row);
-        (rows * self.pitch + head - self.head, Rows { head, ..self })
+    /// The contiguous source runs of destination bytes `at..at + n`: `(distance from the
+    /// first byte's source, bytes)` each, cut by the contract's own row walk
+    /// ([`RemoteRuns`], counted from the start of the first byte's row).
+    fn runs(self, at: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+        let rows = RemoteRows {
+            row_bytes: self.row as u64,
+            pitch: self.pitch as u64,
+        };
+        let (head, from) = (self.head as u64, (self.head + at) as u64);
+        RemoteRuns::new(0, Some(rows), from, from + n as u64)
+            .map(move |(src, _, len)| ((src - head) as usize, len as usize))
     }
 }
 
@@ -90,8 +95,9 @@ impl CopyTask {
         let (src_at, rows) = match self.rows {
             None => (at, None),
             Some(r) => {
-                let (d, r) = r.advance(at);
-                (d, Some(r))
+                let d = r.runs(at, n).next().map_or(0, |(d, _)| d);
+                let head = (r.head + at) % r.row;
+                (d, Some(Rows { head, ..r }))
             }
         };
         // SAFETY: destination byte `at` is inside the task, and its source is `src_at` bytes
@@ -123,25 +129,17 @@ impl CopyTask {
                 }
             }
         };
-        // SAFETY: forwarded from the caller.
-        let t = unsafe { self.part(at, n) };
-        let Some(r) = t.rows else {
-            plain(t.dst, t.src, n);
+        let Some(r) = self.rows else {
+            // SAFETY: `at + n <= len` (caller's guarantee).
+            plain(unsafe { self.dst.add(at) }, unsafe { self.src.add(at) }, n);
             return;
         };
-        let (mut done, mut run, mut src) = (0, r.row - r.head, t.src);
-        while done < n {
-            let len = run.min(n - done);
-            // SAFETY: `done + len <= n` destination bytes of the part, and `src..src+len`
-            // the rest of one of its rows.
-            plain(unsafe { t.dst.add(done) }, src, len);
-            done += len;
-            if done < n {
-                // SAFETY: the next row of the gather, still inside its source span (more
-                // destination bytes follow, so the row exists).
-                src = unsafe { src.add(len + r.pitch - r.row) };
-                run = r.row;
-            }
+        let mut dst = at;
+        for (src, len) in r.runs(at, n) {
+            // SAFETY: destination bytes `dst..dst + len` of the task, and one contiguous source
+            // run of its rows (inside the source span, the caller's guarantee).
+            plain(unsafe { self.dst.add(dst) }, unsafe { self.src.add(src) }, len);
+            dst += len;
         }
     }
 }
