@@ -138,7 +138,11 @@ impl CopyTask {
         for (src, len) in r.runs(at, n) {
             // SAFETY: destination bytes `dst..dst + len` of the task, and one contiguous source
             // run of its rows (inside the source span, the caller's guarantee).
-            plain(unsafe { self.dst.add(dst) }, unsafe { self.src.add(src) }, len);
+            plain(
+                unsafe { self.dst.add(dst) },
+                unsafe { self.src.add(src) },
+                len,
+            );
             dst += len;
         }
     }
