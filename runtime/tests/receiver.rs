@@ -6,6 +6,7 @@ use std::sync::Arc;
 use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
 use reshard_core::{DType, Transport};
 use reshard_planner::layouts::receiver_layout;
+use reshard_planner::plan::PlanOptions;
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{Receiver, ReceiverOptions, StageTimes};
@@ -140,6 +141,26 @@ async fn arm_change_invalidates_plan_and_descriptors() {
     let r = s.rx.update(&s.cluster.tables()).await.unwrap();
     assert!(r.plan_rebuilt && r.descriptors_rebuilt);
     assert_exact(&s);
+    // So are the gather options (issue 42: a change of either once kept the old plan).
+    let defaults = ReceiverOptions::default();
+    for plan in [
+        PlanOptions {
+            gather_reads: !defaults.plan.gather_reads,
+            ..defaults.plan
+        },
+        PlanOptions {
+            gather_min_row_bytes: defaults.plan.gather_min_row_bytes + 1,
+            ..defaults.plan
+        },
+    ] {
+        s.rx.set_options(ReceiverOptions {
+            plan,
+            ..ReceiverOptions::default()
+        });
+        let r = s.rx.update(&s.cluster.tables()).await.unwrap();
+        assert!(r.plan_rebuilt && r.descriptors_rebuilt, "{plan:?}");
+        assert_exact(&s);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -127,8 +127,8 @@ impl Receiver {
         &self.opts
     }
 
-    /// Changes options; a change of arm (dedup, spreading, threshold) drops the cached plan and
-    /// descriptors. Live weights stay.
+    /// Changes options; a change of arm (dedup, spreading, threshold, gathers) drops the cached
+    /// plan and descriptors. Live weights stay.
     pub fn set_options(&mut self, opts: ReceiverOptions) {
         if opts.arm() != self.opts.arm() {
             self.discard_banks();

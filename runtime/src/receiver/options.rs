@@ -137,6 +137,8 @@ impl ReceiverOptions {
             dedup: self.dedup,
             spread_owners: self.spread_owners,
             full_pull_threshold: self.plan.full_pull_threshold,
+            gather_reads: self.plan.gather_reads,
+            gather_min_row_bytes: self.plan.gather_min_row_bytes,
         }
     }
 }
@@ -151,6 +153,10 @@ pub(super) struct Arm {
     spread_owners: bool,
     /// [`PlanOptions::full_pull_threshold`]: where strided reads become full pulls.
     full_pull_threshold: u64,
+    /// [`PlanOptions::gather_reads`]: column blocks read as gathers or row by row.
+    gather_reads: bool,
+    /// [`PlanOptions::gather_min_row_bytes`]: the shortest row a gather is planned for.
+    gather_min_row_bytes: u64,
 }
 
 #[cfg(test)]
