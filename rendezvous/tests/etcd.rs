@@ -229,19 +229,30 @@ async fn a_dead_readers_claim_expires_and_garbage_claims_are_skipped() {
     let quick = wait_released(&publisher, model, 0, 100, Duration::from_secs(5)).await;
     assert_eq!(quick.unwrap().readers, Vec::<String>::new());
 
-    let reader = Etcd::connect(&url, options()).await.unwrap();
-    let claim = reader
-        .claim_reading(ReadClaim {
-            model: model.into(),
-            step: 2,
-            reader: "receiver rank 0, about to die".into(),
-            ranks: vec![(0, 100)],
-        })
-        .await
-        .unwrap();
-    // Dies: no release, no delete, its keep-alive stops with the connection.
-    std::mem::forget(claim);
-    drop(reader);
+    // A receiver "process" of its own runtime, which dies holding its claim: no release, no
+    // drop of the handle, and nothing of it runs any more (its runtime is shut down), so only
+    // the claim's lease running out can end the claim.
+    let reader_url = url.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let reader = Etcd::connect(&reader_url, options()).await.unwrap();
+            let claim = reader
+                .claim_reading(ReadClaim {
+                    model: model.into(),
+                    step: 2,
+                    reader: "receiver rank 0, about to die".into(),
+                    ranks: vec![(0, 100)],
+                })
+                .await
+                .unwrap();
+            std::mem::forget(claim);
+            std::mem::forget(reader);
+        });
+        rt.shutdown_background();
+    })
+    .join()
+    .unwrap();
     let released = wait_released(&publisher, model, 0, 100, Duration::from_secs(20))
         .await
         .unwrap();
@@ -251,4 +262,69 @@ async fn a_dead_readers_claim_expires_and_garbage_claims_are_skipped() {
     );
     // The 1 s lease, etcd's half-second expiry tick and slack; far below the 20 s allowed.
     assert!(released.waited < Duration::from_secs(10), "{released:?}");
+}
+
+/// A claim's handle dropped where no async runtime runs (as Python's cancel and Ctrl-C drop a
+/// refit), by a receiver that lives on: the claim's lease is revoked at once, not left to a
+/// lease the living receiver renews for ever (issue 42, item 1). A 10 s TTL, so "at once" and
+/// "expired" are told apart.
+#[tokio::test]
+async fn a_claim_dropped_outside_any_runtime_is_gone_at_once() {
+    use reshard_core::rendezvous::{wait_released, ReadClaim};
+
+    let Some(url) = endpoint() else { return };
+    let model = "dropped_claim";
+    let publisher = Etcd::connect(&url, options()).await.unwrap();
+    let reader = Etcd::connect(&url, common::options(10)).await.unwrap();
+    for how in ["dropped on a thread without a runtime", "its task aborted"] {
+        let claim = ReadClaim {
+            model: model.into(),
+            step: 3,
+            reader: format!("receiver rank 1, {how}"),
+            ranks: vec![(1, 200)],
+        };
+        if how.starts_with("dropped") {
+            let held = reader.claim_reading(claim).await.unwrap();
+            std::thread::spawn(move || {
+                assert!(tokio::runtime::Handle::try_current().is_err());
+                drop(held);
+            })
+            .join()
+            .unwrap();
+        } else {
+            // A refit task cancelled while it holds its claim (its reads aborted).
+            let reader = reader.clone();
+            let (claimed, took) = tokio::sync::oneshot::channel();
+            let task = tokio::spawn(async move {
+                let held = reader.claim_reading(claim).await.unwrap();
+                claimed.send(()).unwrap();
+                std::future::pending::<()>().await;
+                drop(held);
+            });
+            took.await.unwrap();
+            task.abort();
+            assert!(task.await.unwrap_err().is_cancelled());
+        }
+        let released = wait_released(&publisher, model, 1, 200, Duration::from_secs(20))
+            .await
+            .unwrap();
+        // Revoked by the claim's keeper: one etcd request, far below the 10 s TTL.
+        assert!(
+            released.waited < Duration::from_secs(3),
+            "{how}: {released:?}"
+        );
+    }
+    // The receiver's connection lives on and claims again as before.
+    let again = reader
+        .claim_reading(ReadClaim {
+            model: model.into(),
+            step: 4,
+            reader: "receiver rank 1".into(),
+            ranks: vec![(1, 200)],
+        })
+        .await
+        .unwrap();
+    again.release().await.unwrap();
+    let (claims, _) = publisher.readers(model).await.unwrap();
+    assert!(claims.is_empty(), "{claims:?}");
 }

@@ -349,3 +349,48 @@ async fn lost_to_another(server: &Server, how: &str) {
     b.withdraw().await.unwrap();
     assert!(record(&mut raw, model).await.is_none(), "{how}: B withdrew");
 }
+
+/// A claim released while etcd does not answer (SIGSTOP, as a stalled leader): the release
+/// gives up after its own short bound with a `Transport` error saying the claim is retried in
+/// the background, and once etcd answers again the claim is gone within a request or two, long
+/// before its 10 s lease could expire, while the receiver's connection lives on (issue 42,
+/// item 1: before, the claim stayed under the connection's lease, renewed for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_release_failed_is_revoked_once_etcd_answers() {
+    use reshard_core::rendezvous::{wait_released, ReadClaim};
+
+    let Some(server) = Server::start("release") else {
+        return;
+    };
+    let model = "release_failed";
+    let mut o = options(10);
+    o.request_timeout = Duration::from_secs(10);
+    let reader = Etcd::connect(&server.url, o.clone()).await.unwrap();
+    let publisher = Etcd::connect(&server.url, o).await.unwrap();
+    let held = reader
+        .claim_reading(ReadClaim {
+            model: model.into(),
+            step: 5,
+            reader: "receiver rank 0".into(),
+            ranks: vec![(0, 300)],
+        })
+        .await
+        .unwrap();
+    let (claims, _) = publisher.readers(model).await.unwrap();
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    server.signal("-STOP");
+    let e = held.release().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transport, "{e}");
+    assert!(e.message().contains("retried in the background"), "{e}");
+    server.signal("-CONT");
+    let back = Instant::now();
+    wait_released(&publisher, model, 0, 300, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let gone = back.elapsed();
+    assert!(
+        gone < Duration::from_secs(5),
+        "the claim lasted {gone:?} after etcd answered again (its lease TTL is 10 s)"
+    );
+    drop(reader);
+}

@@ -12,7 +12,8 @@
 //!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's
 //!   request limit (1.5 MiB by default), since tables of large models are megabytes;
 //! - `readers/<lease>-<n>`: a receiver's reading claim (the reader fence: the step and the
-//!   publishers it reads), under the receiver connection's own lease (`readers`).
+//!   publishers it reads), under a lease of its own that lives as long as the refit holding it
+//!   (`readers`).
 //!
 //! Every key of a publisher is attached to its lease: a publisher that dies stops the keep-alive
 //! and etcd deletes all of them when the lease's TTL runs out; a clean exit revokes the lease at
@@ -79,8 +80,6 @@ pub struct Etcd {
     options: EtcdOptions,
     /// Takes a member that stops answering out of `client`'s endpoints while it is down.
     failover: Option<Arc<endpoints::Failover>>,
-    /// The lease of this connection's reading claims (the reader fence), granted at the first.
-    readers: Arc<readers::ReaderLease>,
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
@@ -133,7 +132,6 @@ impl Etcd {
             endpoint,
             options,
             failover,
-            readers: Arc::default(),
         };
         // Connecting is lazy: one request proves the cluster answers.
         me.client

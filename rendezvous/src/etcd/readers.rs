@@ -1,22 +1,26 @@
-//! Receivers' reading claims, `readers/<lease>-<n>` (the reader fence, docs/deployment.md):
-//! each is JSON naming the step and the publishers (rank and incarnation) a receiver reads,
-//! put under the receiver connection's own lease and deleted when the reads are over. A
-//! receiver that dies stops renewing, and etcd deletes its claims when the TTL runs out, so a
-//! publisher waiting on them is never stuck behind a dead reader for longer than that.
+//! Receivers' reading claims, `readers/<lease>-0` (the reader fence, docs/deployment.md): each
+//! is JSON naming the step and the publishers (rank and incarnation) a receiver reads, put under
+//! a lease of its own that lives exactly as long as the refit holding it.
 //!
-//! One lease per connection serves all its claims: granted at the first claim, renewed every
-//! third of the TTL by a task that ends with the connection; when etcd says it is gone (it
-//! expired through an outage longer than the TTL) the next claim grants a new one. A claim lost
-//! with its lease opens the fence early; the receiver's digest check still refuses any bytes a
-//! publisher rewrote under it, so the cost is a failed refit, never wrong weights.
+//! Why a lease per claim, not one per connection: a claim whose delete never runs (a refit
+//! future dropped outside any runtime, as Python's cancel and Ctrl-C do; a delete that failed in
+//! an etcd election) would otherwise live as long as the connection's lease, which a live
+//! receiver renews for ever, and close its publishers' fence for good. Here the claim's lease is
+//! renewed by a task that stops the moment the handle ([`Claimed`]) ends, however it ends:
+//! released (its lease revoked, which deletes the claim), or dropped anywhere (the task revokes
+//! it, retrying until etcd agrees or the lease has expired on its own). So a claim outlives its
+//! refit by at most one TTL, and by one round trip in the common case. A receiver that dies stops
+//! renewing too, and etcd deletes its claims when the TTL runs out. A claim lost with its lease
+//! (an outage longer than the TTL) opens the fence early; the receiver's digest check still
+//! refuses any bytes a publisher rewrote under it, so the cost is a failed refit, never wrong
+//! weights.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use etcd_client::{Client, GetOptions, PutOptions};
+use etcd_client::{Client, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
 
 use reshard_core::rendezvous::{clip_note, ReadClaim, Reading, MAX_CLAIM_RANKS};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
@@ -24,6 +28,18 @@ use reshard_core::{Error, ErrorKind, OwnerId, Result};
 use super::keys::{reader_key, readers_prefix};
 use super::lease::lease_not_found;
 use super::Etcd;
+
+/// How long [`Reading::release`] waits for etcd to revoke a claim's lease before it hands the
+/// revoke to the claim's keeper (an election can hold a request for etcd's whole request
+/// timeout; the refit it ends must not wait that long).
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
+
+/// The first pause between two tries of a background revoke; doubled up to
+/// [`REVOKE_PAUSE_MAX`].
+const REVOKE_PAUSE_FIRST: Duration = Duration::from_millis(50);
+
+/// The longest pause between two tries of a background revoke.
+const REVOKE_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// A reading claim as stored: what [`ReadClaim`] holds but the model, which is in the key.
 #[derive(Serialize, Deserialize)]
@@ -61,118 +77,146 @@ pub(super) fn parse_claim(model: &str, key: &[u8], value: &[u8]) -> Result<ReadC
     })
 }
 
-/// The lease this connection's claims live under.
-#[derive(Default)]
-pub(super) struct ReaderLease {
-    /// The lease (0: none granted, or etcd said it is gone).
-    lease: tokio::sync::Mutex<i64>,
-    /// Numbers the claims under one lease.
-    next: AtomicU64,
+/// Whether an etcd client error says the lease is gone (expired or revoked).
+fn gone(e: &etcd_client::Error) -> bool {
+    e.to_string().contains("lease not found")
 }
 
-impl ReaderLease {
-    /// The live lease, granted (and its keep-alive started) when there is none.
-    async fn get(self: &Arc<Self>, etcd: &Etcd) -> Result<i64> {
-        let mut lease = self.lease.lock().await;
-        if *lease == 0 {
-            let ttl = etcd.options.lease_ttl.as_secs().max(1) as i64;
-            let r = etcd
-                .client
-                .clone()
-                .lease_grant(ttl, None)
-                .await
-                .map_err(|e| etcd.err("grant a reader's lease at", e))?;
-            *lease = r.id();
-            tokio::spawn(keep_alive(
-                Arc::downgrade(self),
-                etcd.client.clone(),
-                r.id(),
-                etcd.options.lease_ttl,
-            ));
-        }
-        Ok(*lease)
-    }
-
-    /// Forgets `lease` (etcd says it is gone): the next claim grants another.
-    async fn forget(&self, lease: i64) {
-        let mut held = self.lease.lock().await;
-        if *held == lease {
-            *held = 0;
-        }
-    }
-}
-
-/// Renews `lease` every third of `ttl` while the connection lives; a broken stream is opened
-/// again (etcd unreachable: the lease may outlive the outage); ends when etcd says the lease is
-/// gone (the next claim grants a new one) or the connection is dropped (the lease then expires
-/// within its TTL; claims are released before that on every path but a crash).
-async fn keep_alive(owner: Weak<ReaderLease>, mut client: Client, lease: i64, ttl: Duration) {
+/// Keeps a claim's `lease` alive, renewing it every third of `ttl`, until `over` says the claim
+/// ended: sent (the holder revoked the lease itself) ends the task at once; dropped (a failed
+/// revoke, a cancelled refit, a handle dropped outside any runtime) makes it revoke the lease.
+/// A renewal etcd answers "gone" for ends it too: the claim went with its lease.
+async fn keep_claim(
+    mut client: Client,
+    lease: i64,
+    ttl: Duration,
+    mut over: oneshot::Receiver<()>,
+    endpoint: String,
+) {
     let period = (ttl / 3).max(Duration::from_millis(100));
+    let mut renewed = Instant::now();
+    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
-        if owner.strong_count() == 0 {
-            // The connection is gone: renewing stops and the lease expires with any claim
-            // still under it, as a dead reader's would.
-            return;
-        }
-        let gone = match tokio::time::timeout(period, client.lease_keep_alive(lease)).await {
-            Ok(Ok((mut keeper, mut stream))) => loop {
-                tokio::time::sleep(period).await;
-                if owner.strong_count() == 0 || keeper.keep_alive().await.is_err() {
-                    break false;
-                }
-                match tokio::time::timeout(period, stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
-                    Ok(Ok(Some(_))) => break true,
-                    _ => break false,
-                }
-            },
-            Ok(Err(e)) => e.to_string().contains("lease not found"),
-            Err(_) => false,
+        let renewal = async {
+            tokio::time::sleep(period).await;
+            renew(&mut client, &mut stream, lease, period).await
         };
-        if gone {
-            if let Some(owner) = owner.upgrade() {
-                owner.forget(lease).await;
+        tokio::select! {
+            ended = &mut over => {
+                if ended.is_ok() {
+                    return;
+                }
+                break;
             }
+            renewal = renewal => match renewal {
+                Renewal::Renewed => renewed = Instant::now(),
+                Renewal::Gone => return,
+                // etcd did not answer in time (an election, an outage): the next period tries
+                // again on a new stream; the lease may outlive the outage.
+                Renewal::Failed => stream = None,
+            },
+        }
+    }
+    // The claim ended without its lease revoked: revoke it, retrying while the lease may still
+    // be alive (its TTL after the last renewal, plus a period for etcd's own lag).
+    let until = renewed + ttl + period;
+    let mut pause = REVOKE_PAUSE_FIRST;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            tracing::warn!(
+                "could not revoke a reading claim's lease {lease:x} at {endpoint}; it has \
+                 expired with its TTL instead"
+            );
             return;
         }
-        tokio::time::sleep(period / 2).await;
+        match tokio::time::timeout(left, client.lease_revoke(lease)).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) if gone(&e) => return,
+            _ => {}
+        }
+        tokio::time::sleep(pause.min(until.saturating_duration_since(Instant::now()))).await;
+        pause = (pause * 2).min(REVOKE_PAUSE_MAX);
     }
 }
 
-/// A receiver's hold on one etcd reading claim.
+/// What one renewal of a claim's lease found.
+enum Renewal {
+    /// etcd renewed the lease.
+    Renewed,
+    /// etcd says the lease is gone.
+    Gone,
+    /// No answer within the period, or the stream broke.
+    Failed,
+}
+
+/// Renews `lease` once over `stream` (opened first when there is none), waiting at most
+/// `bound` for each step.
+async fn renew(
+    client: &mut Client,
+    stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    lease: i64,
+    bound: Duration,
+) -> Renewal {
+    if stream.is_none() {
+        match tokio::time::timeout(bound, client.lease_keep_alive(lease)).await {
+            Ok(Ok(opened)) => *stream = Some(opened),
+            Ok(Err(e)) if gone(&e) => return Renewal::Gone,
+            _ => return Renewal::Failed,
+        }
+    }
+    let Some((keeper, messages)) = stream.as_mut() else {
+        return Renewal::Failed;
+    };
+    if keeper.keep_alive().await.is_err() {
+        return Renewal::Failed;
+    }
+    match tokio::time::timeout(bound, messages.message()).await {
+        Ok(Ok(Some(r))) if r.ttl() > 0 => Renewal::Renewed,
+        Ok(Ok(Some(_))) => Renewal::Gone,
+        _ => Renewal::Failed,
+    }
+}
+
+/// A receiver's hold on one etcd reading claim, which lives under a lease of its own that a
+/// task renews while this handle lives ([`keep_claim`]).
 struct Claimed {
     client: Client,
-    key: Option<String>,
+    lease: i64,
     endpoint: String,
+    /// Ends the renewals: sent once [`Reading::release`] revoked the lease, dropped (with the
+    /// handle, or after a failed revoke) to have the keeper revoke it.
+    over: Option<oneshot::Sender<()>>,
 }
 
 #[async_trait]
 impl Reading for Claimed {
     async fn release(mut self: Box<Self>) -> Result<()> {
-        let key = self.key.take().expect("a claim is released once");
-        self.client.delete(key, None).await.map_err(|e| {
-            Error::new(
+        let over = self.over.take();
+        let revoked =
+            tokio::time::timeout(RELEASE_WAIT, self.client.lease_revoke(self.lease)).await;
+        let why = match revoked {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) if gone(&e) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!("no answer within {} ms", RELEASE_WAIT.as_millis())),
+        };
+        match why {
+            None => {
+                if let Some(over) = over {
+                    let _ = over.send(());
+                }
+                Ok(())
+            }
+            // `over` is dropped here: the keeper stops renewing and revokes in the background.
+            Some(why) => Err(Error::new(
                 ErrorKind::Transport,
                 format!(
-                    "could not remove a reading claim from etcd at {} (it expires with the \
-                     reader's lease): {e}",
+                    "could not remove a reading claim from etcd at {} ({why}); it is retried in \
+                     the background, and the claim expires with its own lease at the latest",
                     self.endpoint
                 ),
-            )
-        })?;
-        Ok(())
-    }
-}
-
-impl Drop for Claimed {
-    fn drop(&mut self) {
-        // Not released (the refit was cancelled): remove it in the background where a runtime
-        // runs; otherwise it expires with the lease.
-        if let (Some(key), Ok(rt)) = (self.key.take(), tokio::runtime::Handle::try_current()) {
-            let mut client = self.client.clone();
-            rt.spawn(async move {
-                let _ = client.delete(key, None).await;
-            });
+            )),
         }
     }
 }
@@ -197,16 +241,32 @@ impl Etcd {
             ranks: claim.ranks,
         })
         .map_err(|e| Error::new(ErrorKind::Internal, format!("reading claim to JSON: {e}")))?;
-        // A lease etcd let expire (an outage) is replaced once.
+        let ttl = self.options.lease_ttl;
+        // A lease etcd let expire before the put (a stall longer than the TTL) is replaced once.
         for _ in 0..2 {
-            let lease = self.readers.get(self).await?;
-            let n = self.readers.next.fetch_add(1, Ordering::Relaxed);
-            let key = reader_key(&claim.model, lease, n);
+            let granted = self
+                .client
+                .clone()
+                .lease_grant(ttl.as_secs().max(1) as i64, None)
+                .await
+                .map_err(|e| self.err("grant a reading claim's lease at", e))?;
+            let lease = granted.id();
+            // The keeper runs from the grant on, so a put that fails or is cancelled still
+            // has its lease revoked (dropping `over` tells it to).
+            let (over, ended) = oneshot::channel();
+            tokio::spawn(keep_claim(
+                self.client.clone(),
+                lease,
+                ttl,
+                ended,
+                self.endpoint.clone(),
+            ));
+            let key = reader_key(&claim.model, lease, 0);
             let put = self
                 .client
                 .clone()
                 .put(
-                    key.clone(),
+                    key,
                     value.clone(),
                     Some(PutOptions::new().with_lease(lease)),
                 )
@@ -215,18 +275,20 @@ impl Etcd {
                 Ok(_) => {
                     return Ok(Box::new(Claimed {
                         client: self.client.clone(),
-                        key: Some(key),
+                        lease,
                         endpoint: self.endpoint.clone(),
+                        over: Some(over),
                     }))
                 }
-                Err(e) if lease_not_found(&e) => self.readers.forget(lease).await,
+                Err(e) if lease_not_found(&e) => drop(over),
                 Err(e) => return Err(e),
             }
         }
         Err(Error::new(
             ErrorKind::Transport,
             format!(
-                "etcd at {} dropped the reader's lease twice in a row",
+                "etcd at {} dropped a reading claim's lease twice in a row before the claim \
+                 was written",
                 self.endpoint
             ),
         ))
