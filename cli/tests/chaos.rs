@@ -11,7 +11,8 @@
 //! 5. a second `reshard publish` for a live rank;
 //! 6. garbage keys under the model's `members/` prefix;
 //! 7. a newer step with a corrupt `config.json`, then one with a truncated shard;
-//! 8. a publisher host's link down while the receivers read from it.
+//! 8. a publisher host's link down while the receivers read from it;
+//! 9. a receiver SIGKILLed while it reads, its reading claim held, then started again.
 //!
 //! After each, a new checkpoint step must install on both receivers, verified by reshard and
 //! byte for byte against slices this test cuts from the checkpoint files itself (vLLM's TP
@@ -478,10 +479,15 @@ urllib.request.urlopen(req, timeout=10).read()
                 .args(["receive", "--rendezvous", &self.etcd, "--model", MODEL])
                 .args(["--receivers", "tp=2", "--rank", &t.to_string()])
                 .args(["--transport", "ucx", "--json", "--timeout-s", "120"])
+                .args(["--lease-ttl-s", &TTL_S.to_string()])
                 .arg("--dump")
                 .arg(dump),
         );
-        self.receivers.push(p);
+        if t < self.receivers.len() {
+            self.receivers[t] = p;
+        } else {
+            self.receivers.push(p);
+        }
     }
 
     /// Waits for publisher `r`'s line `event` at `step`; lines of other events on the way
@@ -1069,8 +1075,111 @@ fn chaos_run_eight_publishers_two_receivers_every_fault_costs_no_weights() {
     );
     run.rows.last_mut().unwrap().lost += lost;
 
+    // 9. A receiver SIGKILLed while it reads (its reading claim held): nothing of it runs any
+    // more, so only its claim's lease ends the claim. The publishers' next overwrite waits for
+    // it no longer than that lease's TTL (not their 60 s fence timeout), the other receiver
+    // installs both steps, and the receiver started again installs the newest.
+    log(&format!(
+        "fault 9: receiver 0 SIGKILLed while it reads from {host}"
+    ));
+    set_rate(&run.hosts, &host, SLOW_LINK);
+    let s = run.write_aside(12);
+    let base = run.hosts.port_bytes(&host).unwrap().0;
+    run.move_in(&s);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while run.hosts.port_bytes(&host).unwrap().0 - base < per_step / 4 {
+        assert!(
+            Instant::now() < deadline,
+            "{host} sent too little of step 12"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    run.receivers[0].signal("-KILL");
+    let killed = Instant::now();
+    // Killed by the signal: no exit code, and gone within the bound.
+    assert_eq!(run.receivers[0].exit_code(Duration::from_secs(10)), None);
+    set_rate(&run.hosts, &host, "none");
+    let s = run.write_aside(13);
+    run.move_in(&s);
+    let mut refused = Vec::new();
+    let mut fence_s: f64 = 0.0;
+    for r in 0..WORLD {
+        let seen = run.publisher_event(r, "advanced", 13);
+        assert!(
+            !seen.iter().any(|v| v["event"] == "fence_timeout"),
+            "publisher {r} waited out its fence timeout: {seen:?}"
+        );
+        let fence = seen
+            .iter()
+            .find(|v| v["event"] == "fence" && v["step"] == 13)
+            .unwrap_or_else(|| panic!("publisher {r} waited for no reader: {seen:?}"));
+        let readers = fence["readers"].to_string();
+        assert!(
+            readers.contains("receiver rank 0"),
+            "publisher {r}: {fence}"
+        );
+        fence_s = fence_s.max(fence["waited_s"].as_f64().unwrap());
+    }
+    log(&format!(
+        "the publishers' fence opened after at most {fence_s:.1} s (receivers' lease TTL {TTL_S} s)"
+    ));
+    assert!(
+        fence_s < TTL_S as f64 + 2.0,
+        "a dead receiver held the fence {fence_s:.1} s"
+    );
+    refused.push(format!(
+        "receiver 0 killed: its claim held the fence {fence_s:.1} s"
+    ));
+    // Receiver 1 finishes step 12 (the fence kept its memory) and installs 13; receiver 0,
+    // started again with no weights, installs 13.
+    let mut lost = 0;
+    let v = loop {
+        let v = run.receivers[1].line_by(killed + RECOVER_WITHIN);
+        if v["verified"] == true {
+            break v;
+        }
+        lost += u64::from(v["live_step"] != run.live);
+        if v["event"] != "waiting" {
+            refused.push(format!("receiver 1 refit failed: {}", v["error"]["kind"]));
+        }
+    };
+    assert_eq!(v["step"], 12, "receiver 1: {v}");
+    run.check_dump(1, "step-12", 12);
+    run.receiver(0);
+    run.failures[0] = 0;
+    let mut done = killed;
+    for (t, from) in [(0, Value::Null), (1, Value::from(12))] {
+        let (at, v) = loop {
+            let (at, v) = run.receivers[t].line_at(killed + RECOVER_WITHIN);
+            if v["verified"] == true {
+                break (at, v);
+            }
+            lost += u64::from(v["live_step"] != from);
+            if v["event"] != "waiting" {
+                refused.push(format!("receiver {t} refit failed: {}", v["error"]["kind"]));
+            }
+        };
+        assert_eq!(v["step"], 13, "receiver {t}: {v}");
+        run.check_dump(t, "step-13", 13);
+        run.installed[t] = v;
+        done = done.max(at);
+    }
+    run.live = 13;
+    let recover_s = done.saturating_duration_since(killed).as_secs_f64();
+    log(&format!(
+        "fault 9: step 13 installed on both receivers, {recover_s:.1} s after the kill"
+    ));
+    run.rows.push(Row {
+        fault: "a receiver SIGKILLed mid-refit, holding its reading claim",
+        attempted: 2,
+        installed: 1,
+        refused,
+        lost,
+        recover_s,
+    });
+
     // Still one holder per rank, each the process this test started for it.
-    run.one_holder_per_rank(11);
+    run.one_holder_per_rank(13);
     for r in 0..WORLD {
         assert!(
             run.publishers[r].as_mut().unwrap().alive(),
