@@ -301,3 +301,108 @@ async fn killing_the_leader_costs_no_step() {
         h.withdraw().await.unwrap();
     }
 }
+
+/// Announces `a` on `etcd`, again after each failure time mends (an election under way), as
+/// `reshard publish` does; a lasting failure (another live holder: `Config`) is returned.
+async fn announce_through(
+    etcd: &Etcd,
+    a: reshard_core::rendezvous::Announcement,
+) -> reshard_core::Result<Box<dyn Announced>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match etcd.announce(a.clone()).await {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    reshard_core::ErrorKind::Transport | reshard_core::ErrorKind::Timeout
+                ) && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Rank liveness is decided by the holder, not by lease TTLs (issue 42, item 4): an etcd
+/// leader change refreshes every lease's TTL, a dead holder's too. A publisher restarted while
+/// its dead predecessor's lease still lives, with the leader stopped while it waits (it hands
+/// its leadership over), serves its rank once that lease has expired (it was refused before,
+/// naming its own dead predecessor as renewed); and a second claimant of a live holder's rank,
+/// waiting through the same change, is still refused, the live holder having answered its
+/// probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_across_a_leader_change_serves_its_rank() {
+    let Some(cluster) = Cluster::start("etcd-restart-election") else {
+        return;
+    };
+    let model = "restart_election";
+    let o = EtcdOptions {
+        lease_ttl: Duration::from_secs(5),
+        ..options()
+    };
+    let announce = |rank, incarnation| {
+        let mut a = suite::announcement(rank, 2, 1);
+        a.model = model.into();
+        a.incarnation = incarnation;
+        a
+    };
+    // The predecessor of rank 0 announces on a runtime of its own, then dies: its runtime shut
+    // down, its handle never dropped, so nothing renews or revokes its lease.
+    let url = cluster.url.clone();
+    let first = announce(0, 1);
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let etcd = Etcd::connect(&url, o).await.unwrap();
+            std::mem::forget(etcd.announce(first).await.unwrap());
+            std::mem::forget(etcd);
+        });
+        rt.shutdown_background();
+    })
+    .join()
+    .unwrap();
+    let o = EtcdOptions {
+        lease_ttl: Duration::from_secs(5),
+        ..options()
+    };
+    // Rank 1's live holder.
+    let live = Etcd::connect(&cluster.url, o.clone()).await.unwrap();
+    let holder = live.announce(announce(1, 11)).await.unwrap();
+
+    // The claimants reach etcd through a member that lives on, so their requests wait for the
+    // new leader instead of failing (a failed claim starts over and forgets what it saw).
+    let leader = cluster.leader().await;
+    let hosts: Vec<&str> = cluster.url["etcd://".len()..].split(',').collect();
+    let follower = format!("etcd://{}", hosts[(leader + 1) % MEMBERS]);
+    let restarted = Etcd::connect(&follower, o.clone()).await.unwrap();
+    let second = Etcd::connect(&follower, o).await.unwrap();
+    let restart = tokio::spawn(async move { announce_through(&restarted, announce(0, 2)).await });
+    let rival = tokio::spawn(async move { announce_through(&second, announce(1, 12)).await });
+    // Both have found the key held and are waiting when the leader dies.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(cluster.leader().await, leader, "no election yet");
+    // Stopped (SIGTERM): the leader hands its leadership over before it exits, so the
+    // claimants' requests wait through the change without failing, and the new leader
+    // refreshes every lease's TTL.
+    cluster.script("stop-member", Some(leader)).await;
+    let started = std::time::Instant::now();
+    let restarted = restart
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the restart across an election was refused its rank: {e}"));
+    println!(
+        "the restart served its rank {:.1} s after the leader stopped",
+        started.elapsed().as_secs_f64()
+    );
+    restarted.check_alive().unwrap();
+    let e = rival
+        .await
+        .unwrap()
+        .err()
+        .expect("a live holder's rank is refused");
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Config, "{e}");
+    assert!(e.message().contains("answered"), "{e}");
+    holder.check_alive().unwrap();
+    cluster.restart(leader).await;
+}

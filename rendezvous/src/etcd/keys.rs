@@ -40,6 +40,12 @@ pub(super) fn member_rank(model: &str, key: &[u8]) -> Option<OwnerId> {
     std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
+/// Where a claimant of rank `rank` asks the rank's holder whether it lives, and the holder
+/// answers (docs/deployment.md, "One holder per rank").
+pub(super) fn probe_key(model: &str, rank: OwnerId) -> String {
+    format!("{}probes/{rank:08}", model_prefix(model))
+}
+
 /// The reading claims of one model (the reader fence).
 pub(super) fn readers_prefix(model: &str) -> String {
     format!("{}readers/", model_prefix(model))

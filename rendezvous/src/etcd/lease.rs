@@ -4,9 +4,13 @@
 //! (docs/deployment.md, "Leases through etcd outages" and "One holder per rank").
 //!
 //! - **Claim**: the member record is created in one transaction, only if its key is absent
-//!   (`create_revision == 0`), attached to the lease. A key another lease holds is watched
-//!   until that lease either expires (its holder is dead: the claim is tried again) or shows a
-//!   renewal (its holder is live: the claim fails, naming it).
+//!   (`create_revision == 0`), attached to the lease. When another lease holds the key, the
+//!   claimant asks the holder itself: it puts a probe (`probes/<rank>`, a nonce) and the
+//!   holder's answering task writes the nonce back under its own lease. An answer through the
+//!   lease that holds the key means a live holder (the claim fails, naming it); the lease
+//!   expiring means a dead one (the claim is tried again). Liveness is not read from the lease's
+//!   remaining TTL: an etcd leader change refreshes every lease's TTL, a dead holder's too, and
+//!   a restart across an election was once refused naming its own dead predecessor.
 //! - **Writes** (advance, unready, note) are transactions that put the record only while the
 //!   key is still attached to this process's lease, so a process that lost its rank never
 //!   overwrites the new holder's record; withdrawing revokes this process's own lease, which
@@ -25,13 +29,16 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use etcd_client::{Compare, CompareOp, DeleteOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{
+    Compare, CompareOp, DeleteOptions, EventType, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
+};
 use parking_lot::Mutex;
 
 use reshard_core::rendezvous::{clip_note, Announced, Announcement, Holder};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::keys::{blob_prefix, member_key};
+use super::keys::{blob_prefix, member_key, probe_key};
 use super::record::{parse_record, BlobRef, Record};
 use super::{unix_ms, Etcd};
 use crate::holder;
@@ -42,6 +49,11 @@ const HOLDER_POLL: Duration = Duration::from_millis(200);
 /// How long past its granted TTL another holder's lease may still exist before the claim
 /// counts it renewed (etcd revokes expired leases on a half-second tick, then through Raft).
 const EXPIRY_SLACK: Duration = Duration::from_secs(2);
+
+/// What a probe of a rank's holder says (followed by its nonce), and what the holder's answer
+/// says (followed by the same nonce).
+const PROBE: &[u8] = b"probe:";
+const ANSWER: &[u8] = b"answer:";
 
 /// The least time a write is tried again for while etcd fails transiently: an election takes
 /// about a second (docs/deployment.md, "An etcd cluster").
@@ -181,10 +193,10 @@ impl Etcd {
     }
 
     /// Creates `record`'s member key attached to `lease` if it is absent (one transaction).
-    /// A key another lease holds is watched: once that lease is gone the claim is tried again;
-    /// once it shows a renewal (its remaining TTL went up, or it outlived its granted TTL), its
-    /// holder is live and the rank is [`Claimed::Held`]. `lease` is renewed meanwhile (the wait
-    /// can outlast it). Errors are etcd's (unreachable, ...).
+    /// When another lease holds the key, its holder is probed (module doc): once that lease is
+    /// gone the claim is tried again; once the holder answers (or its lease outlives twice its
+    /// TTL unanswered), the holder is live and the rank is [`Claimed::Held`]. `lease` is
+    /// renewed meanwhile (the wait can outlast it). Errors are etcd's (unreachable, ...).
     async fn claim(&self, model: &str, record: &Record, lease: i64) -> Result<Claimed> {
         tokio::select! {
             claimed = self.claim_waiting(model, record, lease) => claimed,
@@ -207,8 +219,10 @@ impl Etcd {
     async fn claim_waiting(&self, model: &str, record: &Record, lease: i64) -> Result<Claimed> {
         let key = member_key(model, record.rank);
         let value = self.encode_record(model, record)?;
-        // The other holder's lease as first seen, when, and its lowest remaining TTL since.
-        let mut watching: Option<(i64, Instant, i64)> = None;
+        // The probe of the holder of the moment: its lease, nonce and when it was put.
+        let probe = probe_key(model, record.rank);
+        let mut probing: Option<Probing> = None;
+        let mut probes = 0u64;
         loop {
             let txn = Txn::new()
                 .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
@@ -259,41 +273,150 @@ impl Etcd {
                     why,
                 )));
             }
-            let Some((ttl, granted)) = self.lease_ttl(other).await? else {
+            let Some((_, granted)) = self.lease_ttl(other).await? else {
                 // Expired: etcd deletes its keys with it; the next claim finds the key absent.
                 tokio::time::sleep(HOLDER_POLL / 4).await;
                 continue;
             };
             let now = Instant::now();
-            match &mut watching {
-                Some((l, since, low)) if *l == other => {
-                    let outlived = Duration::from_secs(granted.max(0) as u64) + EXPIRY_SLACK;
-                    let why = if ttl > *low {
-                        Some(format!(
-                            "its lease {other:x} was renewed while this process waited"
-                        ))
-                    } else if now.duration_since(*since) > outlived {
-                        Some(format!(
-                            "its lease {other:x} outlived its {granted} s TTL while this process \
-                             waited"
-                        ))
-                    } else {
-                        None
-                    };
-                    if let Some(why) = why {
+            match &probing {
+                Some(p) if p.lease == other => {
+                    if self.answered(&probe, &p.nonce, other).await? {
                         return Ok(Claimed::Held(holder::rank_held(
                             model,
                             record.rank,
                             &who,
-                            &why,
+                            &format!(
+                                "it answered this process's probe through its lease {other:x}"
+                            ),
                         )));
                     }
-                    *low = (*low).min(ttl);
+                    // A holder that never answers while its lease lives on (a reshard that
+                    // answers no probes, or an endless run of elections each refreshing a
+                    // dead holder's TTL): past twice its TTL, counted live as before probes.
+                    let patience = 2 * Duration::from_secs(granted.max(0) as u64) + EXPIRY_SLACK;
+                    if now.duration_since(p.since) > patience {
+                        return Ok(Claimed::Held(holder::rank_held(
+                            model,
+                            record.rank,
+                            &who,
+                            &format!(
+                                "its lease {other:x} lived {:.0} s past this process's probe, \
+                                 unanswered",
+                                patience.as_secs_f64()
+                            ),
+                        )));
+                    }
                 }
-                _ => watching = Some((other, now, ttl)),
+                _ => {
+                    probes += 1;
+                    let nonce = format!("{:016x}-{probes}", record.incarnation).into_bytes();
+                    let mut value = PROBE.to_vec();
+                    value.extend_from_slice(&nonce);
+                    self.client
+                        .clone()
+                        .put(
+                            probe.clone(),
+                            value,
+                            Some(PutOptions::new().with_lease(lease)),
+                        )
+                        .await
+                        .map_err(|e| self.err("probe a rank's holder at", e))?;
+                    probing = Some(Probing {
+                        lease: other,
+                        nonce,
+                        since: now,
+                    });
+                }
             }
             tokio::time::sleep(HOLDER_POLL).await;
         }
+    }
+}
+
+/// A claimant's probe of a rank's holder ([`Etcd::claim`]).
+struct Probing {
+    /// The lease that held the rank's key when the probe was put.
+    lease: i64,
+    /// What the holder must write back.
+    nonce: Vec<u8>,
+    /// When the probe was put.
+    since: Instant,
+}
+
+impl Etcd {
+    /// Whether the holder on `lease` answered the probe `nonce` at key `probe`: the answer is
+    /// written under the lease that holds the rank, so only the live holder can give it.
+    async fn answered(&self, probe: &str, nonce: &[u8], lease: i64) -> Result<bool> {
+        let r = self
+            .client
+            .clone()
+            .get(probe, None)
+            .await
+            .map_err(|e| self.err("read a probe's answer at", e))?;
+        Ok(r.kvs().first().is_some_and(|kv| {
+            kv.lease() == lease && kv.value().strip_prefix(ANSWER) == Some(nonce)
+        }))
+    }
+}
+
+/// Answers claimants' probes of this rank's holder for as long as the hold lives: each probe
+/// put at `probes/<rank>` is written back as an answer with its nonce, under the current lease
+/// (the one the member key is attached to). A rank lost for good is not answered for. The watch
+/// is opened again after a failure; a probe put while none ran is seen by the look that starts
+/// each watch.
+async fn answer_probes(shared: Arc<Shared>) {
+    let key = probe_key(&shared.model, shared.rank);
+    let mut pause = FIRST_BACKOFF;
+    loop {
+        let mut client = shared.etcd.client.clone();
+        let watched = async {
+            let r = client.get(key.clone(), None).await?;
+            let revision = r.header().map_or(0, |h| h.revision());
+            if let Some(kv) = r.kvs().first() {
+                answer(&shared, &key, kv.value()).await;
+            }
+            let mut stream = client
+                .watch(
+                    key.clone(),
+                    Some(WatchOptions::new().with_start_revision(revision + 1)),
+                )
+                .await?;
+            while let Some(r) = stream.message().await? {
+                for event in r.events() {
+                    if let (EventType::Put, Some(kv)) = (event.event_type(), event.kv()) {
+                        answer(&shared, &key, kv.value()).await;
+                    }
+                }
+            }
+            Ok::<(), etcd_client::Error>(())
+        };
+        if watched.await.is_ok() {
+            pause = FIRST_BACKOFF;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Writes the answer to `value` at `key` when it is a probe (a failed write is the
+/// claimant's to wait through: it probes until the lease expires or answers).
+async fn answer(shared: &Shared, key: &str, value: &[u8]) {
+    let Some(nonce) = value.strip_prefix(PROBE) else {
+        return;
+    };
+    let lease = shared.lease.load(Ordering::SeqCst);
+    if lease == 0 || shared.fatal.lock().is_some() {
+        return;
+    }
+    let mut answer = ANSWER.to_vec();
+    answer.extend_from_slice(nonce);
+    let mut client = shared.etcd.client.clone();
+    let put = client.put(key, answer, Some(PutOptions::new().with_lease(lease)));
+    match tokio::time::timeout(WRITE_ATTEMPT_FOR, put).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::debug!("publisher rank {}: a probe's answer: {e}", shared.rank),
+        Err(_) => tracing::debug!("publisher rank {}: a probe's answer timed out", shared.rank),
     }
 }
 
@@ -331,13 +454,16 @@ struct Shared {
 pub(super) struct Held {
     shared: Arc<Shared>,
     keeper: tokio::task::JoinHandle<()>,
+    /// Answers claimants' probes ([`answer_probes`]).
+    answerer: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
         // Without a keep-alive the lease runs out and etcd removes every key of this publisher,
-        // as for a killed one; `withdraw` revokes it at once instead.
+        // as for a killed one; `withdraw` revokes it at once instead. Nobody answers for it.
         self.keeper.abort();
+        self.answerer.abort();
     }
 }
 
@@ -383,7 +509,12 @@ impl Held {
         *shared.state.lock().await = state;
         let shared = Arc::new(shared);
         let keeper = tokio::spawn(keep_alive(shared.clone(), etcd.options.lease_ttl));
-        Ok(Held { shared, keeper })
+        let answerer = tokio::spawn(answer_probes(shared.clone()));
+        Ok(Held {
+            shared,
+            keeper,
+            answerer,
+        })
     }
 }
 
@@ -627,6 +758,7 @@ impl Announced for Held {
         // and its blobs) at once, so no reader sees half an announcement. Only this process's
         // lease: a rank another process holds now keeps its record.
         self.keeper.abort();
+        self.answerer.abort();
         let state = self.shared.state.lock().await;
         self.shared.etcd.revoke(state.lease).await
     }
