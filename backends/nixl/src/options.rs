@@ -51,8 +51,13 @@ pub struct NixlOptions {
     /// peer loaded on each, a prepared batch's requests are spread over them by bytes, and a
     /// post starts the requests of different lanes from different threads, so copies that
     /// NIXL's UCX makes on the posting thread (cross-memory attach on one host) run in
-    /// parallel. Each lane has its own agent lock, UCX worker and progress thread.
+    /// parallel. Each lane has its own agent lock, UCX worker and progress thread. More than
+    /// one is refused unless [`NixlOptions::experimental_lanes`] is set (a known defect).
     pub lanes: usize,
+    /// Accept `lanes` above 1 despite their known defect: with several lanes on every endpoint
+    /// a cross-process refit can stall until the no-progress bound quarantines it (nothing
+    /// unsafe; README, "Lanes"). Off by default, so nobody turns it on by accident.
+    pub experimental_lanes: bool,
 }
 
 impl Default for NixlOptions {
@@ -68,6 +73,7 @@ impl Default for NixlOptions {
             request_bytes: 16 << 20,
             requests_in_flight: 2,
             lanes: DEFAULT_LANES,
+            experimental_lanes: false,
         }
     }
 }

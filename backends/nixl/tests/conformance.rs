@@ -89,6 +89,7 @@ mod lanes {
     fn endpoint(agent: &str) -> reshard_core::Result<Arc<dyn Transport>> {
         let options = NixlOptions {
             lanes: 2,
+            experimental_lanes: true,
             ..NixlOptions::default()
         };
         Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)
@@ -102,6 +103,7 @@ mod lanes {
         let options = NixlOptions {
             timeout_ms: 2_000,
             lanes: 2,
+            experimental_lanes: true,
             ..NixlOptions::default()
         };
         Ok(Arc::new(NixlTransport::new(agent, &options)?) as Arc<dyn Transport>)

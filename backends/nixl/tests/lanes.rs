@@ -31,6 +31,7 @@ async fn register(t: &NixlTransport, b: &Arc<HostBuffer>) -> Registration {
 fn lanes(n: usize) -> NixlOptions {
     NixlOptions {
         lanes: n,
+        experimental_lanes: true,
         request_bytes: MIB,
         ..NixlOptions::default()
     }
@@ -186,4 +187,22 @@ fn lanes_outside_one_to_sixteen_are_a_config_error() {
         assert_eq!(e.kind(), ErrorKind::Config, "{e}");
         assert!(e.message().contains("lanes"), "{e}");
     }
+}
+
+/// More than one lane is refused unless `experimental_lanes` is set: they can stall a
+/// cross-process refit (README, "Lanes"; issue 42 item 6), so a `Config` error says why and how
+/// to run them anyway.
+#[test]
+fn more_than_one_lane_is_refused_without_the_experimental_flag() {
+    let options = NixlOptions {
+        lanes: 2,
+        ..NixlOptions::default()
+    };
+    let e = match NixlTransport::new("lanes-refused", &options) {
+        Ok(_) => panic!("two lanes accepted without experimental_lanes"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), reshard_core::ErrorKind::Config, "{e}");
+    assert!(e.message().contains("experimental_lanes"), "{e}");
+    assert!(NixlTransport::new("lanes-accepted", &lanes(2)).is_ok());
 }
