@@ -656,8 +656,8 @@ impl Running {
     }
 
     /// The first announcement of a served step (`table` the memory's): a bare claim made while
-    /// nothing was served is withdrawn first, as its record carries no architecture. `false`
-    /// (the step `pending`) while etcd is out of reach.
+    /// nothing was served is replaced by it (its record carries no architecture), with no
+    /// moment where the rank is free. `false` (the step `pending`) while etcd is out of reach.
     async fn announce(&mut self, step: u64, table: Bytes) -> std::result::Result<bool, Failure> {
         let rendezvous = match self.rendezvous().await {
             Ok(r) => r,
@@ -676,15 +676,16 @@ impl Running {
             })
         })?;
         let a = self.announcement(step, table, Bytes::from(config)).await?;
-        if let Some(claim) = self.held.take() {
-            // Best effort: a claim that could not be revoked expires with its lease, and the
-            // announcement below waits that out (docs/deployment.md §3, "One holder per rank").
-            let _ = claim.withdraw().await;
-            self.claim_only = false;
-            self.note = None;
-        }
+        // A bare claim held by this process is handed over to the announcement in one step (the
+        // rendezvous moves the record to the new lease: same process, same incarnation), then
+        // withdrawn, which removes only its own lease's keys. Withdrawing first left a moment in
+        // which a second claimant could take the rank.
         match rendezvous.announce(a).await {
             Ok(h) => {
+                if let Some(claim) = self.held.take() {
+                    // Best effort: a claim that could not be revoked expires with its lease.
+                    let _ = claim.withdraw().await;
+                }
                 self.resumed();
                 self.held = Some(h);
                 self.claim_only = false;

@@ -168,7 +168,10 @@ pub trait Rendezvous: Send + Sync {
     fn endpoint(&self) -> String;
     /// Announces under a lease kept alive while the returned handle lives. A rank has one
     /// holder: announcing a rank another live announcement holds fails with a `Config` error
-    /// naming the holder (its incarnation, host and pid).
+    /// naming the holder (its incarnation, host and pid). One this very process holds in the
+    /// same incarnation (a bare claim becoming an announcement) is handed over to the new
+    /// handle at once, with no moment where the rank is free; the old handle's writes then fail
+    /// and its withdrawal leaves the new announcement in place.
     async fn announce(&self, announcement: Announcement) -> Result<Box<dyn Announced>>;
     /// The current members of `model`, ordered by rank, and the revision they were read at.
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)>;

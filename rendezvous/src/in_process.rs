@@ -245,8 +245,14 @@ impl Rendezvous for InProcess {
         let (model, rank) = (announcement.model.clone(), announcement.rank);
         let hub = &self.hub;
         self.hub.change(&model, |m| {
-            // A live handle holds the rank (a dropped one removed its entry): refused.
-            if let Some(e) = m.members.get(&rank) {
+            // A live handle holds the rank (a dropped one removed its entry): refused, unless
+            // it is this process's in the same incarnation, which the new entry replaces (the
+            // old handle's lease no longer matches: its writes fail, its drop removes nothing).
+            if let Some(e) = m
+                .members
+                .get(&rank)
+                .filter(|e| e.announcement.incarnation != announcement.incarnation)
+            {
                 let who = holder::describe(Some(e.announcement.incarnation), Some(&hub.holder));
                 let e = holder::rank_held(&model, rank, &who, "its handle is alive");
                 return (false, Err(e));

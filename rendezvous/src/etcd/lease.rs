@@ -197,9 +197,15 @@ impl Etcd {
     /// gone the claim is tried again; once the holder answers (or its lease outlives twice its
     /// TTL unanswered), the holder is live and the rank is [`Claimed::Held`]. `lease` is
     /// renewed meanwhile (the wait can outlast it). Errors are etcd's (unreachable, ...).
-    async fn claim(&self, model: &str, record: &Record, lease: i64) -> Result<Claimed> {
+    async fn claim(
+        &self,
+        model: &str,
+        record: &Record,
+        lease: i64,
+        hand_over: bool,
+    ) -> Result<Claimed> {
         tokio::select! {
-            claimed = self.claim_waiting(model, record, lease) => claimed,
+            claimed = self.claim_waiting(model, record, lease, hand_over) => claimed,
             never = self.renew_while_waiting(lease) => match never {},
         }
     }
@@ -216,7 +222,13 @@ impl Etcd {
     }
 
     /// [`Etcd::claim`] without the renewal.
-    async fn claim_waiting(&self, model: &str, record: &Record, lease: i64) -> Result<Claimed> {
+    async fn claim_waiting(
+        &self,
+        model: &str,
+        record: &Record,
+        lease: i64,
+        hand_over: bool,
+    ) -> Result<Claimed> {
         let key = member_key(model, record.rank);
         let value = self.encode_record(model, record)?;
         // The probe of the holder of the moment: its lease, nonce and when it was put.
@@ -253,6 +265,38 @@ impl Etcd {
                 continue;
             }
             let found = parse_record(model, kv.key(), kv.value()).ok();
+            if hand_over
+                && found.as_ref().is_some_and(|f| {
+                    (f.incarnation, &f.host, f.pid)
+                        == (record.incarnation, &record.host, record.pid)
+                })
+            {
+                // This very process holds the rank under another of its leases (a bare claim
+                // becoming an announcement): the record moves to `lease` in one transaction
+                // guarded by the revision just read, so no other claimant can take the rank
+                // in between, as it could between a withdrawal and a new claim.
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(
+                        key.clone(),
+                        CompareOp::Equal,
+                        kv.mod_revision(),
+                    )])
+                    .and_then([TxnOp::put(
+                        key.clone(),
+                        value.clone(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    )]);
+                let r = self
+                    .client
+                    .clone()
+                    .txn(txn)
+                    .await
+                    .map_err(|e| self.err("hand a member record over at", e))?;
+                if r.succeeded() {
+                    return Ok(Claimed::Written(txn_revision(&r)));
+                }
+                continue; // changed since it was read: look again
+            }
             let who = holder::describe(
                 found.as_ref().map(|r| r.incarnation),
                 found
@@ -504,7 +548,7 @@ impl Held {
             }),
             fatal: Mutex::new(None),
         };
-        let state = shared.establish(record, a.table).await??;
+        let state = shared.establish(record, a.table, true).await??;
         shared.lease.store(state.lease, Ordering::SeqCst);
         *shared.state.lock().await = state;
         let shared = Arc::new(shared);
@@ -528,13 +572,16 @@ impl Shared {
     }
 
     /// Announces `record` (step, readiness, note as given) under a new lease: grants it, writes
-    /// the metadata, config and `table` blobs under it, then claims the rank. The outer error is
+    /// the metadata, config and `table` blobs under it, then claims the rank; with `hand_over`
+    /// (a first announcement, never a recovery, so an old handle cannot take the rank back) a
+    /// record this very process holds under another lease moves to the new one. The outer error is
     /// etcd's; the inner one says another live process holds the rank. On any failure the new
     /// lease is revoked (best effort: it would expire anyway).
     async fn establish(
         &self,
         mut record: Record,
         table: Bytes,
+        hand_over: bool,
     ) -> Result<std::result::Result<State, Error>> {
         let ttl = self.etcd.options.lease_ttl.as_secs().max(1) as i64;
         let lease = self
@@ -555,7 +602,7 @@ impl Shared {
             let prefix = blob_prefix(model, rank, lease, &name);
             record.table = self.etcd.put_blob(prefix, &table, lease).await?;
             record.granted_unix_ms = unix_ms();
-            self.etcd.claim(model, &record, lease).await
+            self.etcd.claim(model, &record, lease, hand_over).await
         }
         .await;
         match written {
@@ -589,7 +636,7 @@ impl Shared {
             let name = format!("table-{:020}", next.step);
             let prefix = blob_prefix(&self.model, self.rank, lease, &name);
             next.table = self.etcd.put_blob(prefix, &table, lease).await?;
-            match self.etcd.claim(&self.model, &next, lease).await? {
+            match self.etcd.claim(&self.model, &next, lease, false).await? {
                 Claimed::Written(revision) => Ok(State {
                     lease,
                     record: next,
@@ -599,7 +646,7 @@ impl Shared {
                 Claimed::Held(e) => Err(e),
             }
         } else {
-            self.establish(next, table).await?
+            self.establish(next, table, false).await?
         };
         match outcome {
             Ok(s) => {

@@ -65,6 +65,47 @@ pub fn announcement(rank: u32, world: u32, step: u64) -> Announcement {
     }
 }
 
+/// A bare claim (an empty table: the rank held, nothing served, as `reshard publish` holds its
+/// rank before it has a checkpoint) becomes an announcement of the same process and
+/// incarnation without a moment where the rank is free (issue 42): the new handle holds it at
+/// once, a rival is refused throughout, the old handle's writes fail and its withdrawal leaves
+/// the announcement in place.
+pub async fn a_bare_claim_is_handed_over_to_the_announcement_with_no_gap(s: &Sides) {
+    let mut bare = s.announcement(0, 1, 1);
+    bare.table = Bytes::new();
+    let claim = s.publishers.announce(bare).await.unwrap();
+    let served = s
+        .publishers
+        .announce(s.announcement(0, 1, 1))
+        .await
+        .unwrap();
+    served.check_alive().unwrap();
+    let mut rival = s.announcement(0, 1, 1);
+    rival.incarnation = 4242;
+    let e = s
+        .publishers
+        .announce(rival)
+        .await
+        .err()
+        .expect("the rank is held");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(
+        claim.unready().await.is_err(),
+        "the old handle still writes"
+    );
+    let lost = claim
+        .check_alive()
+        .expect_err("the bare claim's handle lost the rank");
+    assert_eq!(lost.context().owner, Some(0), "{lost}");
+    let _ = claim.withdraw().await;
+    served.check_alive().unwrap();
+    let found = discover(s.receivers.as_ref(), &s.want(None, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(found.step, 1);
+    assert_eq!(found.announcements[0].table, s.announcement(0, 1, 1).table);
+}
+
 /// A receiver started before any publisher waits, then proceeds with every rank.
 pub async fn a_receiver_started_first_waits_for_every_publisher(s: &Sides) {
     let receiver = {
@@ -586,6 +627,7 @@ macro_rules! suite_tests {
             discovery_never_mixes_steps_while_publishers_advance($rounds),
             a_dropped_handle_is_a_publisher_gone_and_wakes_watchers,
             one_holder_per_rank_and_a_restarted_rank_claims_it,
+            a_bare_claim_is_handed_over_to_the_announcement_with_no_gap,
             large_tables_arrive_intact,
             a_live_publisher_outlasts_its_lease,
             a_disagreeing_architecture_is_refused,
