@@ -461,6 +461,9 @@ impl NativePublisher {
                 Some(name),
             )
         })?;
+        // Refused with the tensor named, not left to an allocation that aborts the process.
+        reshard_core::memory_check(bytes, &format!("tensor {name:?}"))
+            .map_err(|e| invalid(e.kind(), e.message().to_string(), Some(name)))?;
         let allocated = wait(py, None, async move { transport.allocate_host(len).await })?;
         let transport_memory = allocated.is_some();
         let memory = allocated.unwrap_or_else(|| {

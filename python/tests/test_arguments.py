@@ -209,3 +209,14 @@ def test_errors_are_also_the_standard_python_classes(hub, name):
         rx.refit(timeout=1)
     for p in pubs:
         p.close()
+
+
+def test_an_array_larger_than_memory_is_refused_naming_the_tensor(hub, name):
+    """Issue 42: the allocation aborted the process instead of raising."""
+    m = tiny_model(name)
+    m["vocab"] = 1 << 33  # embeddings of terabytes
+    with reshard.Publisher(model=m["name"], architecture=m, topology={"tp": 1}, rank=0,
+                           rendezvous=hub, transport="loopback") as pub:
+        embed = next(t for t in pub.tensors if "embed" in t)
+        with pytest.raises(reshard.InvalidInput, match="embed"):
+            pub.empty(embed)

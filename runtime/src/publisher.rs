@@ -88,6 +88,10 @@ impl ShardPublisher {
             )
             .with_owner(rank)
         })?;
+        // Refused here, with the rank named, rather than left to an allocation that aborts the
+        // process when the memory is not there.
+        reshard_core::memory_check(cursor, &format!("publisher rank {rank}'s shard"))
+            .map_err(|e| e.with_owner(rank))?;
         let memory = match transport.allocate_host(len).await? {
             Some(m) => m,
             None => Arc::new(HostBuffer::zeroed(len)) as Arc<dyn HostMemory>,

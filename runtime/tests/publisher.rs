@@ -213,3 +213,24 @@ async fn a_subscriber_refits_every_step_its_publishers_announce() {
     assert_eq!((report.step, report.peers_loaded), (6, 1));
     drop(restarted);
 }
+
+/// A rank's shard larger than this machine's memory is refused before anything is allocated,
+/// an `InvalidInput` naming the rank (issue 42: the allocation aborted the process instead).
+#[tokio::test]
+async fn a_shard_larger_than_memory_is_refused_naming_the_rank() {
+    let mut model = reshard_testkit::models::tiny_moe(4);
+    // Embeddings of 2^33 rows: terabytes on rank 0.
+    model.vocab = 1 << 33;
+    let topo: PublisherTopology = "ep=2,dp=2".parse().unwrap();
+    let fabric = LoopbackFabric::new();
+    let e = ShardPublisher::new(endpoint(&fabric, "huge"), &model, &topo, 0)
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::InvalidInput, Some(0)),
+        "{e}"
+    );
+    assert!(e.message().contains("publisher rank 0's shard"), "{e}");
+}
