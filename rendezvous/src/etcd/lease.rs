@@ -684,10 +684,16 @@ impl Shared {
 
     /// [`Shared::write_once`], tried again with backoff while etcd fails transiently (a
     /// `Transport` or `Timeout` error: a leader election, a member going down), for up to a
-    /// third of the TTL and at least [`WRITE_RETRY_FOR`]; then the error is the caller's to
-    /// retry later (`reshard publish` defers the write to its next look).
+    /// third of the TTL and at least [`WRITE_RETRY_FOR`] after a first attempt's own bound
+    /// ([`WRITE_ATTEMPT_FOR`]); then the error is the caller's to retry later (`reshard publish`
+    /// defers the write to its next look).
     async fn write(&self, next: Record, new_table: Option<Bytes>) -> Result<()> {
-        let until = Instant::now() + (self.etcd.options.lease_ttl / 3).max(WRITE_RETRY_FOR);
+        // The first attempt's bound comes on top: an attempt abandoned because it reached a
+        // member whose leader had just died must still be followed by one through the new
+        // leader (issue 42: it used the whole window, so the write failed after 2 s).
+        let until = Instant::now()
+            + (self.etcd.options.lease_ttl / 3).max(WRITE_RETRY_FOR)
+            + WRITE_ATTEMPT_FOR.min(self.etcd.options.request_timeout);
         let mut pause = FIRST_BACKOFF;
         loop {
             match self.write_once(next.clone(), new_table.clone()).await {
