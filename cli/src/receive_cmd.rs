@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use reshard_core::rendezvous::{backoff, RETRY_FIRST};
 use reshard_core::{Error, ErrorDetail, ErrorKind, Result, Transport};
 use reshard_planner::topology::ReceiverTopology;
 use reshard_runtime::{ReceiverOptions, StepReport, Subscriber};
@@ -197,11 +198,15 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
     .await?;
     let mut verified = 0u64;
     let mut failures = 0u64;
+    // While the sets found keep moving on before their reads begin, no new step came: the
+    // deadline stays the one set before the first of them, and each retry pauses longer
+    // (`backoff`), so such sets cost a few rendezvous requests a second until the timeout.
+    let mut moved_on: Option<(Instant, Duration)> = None;
     while args.steps.is_none_or(|n| verified < n) {
         // No new step in time ends the receiver; a failed refit of a step it found does not,
         // nor does a rendezvous failure while there is time left.
         let live = sub.receiver().live_step();
-        let deadline = Instant::now() + timeout;
+        let deadline = moved_on.map_or_else(|| Instant::now() + timeout, |(d, _)| d);
         let found = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match sub.discover_next(left).await {
@@ -215,8 +220,22 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
         };
         match sub.install(found).await {
             // The publishers moved on between discovery and the reader's claim (one began to
-            // rewrite its memory): nothing was read; discover again.
-            Err(e) if matches!(e.detail(), Some(ErrorDetail::MovedOn { .. })) => continue,
+            // rewrite its memory): nothing was read; discover again after a pause.
+            Err(e) if matches!(e.detail(), Some(ErrorDetail::MovedOn { .. })) => {
+                if Instant::now() >= deadline {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "receiver rank {}: no new step within {} s: every set found moved \
+                             on before its reads began; the last: {e}",
+                            args.rank, args.timeout_s
+                        ),
+                    ));
+                }
+                let (_, pause) = moved_on.get_or_insert((deadline, RETRY_FIRST));
+                backoff(pause, deadline).await;
+                continue;
+            }
             Ok(report) => {
                 verified += 1;
                 if let Some(dir) = &args.dump {
@@ -262,6 +281,8 @@ async fn receive(args: ReceiveArgs) -> Result<Outcome> {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
+        // A refit came to an end (installed or failed): the next step has its own deadline.
+        moved_on = None;
     }
     Ok(Outcome(true))
 }

@@ -223,9 +223,11 @@ pub struct Discovered {
     pub waited_through: Vec<String>,
 }
 
-/// First pause after a rendezvous failure before discovery looks again; doubled per failure in
-/// a row up to [`RETRY_MAX`], so an etcd that is down costs a few requests a second.
-const RETRY_FIRST: Duration = Duration::from_millis(50);
+/// First pause after a rendezvous failure, or after a set that moved on, before discovery (or a
+/// caller that discovers again, as `Subscriber::stage` does) looks again; doubled per failure in
+/// a row up to [`RETRY_MAX`] by [`backoff`], so an etcd that is down, or a set that never holds
+/// still, costs a few requests a second rather than as many as the service answers.
+pub const RETRY_FIRST: Duration = Duration::from_millis(50);
 /// Longest pause between two looks after rendezvous failures.
 const RETRY_MAX: Duration = Duration::from_secs(1);
 /// Shortest time one rendezvous request is given, even when the caller's deadline is nearer:
@@ -272,7 +274,7 @@ enum Look {
     Found(Discovered),
     /// No complete set: these members, read at this revision.
     Incomplete(Vec<Member>, u64),
-    /// A complete set whose fetched announcements moved on meanwhile: look again now.
+    /// A complete set whose fetched announcements moved on meanwhile: look again after a pause.
     Moved(Vec<Member>),
 }
 
@@ -280,8 +282,18 @@ enum Look {
 /// `want.after_step`), then fetches their announcements. The step is the newest that any ready
 /// member stands at; members behind it are waited for. A set whose fetched announcements moved
 /// on meanwhile (another step, or not ready any more at the chosen step: a publisher began to
-/// rewrite its weights) is discarded and looked at again, so the result never mixes steps and
-/// never holds a table its publisher had already withdrawn from readiness.
+/// rewrite its weights) is discarded and looked at again after a pause ([`backoff`], from
+/// [`RETRY_FIRST`], never past `want.timeout`), so the result never mixes steps and never holds
+/// a table its publisher had already withdrawn from readiness, and a set that keeps moving on
+/// costs a few looks a second, not a loop as fast as the rendezvous answers.
+///
+/// Each rank counts once. Should a rendezvous list two records for one rank (the contract
+/// gives a rank one holder, so only a broken implementation can), the rank counts as ready at a
+/// step only when every record claiming it is; its one fetched announcement must then be ready
+/// at that step as well, and a fetch that does not return exactly the ranks `0..world`, each
+/// once, is looked at again like a set that moved on. Discovery never completes on a rank
+/// counted twice nor with a rank missing; a set that stays ambiguous times out, the message
+/// naming the ranks claimed by more than one record.
 ///
 /// Rendezvous failures that time mends ([`is_transient`]: etcd unreachable or electing a
 /// leader, a member withdrawn between the member list and the fetch, a compacted revision)
@@ -314,6 +326,7 @@ async fn discover_at(
     let mut waited = Waited::default();
     let mut pause = RETRY_FIRST;
     let mut seen: Vec<Member> = Vec::new();
+    let mut warned_doubled = false;
     loop {
         match bounded(deadline, look(rendezvous, want, exact, start)).await {
             Some(Ok(Look::Found(mut found))) => {
@@ -322,8 +335,10 @@ async fn discover_at(
             }
             Some(Ok(Look::Moved(members))) => {
                 seen = members;
-                pause = RETRY_FIRST;
-                continue;
+                // Not at once: a set that keeps moving on (a publisher flapping, or records the
+                // member list and the fetch disagree on) would otherwise be looked at as fast as
+                // the rendezvous answers, hammering it until the deadline.
+                backoff(&mut pause, deadline).await;
             }
             Some(Ok(Look::Incomplete(members, revision))) => {
                 seen = members;
@@ -352,6 +367,18 @@ async fn discover_at(
             // A request that outran the deadline: the timeout below says so.
             None => {}
         }
+        // Once per discovery, not per look: a rendezvous that lists a rank twice stays so.
+        let doubled = doubled_ranks(&seen);
+        if !warned_doubled && !doubled.is_empty() {
+            warned_doubled = true;
+            tracing::warn!(
+                "the rendezvous at {} lists more than one record for ranks {} of model {:?}; \
+                 each counts once, and only while every record of it is ready",
+                rendezvous.endpoint(),
+                ranges(&doubled),
+                want.model
+            );
+        }
         if Instant::now() >= deadline {
             let target = exact.map_or_else(String::new, |s| format!(" at step {s}"));
             let mut msg = format!(
@@ -376,8 +403,10 @@ async fn bounded<T>(deadline: Instant, fut: impl std::future::Future<Output = T>
     tokio::time::timeout_at(until.into(), fut).await.ok()
 }
 
-/// Sleeps `pause` (never past `deadline`) and doubles it up to [`RETRY_MAX`].
-async fn backoff(pause: &mut Duration, deadline: Instant) {
+/// Sleeps `pause` (never past `deadline`) and doubles it up to [`RETRY_MAX`]: the pause between
+/// two looks at a rendezvous after a failure or a set that moved on; start `pause` at
+/// [`RETRY_FIRST`].
+pub async fn backoff(pause: &mut Duration, deadline: Instant) {
     let left = deadline.saturating_duration_since(Instant::now());
     tokio::time::sleep((*pause).min(left)).await;
     *pause = (*pause * 2).min(RETRY_MAX);
@@ -398,11 +427,13 @@ async fn look(
     let ranks: Vec<OwnerId> = (0..world).collect();
     let fetched = rendezvous.fetch(&want.model, &ranks).await?;
     if fetched.len() != world as usize
-        || !fetched
-            .iter()
-            .all(|f| f.ready && f.announcement.step == step)
+        || !fetched.iter().enumerate().all(|(i, f)| {
+            f.ready && f.announcement.step == step && f.announcement.rank as usize == i
+        })
     {
-        // A publisher advanced, left or became not ready between the two reads.
+        // A publisher advanced, left or became not ready between the two reads; or the fetch
+        // did not return each rank exactly once (a broken rendezvous), which must not become
+        // a set with a rank missing or doubled.
         return Ok(Look::Moved(members));
     }
     let announcements: Vec<Announcement> = fetched.into_iter().map(|f| f.announcement).collect();
@@ -488,8 +519,41 @@ fn complete_step_at(members: &[Member], want: &Want, exact: Option<u64>) -> Resu
     let Some(step) = target else {
         return Ok(None);
     };
-    let ready_at_step = members.iter().filter(|m| m.ready && m.step == step).count();
+    // Ready ranks, not records: a rank claimed by two records (only a rendezvous that breaks the
+    // one-holder rule lists one) counts once, and only when every record claiming it is ready
+    // at `step`, so a doubled rank can neither stand in for a missing one nor push the count
+    // past the world.
+    let ready_at_step = ready_ranks_at(members, step).len();
     Ok((ready_at_step == first.world as usize).then_some(step))
+}
+
+/// The ranks every record of which is ready at `step`, each once.
+fn ready_ranks_at(members: &[Member], step: u64) -> Vec<OwnerId> {
+    let mut ready: BTreeMap<OwnerId, bool> = BTreeMap::new();
+    for m in members {
+        let here = m.ready && m.step == step;
+        ready
+            .entry(m.rank)
+            .and_modify(|all| *all &= here)
+            .or_insert(here);
+    }
+    ready
+        .into_iter()
+        .filter_map(|(rank, all)| all.then_some(rank))
+        .collect()
+}
+
+/// Ranks claimed by more than one of `members` (sorted, each once): none, unless the rendezvous
+/// broke the one-holder rule.
+fn doubled_ranks(members: &[Member]) -> Vec<OwnerId> {
+    let mut count: BTreeMap<OwnerId, u32> = BTreeMap::new();
+    for m in members {
+        *count.entry(m.rank).or_default() += 1;
+    }
+    count
+        .into_iter()
+        .filter_map(|(rank, n)| (n > 1).then_some(rank))
+        .collect()
 }
 
 /// The newest step any ready member stands at, above `want.after_step`.
@@ -517,17 +581,34 @@ fn describe_at(members: &[Member], want: &Want, exact: Option<u64>) -> String {
     for m in members {
         by_state.entry((m.step, m.ready)).or_default().push(m.rank);
     }
-    let ready = members.iter().filter(|m| m.ready).count();
-    let mut out = format!("saw {} of {world} publishers, {ready} ready", members.len());
+    // Ranks, not records: a rank listed twice is one publisher seen (and named below).
+    // A set: `world` may be up to MAX_WORLD, and this runs once per rank of it.
+    let seen: std::collections::BTreeSet<OwnerId> = members.iter().map(|m| m.rank).collect();
+    let mut ready_records: BTreeMap<OwnerId, bool> = BTreeMap::new();
+    for m in members {
+        ready_records
+            .entry(m.rank)
+            .and_modify(|all| *all &= m.ready)
+            .or_insert(m.ready);
+    }
+    let ready = ready_records.values().filter(|all| **all).count();
+    let mut out = format!("saw {} of {world} publishers, {ready} ready", seen.len());
     for ((step, is_ready), ranks) in &by_state {
         let state = if *is_ready { "ready" } else { "updating" };
         let _ = write!(out, "; ranks {} {state} at step {step}", ranges(ranks));
     }
-    // A set: `world` may be up to MAX_WORLD, and this runs once per rank of it.
-    let seen: std::collections::BTreeSet<OwnerId> = members.iter().map(|m| m.rank).collect();
     let missing: Vec<OwnerId> = (0..world).filter(|r| !seen.contains(r)).collect();
     if !missing.is_empty() {
         let _ = write!(out, "; missing ranks {}", ranges(&missing));
+    }
+    let doubled = doubled_ranks(members);
+    if !doubled.is_empty() {
+        let _ = write!(
+            out,
+            "; ranks {} claimed by more than one record (each counts once, ready only when \
+             every record of it is)",
+            ranges(&doubled)
+        );
     }
     if let Some(step) = exact {
         let lacking: Vec<String> = members
@@ -560,10 +641,12 @@ fn describe_at(members: &[Member], want: &Want, exact: Option<u64>) -> String {
     out
 }
 
-/// `0-3,5,7-8` for sorted ranks.
+/// `0-3,5,7-8` for ranks in any order, each named once.
 fn ranges(ranks: &[OwnerId]) -> String {
     let mut sorted = ranks.to_vec();
     sorted.sort_unstable();
+    // A rank listed twice (two records of it) is named once.
+    sorted.dedup();
     let mut out = String::new();
     let mut i = 0;
     while i < sorted.len() {
@@ -636,6 +719,29 @@ mod tests {
         assert_eq!(complete_step(&mixed, &want(None)).unwrap(), None);
         assert_eq!(complete_step(&all(3)[..3], &want(None)).unwrap(), None);
         assert_eq!(complete_step(&[], &want(None)).unwrap(), None);
+    }
+
+    #[test]
+    fn a_rank_claimed_by_two_records_counts_once_and_never_for_a_missing_one() {
+        // Ranks 0, 1 and 3 of 4, rank 3 twice: three ranks, never a complete set of four.
+        let mut ms = vec![m(0, 3, true), m(1, 3, true), m(3, 3, true), m(3, 3, true)];
+        assert_eq!(complete_step(&ms, &want(None)).unwrap(), None);
+        let d = describe(&ms, &want(None));
+        assert!(d.starts_with("saw 3 of 4 publishers, 3 ready"), "{d}");
+        assert!(d.contains("ranks 0-1,3 ready at step 3"), "{d}");
+        assert!(d.contains("missing ranks 2"), "{d}");
+        assert!(d.contains("ranks 3 claimed by more than one record"), "{d}");
+        // Every rank, rank 3 twice: complete, the doubled rank counted once.
+        ms.insert(2, m(2, 3, true));
+        assert_eq!(complete_step(&ms, &want(None)).unwrap(), Some(3));
+        // Not while any record of the doubled rank is not ready at the step, whichever it is.
+        for other in [m(3, 3, false), m(3, 2, true)] {
+            for at in [3, 4] {
+                let mut ms = ms.clone();
+                ms[at] = other.clone();
+                assert_eq!(complete_step(&ms, &want(None)).unwrap(), None, "{ms:?}");
+            }
+        }
     }
 
     #[test]

@@ -328,3 +328,114 @@ async fn a_claim_dropped_outside_any_runtime_is_gone_at_once() {
     let (claims, _) = publisher.readers(model).await.unwrap();
     assert!(claims.is_empty(), "{claims:?}");
 }
+
+/// A rank's record also written under another spelling of its key (`members/3` beside
+/// `members/00000003`, put directly as a buggy tool or an older writer could): only the 8-digit
+/// key is a member, the other is skipped (logged naming the key) and never counts. A `members/3`
+/// for a rank that is not announced does not complete the set with rank 3 missing (before, it
+/// counted as rank 3 and discovery fetched a rank that did not exist until its timeout); once
+/// rank 3 is announced, a copy of its record under `members/3` does not make five records of
+/// a world of four (before, discovery never completed). Prints what it measured, for the
+/// chaos table's row (docs/deployment.md, section 7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_spelled_twice_under_members_counts_once() {
+    use etcd_client::{Client, DeleteOptions};
+    use reshard_core::rendezvous::{discover, Want};
+
+    let Some(url) = endpoint() else { return };
+    let model = "rank_spelled_twice";
+    // A lease far longer than the test: a keep-alive starved on a busy machine must not remove
+    // a publisher the checks rely on.
+    let long = EtcdOptions {
+        lease_ttl: Duration::from_secs(30),
+        ..options()
+    };
+    let publishers = Etcd::connect(&url, long.clone()).await.unwrap();
+    let receivers = Etcd::connect(&url, long).await.unwrap();
+    let announce = |rank| {
+        let mut a = suite::announcement(rank, 4, 1);
+        a.model = model.into();
+        a
+    };
+    let mut held = Vec::new();
+    for rank in 0..3 {
+        held.push(publishers.announce(announce(rank)).await.unwrap());
+    }
+    let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    let members = format!("/reshard/v1/{model}/members/");
+    let read = |v: &[u8]| serde_json::from_slice::<serde_json::Value>(v).unwrap();
+    let want = |timeout_ms| Want {
+        model: model.into(),
+        after_step: None,
+        timeout: Duration::from_millis(timeout_ms),
+    };
+    let ranks =
+        |m: &[reshard_core::rendezvous::Member]| m.iter().map(|m| m.rank).collect::<Vec<_>>();
+
+    // Rank 3 is not announced; a record for it under `members/3` (rank 2's, made rank 3's so
+    // that it would pass every check of a record under a canonical key).
+    let r = raw.get(format!("{members}00000002"), None).await.unwrap();
+    let mut forged = read(r.kvs()[0].value());
+    forged["rank"] = 3.into();
+    for blob in ["table", "metadata", "config"] {
+        let prefix = forged[blob]["prefix"].as_str().unwrap().to_string();
+        forged[blob]["prefix"] = prefix.replace("/00000002/", "/00000003/").into();
+    }
+    raw.put(
+        format!("{members}3"),
+        serde_json::to_vec(&forged).unwrap(),
+        None,
+    )
+    .await
+    .unwrap();
+    let (listed, _) = receivers.members(model).await.unwrap();
+    assert_eq!(ranks(&listed), [0, 1, 2]);
+    let e = discover(&receivers, &want(300)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    let msg = e.to_string();
+    for part in ["saw 3 of 4 publishers, 3 ready", "missing ranks 3"] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+
+    // Rank 3 announced; its record copied under `members/3` and `members/000000003`.
+    held.push(publishers.announce(announce(3)).await.unwrap());
+    let r = raw.get(format!("{members}00000003"), None).await.unwrap();
+    let copy = r.kvs()[0].value().to_vec();
+    for spelling in ["3", "000000003"] {
+        raw.put(format!("{members}{spelling}"), copy.clone(), None)
+            .await
+            .unwrap();
+    }
+    let start = std::time::Instant::now();
+    let found = discover(&receivers, &want(5_000)).await.unwrap();
+    let took = start.elapsed();
+    let found_ranks: Vec<u32> = found.announcements.iter().map(|a| a.rank).collect();
+    assert_eq!(found_ranks, [0, 1, 2, 3]);
+    assert_eq!(found.announcements[3], announce(3));
+    assert!(
+        found.waited_through.is_empty(),
+        "{:?}",
+        found.waited_through
+    );
+    let (listed, _) = receivers.members(model).await.unwrap();
+    assert_eq!(ranks(&listed), [0, 1, 2, 3]);
+    eprintln!(
+        "a rank spelled twice: discovery found step {} with ranks {found_ranks:?} in {:.3} s \
+         beside members/3 and members/000000003 (nothing refused, nothing lost)",
+        found.step,
+        took.as_secs_f64()
+    );
+
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+    // The keys put here are on no lease: remove them.
+    raw.delete(
+        format!("/reshard/v1/{model}/"),
+        Some(DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .unwrap();
+}

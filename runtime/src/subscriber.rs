@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use reshard_core::encoding::decode_table;
 use reshard_core::rendezvous::{
-    discover, discover_exact, Discovered, ReadClaim, Reading, Rendezvous, Want,
+    backoff, discover, discover_exact, Discovered, ReadClaim, Reading, Rendezvous, Want,
+    RETRY_FIRST,
 };
 use reshard_core::{Error, ErrorDetail, ErrorKind, OwnerId, Result, ShardTable, Transport};
 use reshard_planner::layouts::receiver_layout;
@@ -209,7 +210,12 @@ impl Subscriber {
             }
         }
         // A set that moves on between discovery and the reader's claim (a publisher began to
-        // rewrite its memory) read nothing: discovered again, within the same overall bound.
+        // rewrite its memory) read nothing: discovered again, within the same overall bound,
+        // after a pause that doubles while the sets keep moving on (a publisher flapping, or a
+        // member list the claim's check never agrees with), so the loop costs a few rendezvous
+        // requests a second rather than as many as the rendezvous answers.
+        let deadline = start + timeout;
+        let mut pause = RETRY_FIRST;
         let (staged, found_step) = loop {
             let left = timeout.saturating_sub(start.elapsed());
             let found = match step {
@@ -220,7 +226,22 @@ impl Subscriber {
             let found_step = found.step;
             match tokio::time::timeout(left, self.stage_found(found, allow_older)).await {
                 Ok(Err(e)) if matches!(e.detail(), Some(ErrorDetail::MovedOn { .. })) => {
-                    tracing::debug!("{e}; discovering again");
+                    if Instant::now() >= deadline {
+                        // Every set moved on until the time ran out. Checked here, not left to
+                        // discovery: a rendezvous that answers at once would find a set again
+                        // and again, past any deadline.
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "receiver rank {}: no step held still long enough to stage \
+                                 within {:.1} s: {e}",
+                                self.receiver.layout().receiver_rank,
+                                timeout.as_secs_f64()
+                            ),
+                        ));
+                    }
+                    tracing::debug!("{e}; discovering again after {pause:?}");
+                    backoff(&mut pause, deadline).await;
                 }
                 staged => break (staged, found_step),
             }

@@ -3,11 +3,12 @@
 //! turned not ready between the member list and the fetch, sends discovery round again, and the
 //! step then installed is byte-exact. Publishers are TP2 over loopback and the receiver is TP1,
 //! so it reads every publisher's memory: a step installed from a publisher that was rewriting
-//! would show (as a digest failure, or as wrong bytes).
+//! would show (as a digest failure, or as wrong bytes). A set that moves on at every claim is
+//! discovered again with backoff, within the call's timeout, not in a tight loop.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -16,7 +17,7 @@ use reshard_core::encoding::encode_table;
 use reshard_core::rendezvous::{
     Announced, Announcement, Fetched, Member, ReadClaim, Reading, Rendezvous,
 };
-use reshard_core::{OwnerId, Result, Transport};
+use reshard_core::{ErrorKind, OwnerId, Result, Transport};
 use reshard_planner::presets::ModelConfig;
 use reshard_planner::topology::{PublisherTopology, ReceiverTopology};
 use reshard_rendezvous::InProcess;
@@ -39,6 +40,12 @@ struct Interposed {
     /// Run once just before the next reading claim reaches the hub: between a receiver's
     /// discovery and its claim (the reader fence).
     claim_hook: Mutex<Option<Hook>>,
+    /// `members` calls made.
+    members_calls: AtomicUsize,
+    /// While set, `members` lists every publisher under another incarnation than it announced:
+    /// discovery still finds the set, and the subscriber's check after its claim never agrees
+    /// with it (each stage attempt ends `MovedOn`).
+    skew_incarnations: AtomicBool,
 }
 
 impl Interposed {
@@ -56,7 +63,17 @@ impl Rendezvous for Interposed {
         self.hub.announce(a).await
     }
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
-        self.hub.members(model).await
+        self.members_calls.fetch_add(1, Ordering::SeqCst);
+        // As a networked service's answer would: a caller looping on these calls can still be
+        // timed out (the hub answers without ever yielding).
+        tokio::task::yield_now().await;
+        let (mut members, revision) = self.hub.members(model).await?;
+        if self.skew_incarnations.load(Ordering::SeqCst) {
+            for m in &mut members {
+                m.incarnation = m.incarnation.wrapping_add(1);
+            }
+        }
+        Ok((members, revision))
     }
     async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
         self.fetches.fetch_add(1, Ordering::SeqCst);
@@ -148,6 +165,8 @@ async fn rig() -> Rig {
         hook: Mutex::new(None),
         fetches: AtomicUsize::new(0),
         claim_hook: Mutex::new(None),
+        members_calls: AtomicUsize::new(0),
+        skew_incarnations: AtomicBool::new(false),
     });
     let config = Bytes::from(serde_json::to_vec(&model).unwrap());
     let mut publishers = Vec::new();
@@ -294,4 +313,40 @@ async fn a_publisher_that_unreadies_before_the_claim_lands_is_not_read() {
         r.rendezvous.claim_hook.lock().unwrap().is_none(),
         "the hook ran"
     );
+}
+
+/// Every set the subscriber finds has moved on by the time its claim is checked (the member
+/// list shows other incarnations than the announcements): `stage` discovers again after a pause
+/// that doubles (50 ms up to 1 s), so a 1 s stage lists the members a handful of times and ends
+/// in a `Timeout` at its deadline, nothing read and nothing live. Without the pause it went
+/// round as fast as the rendezvous answered (in-process: thousands of member lists a second,
+/// and past the deadline, since discovery finds this set at once whatever time is left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_that_moves_on_at_every_claim_is_staged_again_with_backoff() {
+    let mut r = rig().await;
+    r.rendezvous.skew_incarnations.store(true, Ordering::SeqCst);
+    let before = r.rendezvous.members_calls.load(Ordering::SeqCst);
+    let start = Instant::now();
+    let staged = tokio::time::timeout(
+        Duration::from_secs(10),
+        r.sub.stage(None, false, Duration::from_secs(1)),
+    )
+    .await
+    .expect("stage ends near its own 1 s timeout, not 10 s later");
+    let took = start.elapsed();
+    let e = staged.expect_err("no set held still");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    let calls = r.rendezvous.members_calls.load(Ordering::SeqCst) - before;
+    eprintln!("a set moving on at every claim: {calls} member lists in {took:?}: {e}");
+    // Two lists per round (discovery's and the claim's check), about 5 rounds in the second.
+    assert!(calls < 50, "{calls} member lists in {took:?}");
+    assert!(took < Duration::from_millis(2_500), "{took:?}");
+    assert_eq!(r.sub.receiver().live_step(), None);
+    // Once the list agrees with the announcements again, the step stages and installs.
+    r.rendezvous
+        .skew_incarnations
+        .store(false, Ordering::SeqCst);
+    let report = r.sub.next_step(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(report.step, 1);
+    assert_live(&r, 1);
 }

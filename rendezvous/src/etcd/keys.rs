@@ -30,14 +30,19 @@ pub(super) fn member_key(model: &str, rank: OwnerId) -> String {
     format!("{}{rank:08}", members_prefix(model))
 }
 
-/// The rank a member record's key names, if `key` is one of `model`'s member keys (the
-/// prefix, then decimal digits only: what [`member_key`] writes).
+/// The rank a member record's key names, if `key` is one of `model`'s member keys: the prefix,
+/// then the rank exactly as [`member_key`] spells it (eight digits, zero-padded). Any other
+/// spelling of a rank (`members/3`, `members/000000003`) is no member key: were two spellings
+/// accepted, one rank could have two records, and a receiver would count it twice
+/// (docs/deployment.md, "etcd keys").
 pub(super) fn member_rank(model: &str, key: &[u8]) -> Option<OwnerId> {
     let digits = key.strip_prefix(members_prefix(model).as_bytes())?;
     if digits.is_empty() || digits.len() > 10 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }
-    std::str::from_utf8(digits).ok()?.parse().ok()
+    let rank: OwnerId = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    // The one canonical spelling: what `member_key` writes for this rank, byte for byte.
+    (format!("{rank:08}").as_bytes() == digits).then_some(rank)
 }
 
 /// Where a claimant of rank `rank` asks the rank's holder whether it lives, and the holder
@@ -101,6 +106,12 @@ mod tests {
             format!("{prefix}4294967296"),
             format!("{prefix}00000000000"),
             member_key("other", 1),
+            // Other spellings of a rank that has a canonical key: never a second member key.
+            format!("{prefix}3"),
+            format!("{prefix}0000003"),
+            format!("{prefix}000000003"),
+            format!("{prefix}0"),
+            format!("{prefix}0123456789"),
         ] {
             assert_eq!(member_rank("m", bad.as_bytes()), None, "{bad}");
         }

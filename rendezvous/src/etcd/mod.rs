@@ -2,7 +2,8 @@
 //! cluster (docs/deployment.md has the keys, the protocol and the traffic at scale).
 //!
 //! Keys, under `/reshard/v1/<model>/` (the model name escaped so it is one key segment):
-//! - `members/<rank>`: the member record (JSON: step, readiness, world, transport,
+//! - `members/<rank:08>`: the member record (the rank in eight digits, the one spelling that
+//!   counts: another is skipped, so no rank has two records; JSON: step, readiness, world, transport,
 //!   incarnation, the holder's host and pid, and the size and XXH3-64 of its table and
 //!   metadata), written last, so a record that says ready implies its blobs are there. It is
 //!   created by a claim transaction (only if absent, attached to the lease) and rewritten only

@@ -75,7 +75,11 @@ pub(super) fn parse_record(model: &str, key: &[u8], value: &[u8]) -> Result<Reco
     let Some(key_rank) = member_rank(model, key) else {
         return Err(Error::new(
             ErrorKind::Decode,
-            format!("key {shown} under the members of model {model:?} names no publisher rank"),
+            format!(
+                "key {shown} under the members of model {model:?} names no publisher rank (a \
+                 member key is the rank in eight digits, as members/00000003; another spelling \
+                 never counts)"
+            ),
         ));
     };
     let record: Record = serde_json::from_slice(value).map_err(|e| {

@@ -3,11 +3,14 @@
 //! watch that breaks. Discovery waits each of them through and says so
 //! (`Discovered::waited_through`); one that outlasts the caller's timeout is a `Timeout` naming
 //! what failed. The faults other than the withdrawal are injected by [`Faulty`], which passes
-//! every call through to the real rendezvous once its armed failures are spent.
+//! every call through to the real rendezvous once its armed failures are spent. Two faults no
+//! correct rendezvous has, but discovery must survive anyway: a set that moves on at every
+//! fetch (looked at again with backoff, not in a tight loop) and a rank listed twice (counted
+//! once).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
@@ -28,6 +31,13 @@ pub struct Faulty {
     fail_changed: AtomicUsize,
     /// Run once, before the next `fetch` goes through.
     before_fetch: Mutex<Option<BoxFuture<'static, ()>>>,
+    /// `members` calls made (failed ones included): how hard a receiver leans on the service.
+    members_calls: AtomicUsize,
+    /// While set, every fetched record reads not ready: a set that moves on at every fetch.
+    unready_fetches: AtomicBool,
+    /// A rank whose member each `members` call lists twice, as a rendezvous that broke the
+    /// one-holder rule (or spelled a rank's key twice) would.
+    doubled: Mutex<Option<OwnerId>>,
 }
 
 impl Faulty {
@@ -37,6 +47,9 @@ impl Faulty {
             fail_members: AtomicUsize::new(0),
             fail_changed: AtomicUsize::new(0),
             before_fetch: Mutex::new(None),
+            members_calls: AtomicUsize::new(0),
+            unready_fetches: AtomicBool::new(false),
+            doubled: Mutex::new(None),
         }
     }
 
@@ -58,6 +71,10 @@ impl Rendezvous for Faulty {
     }
 
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
+        self.members_calls.fetch_add(1, Ordering::SeqCst);
+        // As a networked service's answer would: a caller looping on these calls can still be
+        // timed out and cancelled (the in-process hub answers without ever yielding).
+        tokio::task::yield_now().await;
         if Self::spend(&self.fail_members) {
             return Err(Error::new(
                 ErrorKind::Transport,
@@ -67,7 +84,13 @@ impl Rendezvous for Faulty {
                 ),
             ));
         }
-        self.inner.members(model).await
+        let (mut members, revision) = self.inner.members(model).await?;
+        let doubled = *self.doubled.lock();
+        if let Some(twice) = members.iter().find(|m| Some(m.rank) == doubled).cloned() {
+            members.push(twice);
+            members.sort_by_key(|m| m.rank);
+        }
+        Ok((members, revision))
     }
 
     async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
@@ -75,7 +98,13 @@ impl Rendezvous for Faulty {
         if let Some(f) = before {
             f.await;
         }
-        self.inner.fetch(model, ranks).await
+        let mut fetched = self.inner.fetch(model, ranks).await?;
+        if self.unready_fetches.load(Ordering::SeqCst) {
+            for f in &mut fetched {
+                f.ready = false;
+            }
+        }
+        Ok(fetched)
     }
 
     async fn changed(&self, model: &str, revision: u64, timeout: Duration) -> Result<u64> {
@@ -217,4 +246,84 @@ pub async fn a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure(
         msg.contains("waited through") && msg.contains("connection refused"),
         "{msg}"
     );
+}
+
+/// A set the member list shows complete and ready, but every fetch finds not ready (a publisher
+/// flapping between ready and not, or a list and records that disagree): discovery looks again
+/// after a pause that doubles (50 ms up to 1 s), so over a 1 s timeout it lists the members a
+/// handful of times, then times out. Without the pause it looked again as fast as the
+/// rendezvous answered, and past the caller's timeout (the retry skipped the deadline check):
+/// thousands of member lists in 3 s, against etcd and in-process alike, and no end.
+pub async fn a_set_that_keeps_moving_on_is_looked_at_again_with_backoff(s: &Sides) {
+    let p = &s.publishers;
+    let held = [
+        p.announce(s.announcement(0, 2, 1)).await.unwrap(),
+        p.announce(s.announcement(1, 2, 1)).await.unwrap(),
+    ];
+    let faulty = Arc::new(Faulty::new(s.receivers.clone()));
+    faulty.unready_fetches.store(true, Ordering::SeqCst);
+    let start = Instant::now();
+    let looking = {
+        let (f, want) = (faulty.clone(), s.want(None, 1_000));
+        tokio::spawn(async move { discover(f.as_ref(), &want).await })
+    };
+    // Bounded here too: before the backoff, a set moving on skipped the deadline check and
+    // discovery never ended; the count below is what this test is about, checked first.
+    let ended = tokio::time::timeout(Duration::from_secs(3), looking).await;
+    let took = start.elapsed();
+    let looks = faulty.members_calls.load(Ordering::SeqCst);
+    eprintln!("a set moving on at every fetch: {looks} member lists in {took:?}");
+    // 50 + 100 + 200 + 400 ms of pauses fit in the second: about 5 looks, 50 is far above.
+    assert!((2..50).contains(&looks), "{looks} member lists in {took:?}");
+    let e = ended
+        .expect("discovery ends at its own timeout")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    // The pauses stop at the deadline: the timeout is the caller's, not the backoff's.
+    assert!(took < Duration::from_millis(2_500), "{took:?}");
+    // Once the fetch agrees with the list again, the set is found.
+    faulty.unready_fetches.store(false, Ordering::SeqCst);
+    let found = discover(faulty.as_ref(), &s.want(None, 5_000))
+        .await
+        .unwrap();
+    assert_eq!(found.step, 1);
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+}
+
+/// A rendezvous that lists one rank twice (the contract gives a rank one holder; a broken
+/// implementation, or a rank's key spelled two ways, could list two): the rank counts once.
+/// Two ranks of three announced, one listed twice, is not a complete set (the timeout names
+/// the missing rank and the doubled one); before, the doubled rank stood in for the missing
+/// one and discovery fetched a rank that did not exist until its timeout. All three announced,
+/// one listed twice, is a complete set of three (before, four records never matched a world of
+/// three).
+pub async fn a_rank_listed_twice_counts_once(s: &Sides) {
+    let p = &s.publishers;
+    let mut held = vec![
+        p.announce(s.announcement(0, 3, 1)).await.unwrap(),
+        p.announce(s.announcement(1, 3, 1)).await.unwrap(),
+    ];
+    let faulty = Faulty::new(s.receivers.clone());
+    *faulty.doubled.lock() = Some(1);
+    let e = discover(&faulty, &s.want(None, 300)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    let msg = e.to_string();
+    for part in [
+        "saw 2 of 3 publishers, 2 ready",
+        "missing ranks 2",
+        "ranks 1 claimed by more than one record",
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+    held.push(p.announce(s.announcement(2, 3, 1)).await.unwrap());
+    let found = discover(&faulty, &s.want(None, 5_000)).await.unwrap();
+    let ranks: Vec<OwnerId> = found.announcements.iter().map(|a| a.rank).collect();
+    assert_eq!(ranks, [0, 1, 2]);
+    assert_eq!(found.announcements[1], s.announcement(1, 3, 1));
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
 }

@@ -639,6 +639,8 @@ macro_rules! suite_tests {
             an_unreachable_rendezvous_is_waited_through,
             a_broken_watch_is_waited_through,
             a_rendezvous_down_past_the_timeout_is_a_timeout_naming_the_failure,
+            a_set_that_keeps_moving_on_is_looked_at_again_with_backoff,
+            a_rank_listed_twice_counts_once,
             the_fence_holds_while_a_receiver_reads_and_opens_at_release,
             a_claim_holds_only_the_memory_it_names,
         );
