@@ -218,4 +218,28 @@ mod tests {
         assert_eq!(memory_needed(&huge, true), 8192 + (1 << 50) * 64);
         memory_check(&huge, false).unwrap();
     }
+
+    #[tokio::test]
+    async fn a_receiver_refuses_to_allocate_a_plan_whose_bookkeeping_does_not_fit() {
+        use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
+        let fabric = LoopbackFabric::new();
+        let t: Arc<dyn reshard_core::Transport> =
+            Arc::new(LoopbackTransport::new(&fabric, "rx", 2).unwrap());
+        let rx = Receiver::new(t.clone(), Default::default(), Default::default()).unwrap();
+        // 8 KiB of banks, 64 PiB of segment bookkeeping: refused before any bank exists.
+        let huge = Arc::new(plan_with_check(1 << 30, 1 << 20, 1));
+        let e = rx
+            .allocate(huge.clone(), 0, rx.opts.arm(), 1)
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        // Without verification no segment is kept, and the banks are allocated.
+        let opts = crate::ReceiverOptions {
+            verify_digests: false,
+            ..Default::default()
+        };
+        let rx = Receiver::new(t, Default::default(), opts).unwrap();
+        rx.allocate(huge, 0, rx.opts.arm(), 1).await.unwrap();
+    }
 }
