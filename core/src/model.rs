@@ -668,7 +668,8 @@ impl ShardTable {
     }
 
     /// Checks everything a decoder must not trust: unique tensor names, valid shapes, every
-    /// offer naming a known tensor with a box inside its shape.
+    /// offer naming a known tensor with a box inside its shape, and part digests on a bounded
+    /// grid ([`PartDigests::check_grid`]).
     pub fn validate(&self) -> Result<()> {
         let mut seen =
             rustc_hash::FxHashMap::with_capacity_and_hasher(self.tensors.len(), Default::default());
