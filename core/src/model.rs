@@ -454,7 +454,9 @@ impl PartDigests {
         let (chunk_rows, block_cols) = (chunk_rows.max(1), block_cols.max(1));
         let nb = v.cols.div_ceil(block_cols) as usize;
         let row_bytes = (v.cols * v.inner * elem) as usize;
-        let seg = block_cols * v.inner * elem;
+        // Saturating: a block wider than the row (a grid `check_grid` refuses) is one
+        // segment per row, never an overflow.
+        let seg = block_cols.saturating_mul(v.inner).saturating_mul(elem);
         let mut fold = crate::digest::SegmentFold::new();
         if row_bytes == 0 {
             fold.row(&[], seg);
@@ -489,6 +491,70 @@ impl PartDigests {
                 blocks,
             },
         )
+    }
+
+    /// Checks this grid, read from an untrusted table, against the offer it describes (extent
+    /// `extent`, `elem` bytes per element, `tensor` of publisher `owner`): `chunk_rows` and
+    /// `block_cols` at most the offer's rows and columns, and at most [`PARTS_PER_AXIS`] column
+    /// blocks unless each segment holds at least [`MIN_SEGMENT_BYTES`]. A receiver keeps a slot
+    /// and a hashing task for every segment (one row of one column block) of the checks it
+    /// plans, so a grid finer than any publisher needs multiplies its bookkeeping: `block_cols
+    /// = 1` makes every cell a segment. Every grid a publisher makes passes: the standard grid
+    /// ([`MatrixView::grid`]) has at most [`PARTS_PER_AXIS`] blocks, and so has any grid of
+    /// whole TP slices of up to [`PARTS_PER_AXIS`] ranks. A refused grid is
+    /// [`ErrorKind::Decode`] naming tensor, owner and field, like any other bad value a decoder
+    /// reads.
+    pub fn check_grid(
+        &self,
+        extent: &[u64],
+        elem: u64,
+        tensor: &str,
+        owner: OwnerId,
+    ) -> Result<()> {
+        let v = MatrixView::of(extent);
+        let refuse = |field: &str, why: String| {
+            Err(Error::new(
+                ErrorKind::Decode,
+                format!("rank {owner}'s offer of {tensor} has a bad digest grid: {field} {why}"),
+            )
+            .with_tensor(tensor)
+            .with_owner(owner))
+        };
+        // Zero is refused as an invalid table by `ShardTable::validate`; a size above the
+        // offer's is never made by a publisher and would overflow `block_cols * cell`.
+        if self.chunk_rows > v.rows {
+            return refuse(
+                "chunk_rows",
+                format!("{} exceeds the offer's {} rows", self.chunk_rows, v.rows),
+            );
+        }
+        if self.block_cols > v.cols {
+            return refuse(
+                "block_cols",
+                format!("{} exceeds the offer's {} columns", self.block_cols, v.cols),
+            );
+        }
+        let blocks = v.cols.div_ceil(self.block_cols.max(1));
+        let seg = self
+            .block_cols
+            .checked_mul(v.inner)
+            .and_then(|c| c.checked_mul(elem));
+        match seg {
+            Some(seg) if blocks <= PARTS_PER_AXIS || seg >= MIN_SEGMENT_BYTES => Ok(()),
+            Some(seg) => refuse(
+                "block_cols",
+                format!(
+                    "{} cuts each row into {blocks} column blocks of {seg}-byte segments; at \
+                     most {PARTS_PER_AXIS} blocks, or segments of at least {MIN_SEGMENT_BYTES} \
+                     bytes",
+                    self.block_cols
+                ),
+            ),
+            None => refuse(
+                "block_cols",
+                format!("{}: segment bytes overflow u64", self.block_cols),
+            ),
+        }
     }
 
     /// Numbers of row chunks and column blocks an offer of extent `extent` has on this grid.
@@ -602,7 +668,8 @@ impl ShardTable {
     }
 
     /// Checks everything a decoder must not trust: unique tensor names, valid shapes, every
-    /// offer naming a known tensor with a box inside its shape.
+    /// offer naming a known tensor with a box inside its shape, and part digests on a bounded
+    /// grid ([`PartDigests::check_grid`]).
     pub fn validate(&self) -> Result<()> {
         let mut seen =
             rustc_hash::FxHashMap::with_capacity_and_hasher(self.tensors.len(), Default::default());
@@ -654,6 +721,12 @@ impl ShardTable {
                     .with_tensor(&o.tensor)
                     .with_owner(self.publisher.rank));
                 }
+                p.check_grid(
+                    &o.tensor_box.extent,
+                    self.tensors[i].dtype.size(),
+                    &o.tensor,
+                    self.publisher.rank,
+                )?;
             }
             let bytes = o.tensor_box.elements() * self.tensors[i].dtype.size();
             if o.location.offset.checked_add(bytes).is_none() {
@@ -786,6 +859,79 @@ mod tests {
             assert_eq!(e.kind(), ErrorKind::InvalidTable);
             assert_eq!(e.context().tensor.as_deref(), Some("w"));
         }
+    }
+
+    /// A table of rank 5 with one bf16 offer of extent `extent` and part digests on a grid of
+    /// `chunk_rows` by `block_cols`, with as many digests as that grid has parts.
+    fn gridded(extent: &[u64], chunk_rows: u64, block_cols: u64) -> ShardTable {
+        let mut t = ShardTable::new(5, "a", 0);
+        t.tensors
+            .push(TensorSpec::new("w", DType::Bf16, extent.to_vec()));
+        let v = MatrixView::of(extent);
+        t.offers.push(ShardOffer {
+            tensor: "w".into(),
+            tensor_box: TensorBox::new(vec![0; extent.len()], extent.to_vec()),
+            location: OfferLocation {
+                region: 0,
+                offset: 0,
+                memory: MemoryKind::Dram,
+            },
+            digest: None,
+            parts: Some(PartDigests {
+                chunk_rows,
+                chunks: vec![0; v.rows.div_ceil(chunk_rows.max(1)) as usize],
+                block_cols,
+                blocks: vec![0; v.cols.div_ceil(block_cols.max(1)) as usize],
+            }),
+        });
+        t
+    }
+
+    #[test]
+    fn hostile_digest_grids_are_refused_naming_owner_tensor_and_field() {
+        let refused = |t: ShardTable, field: &str| {
+            let e = t.validate().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
+            assert_eq!(e.context().tensor.as_deref(), Some("w"));
+            assert_eq!(e.context().owner, Some(5));
+            // The field is named only in the message (no structured detail carries it).
+            assert!(e.message().contains(field), "{e}");
+        };
+        // Every 2-byte cell a segment: 4096 column blocks on a row of 8 KiB.
+        refused(gridded(&[64, 4096], 4, 1), "block_cols");
+        // 17 blocks of 2-byte segments: one past the most a publisher cuts a short row into.
+        refused(gridded(&[4, 17], 1, 1), "block_cols");
+        // Wider than the row: `block_cols * cell` overflows u64 (one block digest, as the
+        // counts then ask).
+        refused(gridded(&[4, 8], 4, u64::MAX / 2 + 1), "block_cols");
+        refused(gridded(&[4, 8], 4, 9), "block_cols");
+        refused(gridded(&[4, 8], 5, 8), "chunk_rows");
+        refused(gridded(&[4, 8], u64::MAX, 8), "chunk_rows");
+    }
+
+    #[test]
+    fn every_grid_a_publisher_makes_passes() {
+        for extent in [
+            &[4096u64, 14336][..],
+            &[2048, 768],
+            &[128, 96],
+            &[10, 7, 3],
+            &[7],
+            &[1 << 20],
+            &[3, 4096, 8],
+        ] {
+            let v = MatrixView::of(extent);
+            let (cr, bc) = v.grid(2);
+            gridded(extent, cr, bc).validate().unwrap();
+            // Whole TP slices of up to 16 ranks: column blocks of cols / 16.
+            gridded(extent, 1, v.cols.div_ceil(PARTS_PER_AXIS))
+                .validate()
+                .unwrap();
+        }
+        // Finer than 16 blocks with segments of at least MIN_SEGMENT_BYTES: 64 blocks of 1 KiB.
+        gridded(&[8, 32768], 8, 512).validate().unwrap();
+        // Tiny test grids: every cell a block of a 4-column row.
+        gridded(&[16, 4], 1, 1).validate().unwrap();
     }
 
     #[test]

@@ -1,15 +1,18 @@
 //! Small arbitrary shard tables and a small wanted layout through merge, dedup and plan (the
 //! receiver's pipeline before any byte moves): every stage returns Ok or a typed error, never
 //! panics; plans are deterministic; and a table's binary encoding is accepted exactly when the
-//! table validates.
+//! table validates, and never with a digest grid finer than a receiver may keep bookkeeping
+//! for (hostile grids are refused as `Decode` naming owner and tensor).
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use reshard_core::encoding::{decode_table, encode_table};
+use reshard_core::model::MIN_SEGMENT_BYTES;
 use reshard_core::{
-    dedup, keep_all, merge, DType, DedupOptions, Digest, MemoryKind, OfferLocation, ParamSpec,
-    PartDigests, ShardOffer, ShardTable, TensorBox, TensorSpec, WantedCopy, WantedLayout,
+    dedup, keep_all, merge, DType, DedupOptions, Digest, ErrorKind, MatrixView, MemoryKind,
+    OfferLocation, ParamSpec, PartDigests, ShardOffer, ShardTable, TensorBox, TensorSpec,
+    WantedCopy, WantedLayout, PARTS_PER_AXIS,
 };
 use reshard_planner::plan::{plan, PlanOptions};
 
@@ -51,6 +54,8 @@ struct Offer {
     region: u8,
     byte_offset: u32,
     digest: Option<u8>,
+    /// Rows per chunk, chunk digests, columns per block, block digests (sizes by
+    /// [`part_size`]).
     parts: Option<(u8, Vec<u8>, u8, Vec<u8>)>,
 }
 
@@ -92,12 +97,17 @@ struct ColumnSlice {
     dtype: u8,
     region: u8,
     byte_offset: u16,
+    /// A grid no publisher makes instead (one block per column, or wider than the row): the
+    /// table must be refused as `Decode` naming its owner and tensor. Last, so inputs saved
+    /// before it existed keep their meaning.
+    hostile_block_cols: Option<Dim>,
 }
 
 impl ColumnSlice {
     /// A table of rank 8 (random tables have ranks 0..8) with tensor `g` (rows x cols, whole in
-    /// one offer), at `step`; and a parameter taking columns `from..from + width` of every row.
-    fn build(&self, step: u64) -> (ShardTable, ParamSpec) {
+    /// one offer), at `step`; and a parameter taking columns `from..from + width` of every row;
+    /// and whether its grid is hostile.
+    fn build(&self, step: u64) -> (ShardTable, ParamSpec, bool) {
         let rows = 2 + u64::from(self.rows % 15);
         let cols = 2 + u64::from(self.cols % 31);
         let from = u64::from(self.from) % cols;
@@ -118,8 +128,22 @@ impl ColumnSlice {
         }];
         let elem = dtype.size();
         let bytes = vec![self.rows; (rows * cols * elem) as usize];
-        let block_cols = 1 + u64::from(self.block_cols) % cols;
-        let (whole, parts) = PartDigests::compute_on(&bytes, &[rows, cols], elem, rows, block_cols);
+        // At most PARTS_PER_AXIS blocks, as a publisher cuts rows this short.
+        let block_cols = (1 + u64::from(self.block_cols) % cols).max(cols.div_ceil(PARTS_PER_AXIS));
+        let (whole, mut parts) =
+            PartDigests::compute_on(&bytes, &[rows, cols], elem, rows, block_cols);
+        let mut hostile = false;
+        if let Some(d) = &self.hostile_block_cols {
+            let bc = d.value();
+            // Zero is an invalid table, not a hostile grid; rows here are at most 256 bytes, so
+            // more than PARTS_PER_AXIS blocks are segments under MIN_SEGMENT_BYTES.
+            if bc > cols || (bc > 0 && cols.div_ceil(bc) > PARTS_PER_AXIS) {
+                hostile = true;
+                parts.block_cols = bc;
+                // The digests the grid's counts ask for: only the grid is wrong.
+                parts.blocks = vec![0; cols.div_ceil(bc) as usize];
+            }
+        }
         t.offers[0].digest = Some(whole);
         t.offers[0].parts = Some(parts);
         let param = ParamSpec {
@@ -133,7 +157,7 @@ impl ColumnSlice {
                 dst_strides: vec![width, 1],
             }],
         };
-        (t, param)
+        (t, param, hostile)
     }
 }
 
@@ -183,14 +207,50 @@ fn table(t: &Table) -> ShardTable {
             },
             digest: o.digest.map(digest),
             parts: o.parts.as_ref().map(|(rows, c, cols, b)| PartDigests {
-                chunk_rows: u64::from(*rows % 5),
+                chunk_rows: part_size(*rows),
                 chunks: c.iter().take(8).map(|&v| u64::from(v)).collect(),
-                block_cols: u64::from(*cols % 5),
-                blocks: b.iter().take(8).map(|&v| u64::from(v)).collect(),
+                block_cols: part_size(*cols),
+                // Up to 40: more than PARTS_PER_AXIS blocks, so a fine grid's counts can match.
+                blocks: b.iter().take(40).map(|&v| u64::from(v)).collect(),
             }),
         })
         .collect();
     out
+}
+
+/// Rows per chunk or columns per block from one byte: mostly 0..5 (grids of small offers,
+/// as before), sometimes 2^48..2^63, wider than any offer (`block_cols * cell` overflows u64).
+/// With up to 40 block digests, grids of more than PARTS_PER_AXIS tiny blocks are reached on
+/// offers of 32 columns.
+fn part_size(v: u8) -> u64 {
+    if v < 240 {
+        u64::from(v % 5)
+    } else {
+        1 << (v % 64)
+    }
+}
+
+/// True when every offer's part digests of `t` (a validated table) keep a receiver's
+/// bookkeeping bounded: a block inside its row, and at most PARTS_PER_AXIS blocks per row or
+/// blocks of at least MIN_SEGMENT_BYTES (so at most one more than the row's KiB).
+fn grids_bounded(t: &ShardTable) -> bool {
+    t.offers.iter().all(|o| {
+        let Some(p) = &o.parts else { return true };
+        let elem = t
+            .tensors
+            .iter()
+            .find(|s| s.name == o.tensor)
+            .map_or(1, |s| s.dtype.size());
+        let v = MatrixView::of(&o.tensor_box.extent);
+        let row_bytes = u128::from(v.cols)
+            .saturating_mul(u128::from(v.inner))
+            .saturating_mul(u128::from(elem));
+        let blocks = u128::from(v.cols.div_ceil(p.block_cols.max(1)));
+        p.block_cols <= v.cols
+            && p.chunk_rows <= v.rows
+            && blocks
+                <= u128::from(PARTS_PER_AXIS).max(row_bytes / u128::from(MIN_SEGMENT_BYTES) + 1)
+    })
 }
 
 fn layout(params: &[Param]) -> WantedLayout {
@@ -226,12 +286,33 @@ fuzz_target!(|input: Input| {
         let step = tables.first().map_or(0, |t| t.step);
         c.build(step)
     });
-    if let Some((t, _)) = &slice {
+    if let Some((t, _, hostile)) = &slice {
+        if *hostile {
+            // Refused from bytes and from a table alike, naming the publisher and tensor.
+            for e in [
+                decode_table(&encode_table(t)).unwrap_err(),
+                merge(std::slice::from_ref(t)).unwrap_err(),
+            ] {
+                assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
+                assert_eq!(e.context().owner, Some(8), "{e}");
+                assert_eq!(e.context().tensor.as_deref(), Some("g"), "{e}");
+            }
+        }
         tables.push(t.clone());
     }
     for t in &tables {
         let decoded = decode_table(&encode_table(t));
-        assert_eq!(decoded.is_ok(), t.validate().is_ok(), "{t:?}: {decoded:?}");
+        let valid = t.validate();
+        assert_eq!(decoded.is_ok(), valid.is_ok(), "{t:?}: {decoded:?}");
+        match valid {
+            Ok(()) => assert!(grids_bounded(t), "a hostile grid validated: {t:?}"),
+            // A Decode error of a built table is a bad grid: it names whose and which tensor.
+            Err(e) if e.kind() == ErrorKind::Decode => {
+                assert_eq!(e.context().owner, Some(t.publisher.rank), "{e}");
+                assert!(e.context().tensor.is_some(), "{e}");
+            }
+            Err(_) => {}
+        }
         if let Ok(d) = decoded {
             assert_eq!(&d, t);
         }
@@ -251,7 +332,7 @@ fuzz_target!(|input: Input| {
         keep_all(merged).0
     };
     let mut layout = layout(&input.params);
-    if let Some((_, p)) = slice {
+    if let Some((_, p, _)) = slice {
         layout.params.push(p);
     }
     // Exact reads are enumerated one run at a time: keep wanted copies small so one input

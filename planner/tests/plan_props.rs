@@ -309,7 +309,10 @@ fn build(raw: &RawCase) -> Case {
                 (w, Some(p))
             }
             Digests::Grid(r, c) => {
-                let (rows, cols) = (1 + r % v.rows, 1 + c % v.cols);
+                // At most PARTS_PER_AXIS column blocks, as publishers cut rows (a finer grid
+                // is refused: `PartDigests::check_grid`).
+                let cols = (1 + c % v.cols).max(v.cols.div_ceil(reshard_core::PARTS_PER_AXIS));
+                let rows = 1 + r % v.rows;
                 let (w, p) = PartDigests::compute_on(&bytes, &bx.extent, elem, rows, cols);
                 (w, Some(p))
             }

@@ -272,6 +272,48 @@ async fn box_that_leaves_a_hole_outside_the_wanted_part() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_digest_grid() {
+    // A publisher's part digests on a grid no publisher makes: one column per block (every
+    // 2-byte cell of q_proj's 256-byte rows a segment the receiver would keep a slot and a task
+    // for), and a block wider than the row (`block_cols * cell` overflows u64). Both are
+    // refused as `Decode` naming tensor and owner, before anything is planned or allocated,
+    // from decoded tables and from encoded bytes alike.
+    let mut s = installed("ep=2,dp=2").await;
+    let tables = next_tables(&mut s);
+    let q = q_proj();
+    let h = holders(&tables, &q)[0];
+    let rank = tables[h].publisher.rank;
+    let hostile = |block_cols: u64| {
+        let mut t = tables.clone();
+        let o = offers_mut(&mut t[h], &q).next().unwrap();
+        let cols = o.tensor_box.extent[1];
+        assert_eq!(cols, 128, "q_proj's rows are 128 bf16 columns");
+        let p = o.parts.as_mut().unwrap();
+        p.block_cols = block_cols;
+        // As many block digests as the grid has blocks: only the grid is wrong.
+        p.blocks = vec![7; cols.div_ceil(block_cols) as usize];
+        t
+    };
+    for block_cols in [1, u64::MAX / 2 + 1] {
+        let bad = hostile(block_cols);
+        let e = refused(&mut s, &bad).await;
+        assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
+        assert_eq!(e.context().tensor.as_deref(), Some(q.as_str()));
+        assert_eq!(e.context().owner, Some(rank));
+        let encoded: Vec<Vec<u8>> = bad.iter().map(encode_table).collect();
+        let e = refused_encoded(&mut s, &encoded).await;
+        assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
+        assert_eq!(e.context().tensor.as_deref(), Some(q.as_str()));
+        assert_eq!(e.context().owner, Some(rank));
+    }
+    // The same tables with the publisher's grid install: only the grid was refused.
+    s.rx.update(&tables)
+        .await
+        .expect("the honest step installs");
+    assert_eq!(s.rx.live_step(), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_overlap_of_offers() {
     // One publisher also offers the top half of q_proj: it overlaps the whole-tensor offers
     // without being a replica of them.

@@ -659,6 +659,9 @@ pub(super) fn rect_checks(
         |p| (p.chunk_rows.max(1), p.block_cols.max(1)),
     );
     let (cr, bc) = grid;
+    // `check_grid` keeps a validated table's block inside its row, so this never saturates;
+    // were it to, each row would be one segment and its check would fail, never install.
+    let seg_bytes = bc.saturating_mul(cell);
     let check = |part, first_row: u64, rows: u64, first_col: u64, cols: u64| DigestCheck {
         tensor,
         owner: o.owner,
@@ -672,7 +675,7 @@ pub(super) fn rect_checks(
         rows,
         row_bytes: cols * cell,
         row_stride,
-        seg_bytes: bc * cell,
+        seg_bytes,
     };
     let whole = rect.rows == (0, v.rows) && rect.cols == (0, v.cols);
     if whole && o.digest.is_some() {

@@ -66,9 +66,7 @@ impl Receiver {
         arm: Arm,
         generation: u64,
     ) -> Result<Prepared> {
-        let params: u64 = plan.params.iter().map(|p| p.bytes).sum();
-        let staging: u64 = plan.staging.iter().map(|s| s.bytes).sum();
-        reshard_core::memory_check(2 * params + staging, "receiver banks and staging")?;
+        memory_check(&plan, self.opts.verify_digests)?;
         let b0 = self.bank(&plan).await?;
         let b1 = self.bank(&plan).await?;
         let mut staging = Vec::with_capacity(plan.staging.len());
@@ -98,6 +96,41 @@ impl Receiver {
             generation,
         })
     }
+}
+
+/// Bytes a receiver of `plan` allocates: two banks of parameters, staging and, when it
+/// verifies digests, the bookkeeping of every segment its checks hash
+/// ([`super::hashes::BYTES_PER_SEGMENT`]). Saturating, so a plan too large to count is too
+/// large for any machine.
+pub(super) fn memory_needed(plan: &Plan, verify_digests: bool) -> u64 {
+    let params = plan
+        .params
+        .iter()
+        .fold(0u64, |n, p| n.saturating_add(p.bytes));
+    let staging = plan
+        .staging
+        .iter()
+        .fold(0u64, |n, s| n.saturating_add(s.bytes));
+    // Counted whether or not the backend hashes while copying: the verifier folds one hash per
+    // segment either way, and a grid fine enough to matter costs the same in both.
+    let hashes = if verify_digests {
+        super::hashes::plan_segments(plan).saturating_mul(super::hashes::BYTES_PER_SEGMENT)
+    } else {
+        0
+    };
+    params
+        .saturating_mul(2)
+        .saturating_add(staging)
+        .saturating_add(hashes)
+}
+
+/// Refuses a plan whose buffers and digest bookkeeping ([`memory_needed`]) exceed the memory
+/// available, before any of it is allocated.
+pub(super) fn memory_check(plan: &Plan, verify_digests: bool) -> Result<()> {
+    reshard_core::memory_check(
+        memory_needed(plan, verify_digests),
+        "receiver banks, staging and digest bookkeeping",
+    )
 }
 
 /// Touches every page of freshly zeroed buffers, in parallel, so they are resident before any
@@ -138,4 +171,75 @@ pub(super) fn build_batch(plan: &Plan, bank: &Bank, staging_ids: &[u64]) -> Read
         })
         .collect();
     ReadBatch { reads }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard_core::{CheckedPart, DigestCheck, PlanParam};
+
+    /// A plan of one 4 KiB parameter with one whole-digest check of `rows` rows of
+    /// `row_bytes`, cut into segments of `seg_bytes`.
+    fn plan_with_check(rows: u64, row_bytes: u64, seg_bytes: u64) -> Plan {
+        Plan {
+            tensors: vec!["t".into()],
+            params: vec![PlanParam {
+                name: "p".into(),
+                bytes: 4096,
+            }],
+            checks: vec![DigestCheck {
+                tensor: 0,
+                owner: 0,
+                src_region: 0,
+                src_offset: 0,
+                part: CheckedPart::Whole,
+                dst: Dest::Param(0),
+                dst_offset: 0,
+                rows,
+                row_bytes,
+                row_stride: row_bytes,
+                seg_bytes,
+            }],
+            ..Plan::default()
+        }
+    }
+
+    #[test]
+    fn the_memory_check_counts_digest_bookkeeping() {
+        // 4 rows of 1 KiB in 2-byte segments: 2048 segments besides two 4 KiB banks.
+        let p = plan_with_check(4, 1024, 2);
+        assert_eq!(memory_needed(&p, false), 8192);
+        assert_eq!(memory_needed(&p, true), 8192 + 2048 * 64);
+        // Banks of 8 KiB, but 2^50 one-byte segments to keep (64 PiB of bookkeeping): refused
+        // before anything is allocated, on any machine; without verification nothing is kept.
+        let huge = plan_with_check(1 << 30, 1 << 20, 1);
+        let e = memory_check(&huge, true).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert_eq!(memory_needed(&huge, true), 8192 + (1 << 50) * 64);
+        memory_check(&huge, false).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_receiver_refuses_to_allocate_a_plan_whose_bookkeeping_does_not_fit() {
+        use reshard_backend_loopback::{LoopbackFabric, LoopbackTransport};
+        let fabric = LoopbackFabric::new();
+        let t: Arc<dyn reshard_core::Transport> =
+            Arc::new(LoopbackTransport::new(&fabric, "rx", 2).unwrap());
+        let rx = Receiver::new(t.clone(), Default::default(), Default::default()).unwrap();
+        // 8 KiB of banks, 64 PiB of segment bookkeeping: refused before any bank exists.
+        let huge = Arc::new(plan_with_check(1 << 30, 1 << 20, 1));
+        let e = rx
+            .allocate(huge.clone(), 0, rx.opts.arm(), 1)
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        // Without verification no segment is kept, and the banks are allocated.
+        let opts = crate::ReceiverOptions {
+            verify_digests: false,
+            ..Default::default()
+        };
+        let rx = Receiver::new(t, Default::default(), opts).unwrap();
+        rx.allocate(huge, 0, rx.opts.arm(), 1).await.unwrap();
+    }
 }

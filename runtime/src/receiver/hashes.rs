@@ -31,6 +31,19 @@ pub(super) fn segments_per_row(c: &DigestCheck) -> u64 {
     }
 }
 
+/// Bytes a receiver may hold per segment of a digest check: its [`HashPlan`] slot (16), its
+/// [`SegmentTask`] (16) and, while the tasks are sorted, the task with its read index (24); and
+/// the verifier's fold of the check (8 per segment).
+pub(super) const BYTES_PER_SEGMENT: u64 = 64;
+
+/// Segments of every digest check of `plan`, saturating at `u64::MAX`: the slots
+/// [`CopyHashes::of`] allocates, and the hashes the verifier folds.
+pub(super) fn plan_segments(plan: &Plan) -> u64 {
+    plan.checks.iter().fold(0u64, |n, c| {
+        n.saturating_add(c.rows.saturating_mul(segments_per_row(c)))
+    })
+}
+
 impl CopyHashes {
     /// The hash plan of `plan`'s checks over its reads (indexed as the batch built from them).
     pub(super) fn of(plan: &Plan) -> Self {

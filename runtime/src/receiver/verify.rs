@@ -125,11 +125,17 @@ pub(super) struct Checked {
 /// columns of every row).
 fn checked_source_range(c: &DigestCheck, parts: Option<&PartDigests>) -> std::ops::Range<u64> {
     let (start, len) = match (c.part, parts) {
-        (CheckedPart::Chunk(k), Some(p)) => (u64::from(k) * p.chunk_rows * c.row_bytes, c.bytes()),
-        (CheckedPart::Block(j), _) => (u64::from(j) * c.seg_bytes, c.row_bytes),
+        // Saturating: only a message's byte range, from a grid `check_grid` already bounded.
+        (CheckedPart::Chunk(k), Some(p)) => (
+            u64::from(k)
+                .saturating_mul(p.chunk_rows)
+                .saturating_mul(c.row_bytes),
+            c.bytes(),
+        ),
+        (CheckedPart::Block(j), _) => (u64::from(j).saturating_mul(c.seg_bytes), c.row_bytes),
         _ => (0, c.bytes()),
     };
-    c.src_offset + start..c.src_offset + start + len
+    c.src_offset.saturating_add(start)..c.src_offset.saturating_add(start).saturating_add(len)
 }
 
 /// A published digest a check compares with.
