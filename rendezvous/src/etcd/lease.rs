@@ -119,6 +119,31 @@ impl Etcd {
             .map_err(|e| Error::new(ErrorKind::Internal, format!("member record to JSON: {e}")))
     }
 
+    /// Puts `value` at `key`, attached to `lease`, if every comparison of `when` holds, else
+    /// reads the key back (one transaction); etcd's answer. `what` names the request in errors.
+    async fn put_attached_if(
+        &self,
+        what: &str,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+        when: Vec<Compare>,
+    ) -> Result<etcd_client::TxnResponse> {
+        let txn = Txn::new()
+            .when(when)
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key, None)]);
+        self.client
+            .clone()
+            .txn(txn)
+            .await
+            .map_err(|e| self.err(what, e))
+    }
+
     /// Puts `record` only while its key is attached to `lease` and, given `after`, was last
     /// written at revision `after`: the key's revision after the put, or `None` when the key is
     /// gone or another process's lease holds it. A refused put whose key already holds exactly
@@ -142,20 +167,9 @@ impl Etcd {
         if let Some(rev) = after {
             when.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rev));
         }
-        let txn = Txn::new()
-            .when(when)
-            .and_then([TxnOp::put(
-                key.clone(),
-                value.clone(),
-                Some(PutOptions::new().with_lease(lease)),
-            )])
-            .or_else([TxnOp::get(key, None)]);
         let r = self
-            .client
-            .clone()
-            .txn(txn)
-            .await
-            .map_err(|e| self.err("write a member record to", e))?;
+            .put_attached_if("write a member record to", &key, &value, lease, when)
+            .await?;
         if r.succeeded() {
             return Ok(Some(txn_revision(&r)));
         }
@@ -236,20 +250,16 @@ impl Etcd {
         let mut probing: Option<Probing> = None;
         let mut probes = 0u64;
         loop {
-            let txn = Txn::new()
-                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-                .and_then([TxnOp::put(
-                    key.clone(),
-                    value.clone(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )])
-                .or_else([TxnOp::get(key.clone(), None)]);
+            let absent = Compare::create_revision(key.clone(), CompareOp::Equal, 0);
             let r = self
-                .client
-                .clone()
-                .txn(txn)
-                .await
-                .map_err(|e| self.err("claim a member record at", e))?;
+                .put_attached_if(
+                    "claim a member record at",
+                    &key,
+                    &value,
+                    lease,
+                    vec![absent],
+                )
+                .await?;
             if r.succeeded() {
                 return Ok(Claimed::Written(txn_revision(&r)));
             }
@@ -275,23 +285,17 @@ impl Etcd {
                 // becoming an announcement): the record moves to `lease` in one transaction
                 // guarded by the revision just read, so no other claimant can take the rank
                 // in between, as it could between a withdrawal and a new claim.
-                let txn = Txn::new()
-                    .when([Compare::mod_revision(
-                        key.clone(),
-                        CompareOp::Equal,
-                        kv.mod_revision(),
-                    )])
-                    .and_then([TxnOp::put(
-                        key.clone(),
-                        value.clone(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    )]);
+                let unchanged =
+                    Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision());
                 let r = self
-                    .client
-                    .clone()
-                    .txn(txn)
-                    .await
-                    .map_err(|e| self.err("hand a member record over at", e))?;
+                    .put_attached_if(
+                        "hand a member record over at",
+                        &key,
+                        &value,
+                        lease,
+                        vec![unchanged],
+                    )
+                    .await?;
                 if r.succeeded() {
                     return Ok(Claimed::Written(txn_revision(&r)));
                 }
