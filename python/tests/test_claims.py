@@ -66,11 +66,15 @@ def readers(pub):
         return str(e)
 
 
-def advance(pub, arrays, step):
-    """Publishes ``step`` (the fence must open: nobody holds a claim here)."""
-    with pub.updating(step, timeout=5):
+def advance(pub, arrays, step, timeout=5):
+    """Rewrites the arrays for ``step`` inside ``updating`` and publishes it; the seconds the
+    fence took to open and what it waited for."""
+    start = time.monotonic()
+    with pub.updating(step, timeout=timeout) as released:
+        opened_s = time.monotonic() - start
         for a in arrays.values():
             a += 1
+    return opened_s, released
 
 
 def test_a_cancelled_refit_async_leaves_no_claim_behind(etcd, name):
@@ -107,11 +111,7 @@ def test_a_cancelled_refit_async_leaves_no_claim_behind(etcd, name):
             pytest.fail(f"no cancel landed while a claim was held in {TRIES} refits")
         # The engine lives on, its weights those of the step before; its claim must not.
         assert rx.live_step == step - 1, (rx.live_step, step)
-        start = time.monotonic()
-        with pub.updating(step + 1, timeout=RECEIVER_TTL_S + 2) as released:
-            opened_s = time.monotonic() - start
-            for a in arrays.values():
-                a += 1
+        opened_s, released = advance(pub, arrays, step + 1, timeout=RECEIVER_TTL_S + 2)
         print(f"cancelled refit (try {attempt + 1}): the fence opened after {opened_s:.3f} s "
               f"(claim lease TTL {RECEIVER_TTL_S} s); readers waited for: {released['readers']}")
         assert opened_s < RECEIVER_TTL_S + 1
@@ -152,11 +152,7 @@ def test_a_killed_receiver_holds_the_fence_no_longer_than_its_lease(etcd, name):
         else:
             pytest.fail(f"never saw a receiver's claim in {TRIES} tries")
         assert "receiver rank 0" in seen, seen
-        start = time.monotonic()
-        with pub.updating(step + 1, timeout=PROCESS_TTL_S + 5) as released:
-            opened_s = time.monotonic() - start
-            for a in arrays.values():
-                a += 1
+        opened_s, released = advance(pub, arrays, step + 1, timeout=PROCESS_TTL_S + 5)
         print(f"killed receiver (try {attempt + 1}): the fence opened after {opened_s:.3f} s "
               f"(its lease TTL {PROCESS_TTL_S} s); readers waited for: {released['readers']}")
         # It was waited for (the claim outlived its process), and no longer than its lease.
