@@ -12,6 +12,8 @@
 //!   `blobs/<rank>/<lease>/table-<step>/<chunk>`: the transport metadata, the model's
 //!   architecture and the encoded shard table in chunks of [`CHUNK_BYTES`], under etcd's
 //!   request limit (1.5 MiB by default), since tables of large models are megabytes;
+//! - `probes/<rank>`: a claimant's probe of the rank's holder and the holder's answer, which
+//!   is how a claimant tells a live holder from a dead one (`lease`);
 //! - `readers/<lease>-<n>`: a receiver's reading claim (the reader fence: the step and the
 //!   publishers it reads), under a lease of its own that lives as long as the refit holding it
 //!   (`readers`).
