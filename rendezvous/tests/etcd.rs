@@ -79,6 +79,18 @@ async fn models_are_listed_by_their_names() {
         .unwrap()
         .contains(&"Qwen/Qwen3-30B-A3B".to_string()));
     held.withdraw().await.unwrap();
+    // A model with nothing but a stray key under `members/` (a non-canonical rank, garbage) is
+    // not listed: no publisher announced it.
+    let mut raw = etcd_client::Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    for key in ["members/3", "members/not-a-rank"] {
+        raw.put(format!("/reshard/v1/stray/{key}"), "{}", None)
+            .await
+            .unwrap();
+    }
+    let models = etcd.models().await.unwrap();
+    assert!(!models.contains(&"stray".to_string()), "{models:?}");
 }
 
 /// The field a refused member record's error names (`field `...``), after checking the error is

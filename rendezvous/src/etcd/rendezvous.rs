@@ -13,7 +13,7 @@ use reshard_core::rendezvous::{
 };
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::keys::{member_key, members_prefix, readers_prefix, unescape, ROOT};
+use super::keys::{member_key, member_rank, members_prefix, readers_prefix, unescape, ROOT};
 use super::lease::Held;
 use super::record::parse_record;
 use super::{unix_ms, Etcd, FETCH_CONCURRENCY};
@@ -136,8 +136,11 @@ impl Rendezvous for Etcd {
             .filter_map(|kv| {
                 let key = std::str::from_utf8(kv.key()).ok()?;
                 let rest = key.strip_prefix(ROOT)?;
-                let (model, tail) = rest.split_once('/')?;
-                tail.starts_with("members/").then(|| unescape(model))
+                let (model, _) = rest.split_once('/')?;
+                let model = unescape(model);
+                // Only a canonical member key makes a model: a stray `members/3` or garbage
+                // under `members/` alone is no publisher.
+                member_rank(&model, kv.key()).map(|_| model)
             })
             .collect();
         models.dedup();
