@@ -434,6 +434,8 @@ async fn a_killed_leader_costs_a_publishers_write_about_two_seconds() {
     };
     let model = "leader_write";
     let o = EtcdOptions {
+        // Under 6 s, a third of the TTL is below the 2 s a write is retried for at least: the
+        // case where an abandoned first attempt used up the whole window (chaos run: 3 s).
         lease_ttl: Duration::from_secs(3),
         ..options()
     };
@@ -463,6 +465,7 @@ async fn a_killed_leader_costs_a_publishers_write_about_two_seconds() {
         every_member_answers(&cluster.url).await;
     }
     println!("the slowest write across a killed leader took {worst:.2?}");
-    // 2 s for the abandoned attempt, about a second of election, and a shared machine's slack.
-    assert!(worst < Duration::from_secs(4), "a write took {worst:?}");
+    // 2 s for the abandoned attempt, about a second of election, and a shared machine's slack;
+    // far below etcd's own request timeout, which a write used to wait for.
+    assert!(worst < Duration::from_secs(5), "a write took {worst:?}");
 }
