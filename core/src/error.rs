@@ -220,8 +220,8 @@ pub enum NotApplicable {
     Applied,
     /// A later stage (or refit) landed in the bank this step was staged in.
     Replaced,
-    /// The receiver discarded its buffers since (new plan, options, transport, a wire leg cut
-    /// short), or was closed.
+    /// The receiver discarded its buffers since (a new transport, a wire leg cut short), or
+    /// was closed.
     Discarded,
 }
 
@@ -245,8 +245,7 @@ pub enum NoRollback {
     NoPrevious,
     /// A stage (or refit) landed in the bank that held the previous step.
     Overwritten,
-    /// The receiver discarded its buffers since (new plan, options, transport, a wire leg cut
-    /// short).
+    /// The receiver discarded its buffers since (a new transport, a wire leg cut short).
     Discarded,
 }
 

@@ -747,3 +747,77 @@ async fn a_transport_limiting_reads_per_post_gets_batches_within_its_limit() {
     assert_eq!(s.rx.live_step(), Some(1));
     assert_exact(&s);
 }
+
+/// Tables of the cluster's current step in another geometry: rank 0 stops offering the final
+/// norm, so rank 1's replica becomes the kept offer and the plan is rebuilt.
+fn other_geometry(s: &Setup) -> Vec<reshard_core::ShardTable> {
+    let mut tables = s.cluster.tables();
+    for t in tables.iter_mut().filter(|t| t.publisher.rank == 0) {
+        t.offers.retain(|o| o.tensor != "model.norm.weight");
+    }
+    tables
+}
+
+fn bytes_of(bank: &[Arc<reshard_core::HostBuffer>]) -> Vec<Vec<u8>> {
+    bank.iter().map(|b| b.read().to_vec()).collect()
+}
+
+/// Issue 42: a new plan (a new geometry, or a new arm) keeps the receiver's banks, and with
+/// them the step staged in one and the rollback target: both were discarded before the new
+/// buffers were allocated, so a failure there (or a mere `prepare`) lost them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_plan_keeps_the_banks_the_staged_step_and_the_rollback_target() {
+    let mut s = setup("ep=4,dp=4", ReceiverOptions::default()).await;
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let step0 = bytes_of(s.rx.live_params().unwrap());
+    s.cluster.publish_step(1);
+    s.rx.update(&s.cluster.tables()).await.unwrap();
+    let banks = (
+        addrs(s.rx.live_params().unwrap()),
+        addrs(s.rx.landing_params().unwrap()),
+    );
+    let builds = s.rx.plan_builds();
+
+    // Live step 1, rollback target step 0; a new geometry is planned and prepared.
+    s.rx.prepare(&other_geometry(&s)).await.unwrap();
+    assert_eq!(s.rx.plan_builds(), builds + 1, "the geometry changed");
+    assert_eq!(
+        s.rx.rollback_step(),
+        Ok(0),
+        "the new plan dropped the rollback target"
+    );
+    assert_eq!(addrs(s.rx.live_params().unwrap()), banks.0);
+    assert_eq!(addrs(s.rx.landing_params().unwrap()), banks.1);
+    let back = s.rx.rollback().unwrap();
+    assert_eq!((back.step, back.rolled_back_from), (0, 1));
+    assert!(bytes_of(s.rx.live_params().unwrap()) == step0);
+
+    // A step staged, then a new geometry and a new arm planned: the staged step still applies.
+    s.cluster.publish_step(2);
+    let staged = s.rx.stage(&s.cluster.tables(), false).await.unwrap();
+    s.rx.prepare(&s.cluster.tables()).await.unwrap();
+    s.rx.set_options(ReceiverOptions {
+        spread_owners: true,
+        ..ReceiverOptions::default()
+    });
+    s.rx.prepare(&other_geometry(&s)).await.unwrap();
+    assert_eq!(s.rx.plan_builds(), builds + 3);
+    assert_eq!(s.rx.staged_step(), Some(2));
+    s.rx.apply(&staged).unwrap();
+    assert_exact(&s);
+    assert_eq!(s.rx.rollback_step(), Ok(0));
+
+    // And an update in the new geometry lands exactly, in the same two banks.
+    s.cluster.publish_step(3);
+    let r = s.rx.update(&other_geometry(&s)).await.unwrap();
+    assert!(!r.plan_rebuilt, "prepared already");
+    assert_exact(&s);
+    let mut now = vec![
+        addrs(s.rx.live_params().unwrap()),
+        addrs(s.rx.landing_params().unwrap()),
+    ];
+    now.sort();
+    let mut then = vec![banks.0, banks.1];
+    then.sort();
+    assert_eq!(now, then, "a new plan allocated new banks");
+}

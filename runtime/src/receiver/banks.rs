@@ -69,33 +69,83 @@ impl Receiver {
         memory_check(&plan, self.opts.verify_digests)?;
         let b0 = self.bank(&plan).await?;
         let b1 = self.bank(&plan).await?;
-        let mut staging = Vec::with_capacity(plan.staging.len());
-        let mut staging_regs = Vec::with_capacity(plan.staging.len());
-        for s in &plan.staging {
-            let buf = Arc::new(HostBuffer::zeroed(to_usize(s.bytes)?.max(1)));
-            staging_regs.push(
-                self.stack
-                    .register(buf.clone() as Arc<dyn MemoryBlock>)
-                    .await?,
-            );
-            staging.push(buf);
-        }
-        let staging_ids = staging_regs.iter().map(|r| r.id()).collect();
-        make_resident(b0.params.iter().chain(&b1.params).chain(&staging));
+        let staging = self.staging(&plan).await?;
+        make_resident(b0.params.iter().chain(&b1.params));
         Ok(Prepared {
             geometry,
             arm,
             plan,
             banks: [b0, b1],
-            staging,
-            _staging_regs: staging_regs,
-            staging_ids,
+            staging: staging.buffers,
+            _staging_regs: staging.regs,
+            staging_ids: staging.ids,
             descriptors: [None, None],
             copy_hashes: None,
             next: 0,
             generation,
         })
     }
+
+    /// The staging buffers of `plan`'s full pulls, registered and resident.
+    async fn staging(&self, plan: &Plan) -> Result<Staging> {
+        let mut buffers = Vec::with_capacity(plan.staging.len());
+        let mut regs = Vec::with_capacity(plan.staging.len());
+        for s in &plan.staging {
+            let buf = Arc::new(HostBuffer::zeroed(to_usize(s.bytes)?.max(1)));
+            regs.push(
+                self.stack
+                    .register(buf.clone() as Arc<dyn MemoryBlock>)
+                    .await?,
+            );
+            buffers.push(buf);
+        }
+        let ids = regs.iter().map(|r| r.id()).collect();
+        make_resident(buffers.iter());
+        Ok(Staging { buffers, regs, ids })
+    }
+
+    /// Moves the prepared banks over to `plan`, a plan for the same parameters (the receiver's
+    /// layout fixes them, so every new geometry or arm is one): new staging, no descriptors,
+    /// the same banks. The step staged in the landing bank and the rollback target stay valid,
+    /// and nothing is allocated or registered twice. Everything the new plan needs is
+    /// allocated before anything of the old one is dropped, so a failure here changes nothing.
+    /// Returns false, changing nothing, when there are no banks for these parameters.
+    pub(super) async fn replan(
+        &mut self,
+        plan: &Arc<Plan>,
+        geometry: u64,
+        arm: Arm,
+    ) -> Result<bool> {
+        match &self.prepared {
+            Some(p) if p.plan.params == plan.params => {}
+            _ => return Ok(false),
+        }
+        reshard_core::memory_check(
+            staging_needed(plan, self.opts.verify_digests),
+            "receiver staging and digest bookkeeping",
+        )?;
+        let staging = self.staging(plan).await?;
+        let prep = self
+            .prepared
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "receiver banks vanished"))?;
+        prep.geometry = geometry;
+        prep.arm = arm;
+        prep.plan = plan.clone();
+        prep.staging = staging.buffers;
+        prep._staging_regs = staging.regs;
+        prep.staging_ids = staging.ids;
+        prep.descriptors = [None, None];
+        prep.copy_hashes = None;
+        Ok(true)
+    }
+}
+
+/// Staging buffers with their registrations and region ids.
+struct Staging {
+    buffers: Vec<Arc<HostBuffer>>,
+    regs: Vec<Registration>,
+    ids: Vec<u64>,
 }
 
 /// Bytes a receiver of `plan` allocates: two banks of parameters, staging and, when it
@@ -107,6 +157,14 @@ pub(super) fn memory_needed(plan: &Plan, verify_digests: bool) -> u64 {
         .params
         .iter()
         .fold(0u64, |n, p| n.saturating_add(p.bytes));
+    params
+        .saturating_mul(2)
+        .saturating_add(staging_needed(plan, verify_digests))
+}
+
+/// The part of [`memory_needed`] that is the plan's and not its parameters': staging and the
+/// digest bookkeeping, what a new plan for the same banks allocates.
+fn staging_needed(plan: &Plan, verify_digests: bool) -> u64 {
     let staging = plan
         .staging
         .iter()
@@ -118,10 +176,7 @@ pub(super) fn memory_needed(plan: &Plan, verify_digests: bool) -> u64 {
     } else {
         0
     };
-    params
-        .saturating_mul(2)
-        .saturating_add(staging)
-        .saturating_add(hashes)
+    staging.saturating_add(hashes)
 }
 
 /// Refuses a plan whose buffers and digest bookkeeping ([`memory_needed`]) exceed the memory

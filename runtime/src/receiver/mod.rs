@@ -127,12 +127,10 @@ impl Receiver {
         &self.opts
     }
 
-    /// Changes options; a change of arm (dedup, spreading, threshold, gathers) drops the cached
-    /// plan and descriptors. Live weights stay.
+    /// Changes options; a change of arm (dedup, spreading, threshold, gathers) makes the next
+    /// update build a new plan and descriptors. Live weights, the staged step and the rollback
+    /// target stay, in the same banks.
     pub fn set_options(&mut self, opts: ReceiverOptions) {
-        if opts.arm() != self.opts.arm() {
-            self.discard_banks();
-        }
         self.opts = opts;
         self.stack = self.opts.wire_stack(self.transport.clone());
     }
@@ -317,11 +315,17 @@ impl Receiver {
         let plan_rebuilt = new_plan.is_some();
         if let Some(p) = new_plan {
             self.coverage_gate(&p)?;
-            // Drop the old buffers' registrations first; live weights keep their own Arcs.
-            self.discard_banks();
-            self.generations += 1;
-            let generation = self.generations;
-            self.prepared = Some(self.allocate(p, geometry, arm, generation).await?);
+            // The banks are the layout's, which a new geometry or arm does not change: kept,
+            // with the step staged in them and the rollback target (issue 42: discarding them
+            // first lost both when the allocation that followed failed).
+            if !self.replan(&p, geometry, arm).await? {
+                // No banks yet (or banks for other parameters, which one layout never asks
+                // for): nothing staged or to roll back to is lost.
+                self.discard_banks();
+                self.generations += 1;
+                let generation = self.generations;
+                self.prepared = Some(self.allocate(p, geometry, arm, generation).await?);
+            }
         }
         st.register = watch.lap();
 

@@ -251,8 +251,8 @@ fn not_applicable(rank: u32, step: u64, reason: NotApplicable) -> Error {
             "a later stage or refit landed in its bank (only the newest staged step can be applied)"
         }
         _ => {
-            "the receiver discarded its buffers since (new plan, options or transport, a wire \
-              leg cut short, or closed)"
+            "the receiver discarded its buffers since (a new transport, a wire leg cut short, \
+              or closed)"
         }
     };
     Error::new(
@@ -276,8 +276,8 @@ fn no_rollback(rank: u32, live_step: Option<u64>, reason: NoRollback) -> Error {
              step of history, until the next stage)"
         }
         _ => {
-            "the receiver discarded its buffers since (new plan, options or transport, or a \
-              wire leg cut short)"
+            "the receiver discarded its buffers since (a new transport, or a wire leg cut \
+              short)"
         }
     };
     let live = live_step.map_or_else(|| "no step".to_string(), |s| format!("step {s}"));
