@@ -507,7 +507,17 @@ impl NativePublisher {
                 ));
             }
         }
-        // Before anything is digested or announced: memory that moved would be read freed.
+        // The announced step goes not ready first (no receiver starts reading memory about to
+        // be rewritten or found moved), with the GIL released: it waits on the rendezvous.
+        if let Some(a) = s.announced.as_ref() {
+            wait(py, None, async move {
+                a.check_alive()?;
+                a.unready().await
+            })?;
+        }
+        // Then the arrays are checked and digested with the GIL held throughout: no Python
+        // thread can resize or free one between its check and the digest's read of it (issue
+        // 42: the digest ran with the GIL released, after the check).
         let done = match (s.announced.is_some(), s.step) {
             (true, Some(live)) => format!(
                 "published, and step {live}, announced over the same memory, is marked not \
@@ -516,21 +526,10 @@ impl NativePublisher {
             _ => "published".to_string(),
         };
         for (name, memory) in &s.arrays {
-            if let Err(moved) = memory.check(py, name, &done) {
-                // The announced step's table points at that memory too: receivers must not
-                // start reading it. Best effort; the move is the error to report.
-                if let Some(a) = s.announced.as_ref() {
-                    if let Err(e) = wait(py, None, a.unready()) {
-                        return Err(invalid(
-                            ErrorKind::InvalidInput,
-                            format!("{moved}; marking the announced step not ready failed: {e}"),
-                            Some(name),
-                        ));
-                    }
-                }
-                return Err(moved);
-            }
+            memory.check(py, name, &done)?;
         }
+        // Synchronous (rayon), on this thread.
+        let table = Bytes::from(s.publisher.digest(step).map(encode_table).py_err()?);
         let rendezvous = reached;
         let State {
             announced,
@@ -541,14 +540,8 @@ impl NativePublisher {
             ..
         } = s;
         let fut = async move {
-            if let Some(a) = announced.as_ref() {
-                a.check_alive()?;
-                a.unready().await?;
-            }
-            // Synchronous (rayon): this future runs on the calling thread, not a runtime worker.
-            let table = publisher.digest(step).map(encode_table)?;
             match announced.as_ref() {
-                Some(a) => a.advance(step, Bytes::from(table)).await?,
+                Some(a) => a.advance(step, table).await?,
                 None => {
                     let t = publisher.transport().clone();
                     let held = rendezvous
@@ -559,7 +552,7 @@ impl NativePublisher {
                             step,
                             transport: t.name().to_string(),
                             incarnation: t.incarnation(),
-                            table: Bytes::from(table),
+                            table,
                             metadata: t.export_metadata().await?,
                             config: config.clone(),
                         })

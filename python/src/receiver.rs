@@ -806,13 +806,14 @@ impl NativeReceiver {
 
     /// Hands the receiver's live bank to the engine: copied into its arrays (copy install;
     /// returns the seconds the copy took) or lent as is (swap install; 0).
-    fn install_live(&self, py: Python<'_>, s: &State) -> f64 {
+    /// `_gil` proves the GIL is held: a copy install must run under it (see below).
+    fn install_live(&self, _gil: Python<'_>, s: &State) -> f64 {
         let live = s.subscriber.receiver().live_params().unwrap_or(&[]);
         match self.install {
-            Install::Copy => {
-                let params = &s.params;
-                py.allow_threads(|| copy_into(live, params))
-            }
+            // With the GIL held, as the arrays were checked: no Python thread can resize or
+            // free one between its check and the copy into it (issue 42: the copy once ran with
+            // the GIL released). The copy is the apply, inside the engine's pause.
+            Install::Copy => copy_into(live, &s.params),
             Install::Swap => {
                 *self.live.lock() = Some(live.to_vec());
                 0.0
