@@ -78,4 +78,17 @@ for lib in libs:
     assert lib.startswith(venv + "/"), f"NIXL runtime loaded from {lib}, not from {venv}"
 print(f"NIXL runtime: {libs[0]}")
 EOF
-echo "wheel-check: the wheel installs without cargo, runs the python/README.md example, finds NIXL in its venv"
+
+# The `test` extra brings what python/tests imports beyond the package (a fresh
+# `pip install reshard[test]` once lacked safetensors, and pytest failed at collection): every
+# test module is collected with the fresh virtualenv's python.
+echo "== wheel: the test extra collects every test module"
+"$work/venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel[test]"
+"${clean[@]}" "$work/venv/bin/python" -m pytest -q --collect-only -p no:cacheprovider \
+    "$root/python/tests" >"$work/collect.out" 2>&1 ||
+    { echo "wheel-check: pytest could not collect python/tests in a fresh [test] install:" >&2
+      tail -n 30 "$work/collect.out" >&2; exit 1; }
+tail -n 1 "$work/collect.out"
+
+echo "wheel-check: the wheel installs without cargo, runs the python/README.md example, finds NIXL in its venv;" \
+    "its test extra collects python/tests"

@@ -99,6 +99,9 @@ from ._reshard import (
     Verification,
 )
 
+#: The package's version (the native module's, so a wheel and its module never disagree).
+__version__: str = _reshard.__version__
+
 __all__ = [
     "Publisher",
     "Receiver",
@@ -469,7 +472,7 @@ class Publisher:
         # numpy keeps `buffer` (and so the memory) alive as the array's base.
         return np.frombuffer(buffer, dtype=np_dtype).reshape(want_shape)
 
-    def connect(self, timeout: float = 10.0) -> None:
+    def connect(self, *, timeout: float = 10.0) -> None:
         """Reaches the rendezvous now (etcd: connects within ``timeout`` seconds), so a bad or
         unreachable address fails here, typed (``reshard.Transport``, ``reshard.Timeout``),
         rather than at the first :meth:`publish`, which otherwise connects. A no-op once
@@ -481,11 +484,18 @@ class Publisher:
         a receiver that reads during a rewrite fails verification and keeps its weights."""
         self._native.unready()
 
+    def ready(self) -> None:
+        """Marks the announced step ready again, unchanged: :meth:`unready`'s counterpart for a
+        rewrite that did not happen. Checks first that every array is where it was registered
+        (:class:`InvalidInput` naming one that moved, and the step stays not ready). The bytes
+        must be the step's as published: receivers verify them against its digests."""
+        self._native.ready()
+
     def publish(self, step: int) -> None:
         """Digests every registered array and announces step ``step`` (newer than the last)."""
         self._native.publish(step)
 
-    def wait_released(self, timeout: float = 60.0) -> dict:
+    def wait_released(self, *, timeout: float = 60.0) -> dict:
         """Waits until no receiver reads this rank's memory (the reader fence; call after
         :meth:`unready`, which stops new readers). Receivers claim what they read through the
         rendezvous under their own lease, so a dead receiver holds nobody past its lease TTL.
@@ -495,14 +505,20 @@ class Publisher:
         return {"waited_s": waited_s, "readers": readers}
 
     @contextlib.contextmanager
-    def updating(self, step: int, timeout: float = 60.0) -> Iterator[dict]:
+    def updating(self, step: int, *, timeout: float = 60.0) -> Iterator[dict]:
         """``with publisher.updating(step): <rewrite the arrays>``: marks the announcement not
         ready, waits until no receiver reads this rank's memory (:meth:`wait_released`, which
         it yields the result of), runs the body, then publishes ``step``. When the body raises,
         nothing is published and the announcement stays not ready (the arrays may be half
-        rewritten); when the wait times out, the body does not run."""
+        rewritten); when the wait times out, the body does not run, the step announced before
+        is marked ready again (its arrays were not touched) and :class:`Timeout` is raised: the
+        rank stays available to every receiver at the step it had."""
         self.unready()
-        released = self.wait_released(timeout)
+        try:
+            released = self.wait_released(timeout=timeout)
+        except Timeout:
+            self._native.ready()
+            raise
         yield released
         self.publish(step)
 
@@ -593,7 +609,7 @@ class Receiver:
       re-points its parameters to them. An array stays valid and unchanged until the refit
       *after* the next one, so the engine may keep serving from it while the next refit runs;
       a refit that would land in buffers the engine still holds arrays of raises
-      :class:`InvalidInput` naming them, before anything is written.
+      :class:`Busy` naming them, before anything is written.
     """
 
     def __init__(
@@ -632,14 +648,14 @@ class Receiver:
         self._timeout = timeout
         self._dtypes: Optional[dict] = None
 
-    def connect(self, timeout: Optional[float] = None) -> None:
+    def connect(self, *, timeout: Optional[float] = None) -> None:
         """Connects: reaches the rendezvous, waits for the publishers and learns the model they
         announce, all within ``timeout`` seconds (default: the constructor's ``timeout``;
         ``inf``: no limit). Does nothing when connected already. Raises :class:`Timeout` naming
         what was missing, and leaves the receiver unconnected (call again to retry)."""
         self._native.connect(self._timeout if timeout is None else timeout, None)
 
-    async def connect_async(self, timeout: Optional[float] = None) -> None:
+    async def connect_async(self, *, timeout: Optional[float] = None) -> None:
         """:meth:`connect` on a worker thread; cancelling the task stops the wait."""
         t = self._timeout if timeout is None else timeout
         await self._cancellable(lambda token: self._native.connect(t, token))
@@ -666,7 +682,7 @@ class Receiver:
         ``install="copy"``; with ``install="swap"``, fresh read-only numpy arrays over reshard's
         buffer of the live step (zero-copy). Call it after every refit and re-point the engine's
         parameters to what it returns: the arrays stay valid until the refit after the next one,
-        which raises :class:`InvalidInput` while any of them is still alive. Raises
+        which raises :class:`Busy` while any of them is still alive. Raises
         :class:`InvalidInput` before the first refit in swap install.
 
         ``framework="torch"`` (swap install) gives CPU torch tensors over the same memory instead,
@@ -718,7 +734,7 @@ class Receiver:
         """The step staged by :meth:`stage` and not applied yet (None when there is none)."""
         return self._native.staged_step
 
-    def refit(self, timeout: float = 300.0, *, step: Optional[int] = None,
+    def refit(self, *, timeout: float = 300.0, step: Optional[int] = None,
               allow_older: bool = False) -> RefitReport:
         """Installs the next step (into the engine's arrays, or as the buffer :meth:`weights`
         lends): :meth:`stage`, then :meth:`apply`, in one call. ``timeout`` seconds (``inf``: no
@@ -738,7 +754,7 @@ class Receiver:
         report.python_s = time.perf_counter() - t0
         return report
 
-    def stage(self, step: Optional[int] = None, timeout: float = 60.0, *,
+    def stage(self, *, step: Optional[int] = None, timeout: float = 60.0,
               allow_older: bool = False) -> Staged:
         """Moves and verifies a step into reshard's bank that is not live, while the engine keeps
         serving the live weights untouched; :meth:`apply` makes it live when the engine chooses.
@@ -817,7 +833,7 @@ class Receiver:
             task.uncancel()
         return result
 
-    async def refit_async(self, timeout: float = 300.0, *, step: Optional[int] = None,
+    async def refit_async(self, *, timeout: float = 300.0, step: Optional[int] = None,
                           allow_older: bool = False) -> RefitReport:
         """:meth:`refit` on a worker thread. Cancelling the task cancels the refit: one that has
         not started yet never starts, one that is running stops with the weights untouched, and
@@ -827,7 +843,7 @@ class Receiver:
         return await self._cancellable(
             lambda token: self._refit(timeout, token, step, allow_older))
 
-    async def stage_async(self, step: Optional[int] = None, timeout: float = 60.0, *,
+    async def stage_async(self, *, step: Optional[int] = None, timeout: float = 60.0,
                           allow_older: bool = False) -> Staged:
         """:meth:`stage` on a worker thread, next to generation. Cancelling the task stops the
         stage (the live weights are untouched either way); a stage that had finished when the
@@ -843,7 +859,7 @@ class Receiver:
         """:meth:`rollback` on a worker thread."""
         return await asyncio.get_running_loop().run_in_executor(None, self.rollback)
 
-    def wait_for_step(self, step: int, timeout: float = 300.0) -> Optional[RefitReport]:
+    def wait_for_step(self, step: int, *, timeout: float = 300.0) -> Optional[RefitReport]:
         """Refits until the live step is at least ``step``; returns the last report (None when
         it already was). ``timeout`` seconds (``inf``: no limit) bound the whole call, however
         many refits it takes (connecting included): one deadline from the call's start, never
@@ -862,7 +878,7 @@ class Receiver:
             try:
                 if left <= 0:
                     raise _error(Timeout, "timeout", "no time left", retryable=True)
-                report = self.refit(left)
+                report = self.refit(timeout=left)
             except Timeout as e:
                 raise _error(
                     Timeout, "timeout",

@@ -402,6 +402,8 @@ fn transports() -> PyResult<Vec<(String, Option<String>, bool)>> {
 fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     boundary("import reshard._reshard", || {
         errors::add(m)?;
+        // The package's version is the crate's (maturin takes the wheel's from it too).
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add_class::<InProcessHub>()?;
         m.add_class::<publisher::NativePublisher>()?;
         m.add_class::<publisher::TransportBuffer>()?;

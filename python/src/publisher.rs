@@ -94,6 +94,8 @@ struct State {
     world: u32,
     config: Bytes,
     step: Option<u64>,
+    /// The table `step` was announced with, to mark it ready again unchanged ([`NativePublisher::ready`]).
+    table: Option<Bytes>,
     /// The caller's arrays registered so far (not those of `empty`, which reshard owns), by
     /// tensor name: checked before every publish.
     arrays: Vec<(String, Arc<ArrayMemory>)>,
@@ -261,6 +263,35 @@ impl NativePublisher {
         })
     }
 
+    /// Marks the announced step ready again with the table it was published with, after
+    /// checking that every array is where it was: for a rewrite that did not happen after all
+    /// (`updating` whose wait for readers timed out before its body ran). A no-op when nothing
+    /// is announced.
+    fn ready(&self, py: Python<'_>) -> PyResult<()> {
+        boundary("Publisher.ready", || {
+            let mut guard = self.lock()?;
+            let Some(s) = guard.as_mut() else {
+                return Err(errors::closed(format!(
+                    "publisher rank {} is closed",
+                    self.rank
+                )));
+            };
+            let (Some(a), Some(step), Some(table)) =
+                (s.announced.as_ref(), s.step, s.table.clone())
+            else {
+                return Ok(());
+            };
+            let done = format!("marked ready again: step {step} stays not ready");
+            for (name, memory) in &s.arrays {
+                memory.check(py, name, &done)?;
+            }
+            wait(py, None, async move {
+                a.check_alive()?;
+                a.advance(step, table).await
+            })
+        })
+    }
+
     /// Reaches the rendezvous now (etcd: connects, within `timeout_s`), so a bad address fails
     /// here rather than at the first publish; a no-op once connected.
     fn connect(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
@@ -371,6 +402,7 @@ impl NativePublisher {
                 world: topo.world(),
                 config,
                 step: None,
+                table: None,
                 arrays: Vec::new(),
             })),
             rank,
@@ -539,6 +571,7 @@ impl NativePublisher {
             config,
             ..
         } = s;
+        let announced_table = table.clone();
         let fut = async move {
             match announced.as_ref() {
                 Some(a) => a.advance(step, table).await?,
@@ -564,6 +597,7 @@ impl NativePublisher {
         };
         wait(py, None, fut)?;
         s.step = Some(step);
+        s.table = Some(announced_table);
         Ok(())
     }
 }

@@ -430,3 +430,59 @@ def test_transports_come_from_the_registry_with_their_own_word_on_processes():
         if r["usable"] and r["transport"] != "loopback":
             # Every other built-in backend reaches other processes: test_processes runs them.
             assert r["cross_process"], r
+
+
+def test_step_and_timeout_are_keyword_only(hub, name):
+    """Issue 43: ``stage(step, timeout)`` and ``refit(timeout, *, step)`` took their arguments in
+    different orders, so ``rx.stage(60)`` waited for step 60. Every ``timeout``, and every
+    optional ``step``, is keyword-only now: a positional one is a TypeError before anything
+    waits."""
+    model = tiny_model(name)
+    pubs = start_publishers(model, hub)
+    rx = reshard.Receiver(model=name, layout=LAYOUT, rank=0, rendezvous=hub,
+                          transport="loopback", params=engine_arrays(model, LAYOUT, 0))
+    calls = [lambda: rx.stage(60), lambda: rx.stage(None, 5), lambda: rx.refit(5),
+             lambda: rx.connect(5), lambda: rx.wait_for_step(1, 5),
+             lambda: asyncio.run(rx.refit_async(5)), lambda: asyncio.run(rx.stage_async(1)),
+             lambda: asyncio.run(rx.connect_async(5)), lambda: pubs[0].connect(5),
+             lambda: pubs[0].wait_released(5), lambda: pubs[0].updating(2, 5).__enter__()]
+    for call in calls:
+        t0 = time.monotonic()
+        with pytest.raises(TypeError):
+            call()
+        assert time.monotonic() - t0 < SLACK
+    assert rx.live_step is None and rx.staged_step is None
+    assert all(p.step == 1 for p in pubs)
+    assert rx.refit(timeout=10, step=1).step == 1
+    rx.close()
+    for p in pubs:
+        p.close()
+
+
+def test_the_package_says_its_version():
+    from importlib.metadata import version
+
+    assert reshard.__version__ == version("reshard")
+    assert reshard.__version__.count(".") >= 2
+
+
+def test_ready_marks_the_announced_step_ready_again_unchanged(hub, name):
+    model = tiny_model(name)
+    pubs = start_publishers(model, hub)
+    engine = engine_arrays(model, LAYOUT, 0)
+    rx = reshard.Receiver(model=name, layout=LAYOUT, rank=0, rendezvous=hub,
+                          transport="loopback", params=engine)
+    for p in pubs:
+        p.unready()
+    with pytest.raises(reshard.Timeout):
+        rx.refit(timeout=0.5)
+    assert rx.live_step is None
+    for p in pubs:
+        p.ready()
+    assert all(p.step == 1 for p in pubs)
+    report = rx.refit(timeout=10)
+    assert report.step == 1 and report.verified
+    assert_exact(engine, expected(model, LAYOUT, 0, 1))
+    rx.close()
+    for p in pubs:
+        p.close()

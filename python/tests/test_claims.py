@@ -122,35 +122,48 @@ def test_a_cancelled_refit_async_leaves_no_claim_behind(etcd, name):
         pub.close()
 
 
+def kill_while_claimed(etcd, m, pub, arrays, procs):
+    """Starts `reshard receive` processes (appended to ``procs``), each killed the moment the
+    trainer sees its claim, until one died holding it (a new step each time the refit won the
+    race). Returns the step the trainer is at, the readers it saw, and the try that did it."""
+    step = 1
+    for attempt in range(TRIES):
+        proc = subprocess.Popen(
+            [reshard_binary(), "receive", "--rendezvous", etcd, "--model", m["name"],
+             "--receivers", "tp=2", "--rank", "0", "--transport", "cma", "--json",
+             "--timeout-s", "60", "--lease-ttl-s", str(PROCESS_TTL_S)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        # Its first refit (step `step`): killed the moment the trainer sees its claim.
+        seen = ""
+        deadline = time.monotonic() + 60
+        while not seen and proc.poll() is None and time.monotonic() < deadline:
+            seen = readers(pub)
+        proc.kill()
+        proc.wait()
+        # Held still once the process is gone (it was killed before it released), or the
+        # refit won the race: then try again with the next step.
+        seen = seen and readers(pub)
+        if seen:
+            return step, seen, attempt
+        step += 1
+        advance(pub, arrays, step)
+    pytest.fail(f"never saw a receiver's claim in {TRIES} tries")
+
+
+def stop_all(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_killed_receiver_holds_the_fence_no_longer_than_its_lease(etcd, name):
     m = model(name)
     pub, arrays = trainer(etcd, m)
     procs = []
     try:
-        step = 1
-        for attempt in range(TRIES):
-            proc = subprocess.Popen(
-                [reshard_binary(), "receive", "--rendezvous", etcd, "--model", m["name"],
-                 "--receivers", "tp=2", "--rank", "0", "--transport", "cma", "--json",
-                 "--timeout-s", "60", "--lease-ttl-s", str(PROCESS_TTL_S)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            procs.append(proc)
-            # Its first refit (step `step`): killed the moment the trainer sees its claim.
-            seen = ""
-            deadline = time.monotonic() + 60
-            while not seen and proc.poll() is None and time.monotonic() < deadline:
-                seen = readers(pub)
-            proc.kill()
-            proc.wait()
-            # Held still once the process is gone (it was killed before it released), or the
-            # refit won the race: then try again with the next step.
-            seen = seen and readers(pub)
-            if seen:
-                break
-            step += 1
-            advance(pub, arrays, step)
-        else:
-            pytest.fail(f"never saw a receiver's claim in {TRIES} tries")
+        step, seen, attempt = kill_while_claimed(etcd, m, pub, arrays, procs)
         assert "receiver rank 0" in seen, seen
         opened_s, released = advance(pub, arrays, step + 1, timeout=PROCESS_TTL_S + 5)
         print(f"killed receiver (try {attempt + 1}): the fence opened after {opened_s:.3f} s "
@@ -159,8 +172,34 @@ def test_a_killed_receiver_holds_the_fence_no_longer_than_its_lease(etcd, name):
         assert released["readers"], released
         assert opened_s < PROCESS_TTL_S + 2, opened_s
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
+        pub.close()
+
+
+def test_an_updating_whose_fence_wait_times_out_leaves_the_rank_ready_at_its_step(etcd, name):
+    """Issue 43: ``updating()`` marks the rank not ready, then waits for readers; when that
+    wait timed out, the body did not run and nothing was published, but the rank stayed not
+    ready, so no receiver could refit from it at any step until the trainer's next publish.
+    Now the step it had is marked ready again (its arrays were not touched)."""
+    m = model(name)
+    pub, arrays = trainer(etcd, m)
+    procs = []
+    rx = None
+    try:
+        step, seen, _ = kill_while_claimed(etcd, m, pub, arrays, procs)
+        ran = False
+        with pytest.raises(reshard.Timeout):
+            with pub.updating(step + 1, timeout=0.2):
+                ran = True
+        assert not ran, "the body ran although the fence never opened"
+        assert pub.step == step
+        # A fresh engine rank refits from the trainer at the step it still has.
+        rx = reshard.Receiver(model=m["name"], layout=LAYOUT, rank=1, rendezvous=etcd,
+                              transport="cma", timeout=30)
+        report = rx.refit(timeout=30)
+        assert report.step == step and report.verified
+    finally:
+        if rx is not None:
+            rx.close()
+        stop_all(procs)
         pub.close()
