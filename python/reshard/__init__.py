@@ -110,6 +110,7 @@ __all__ = [
     "Staged",
     "InProcessHub",
     "model_config",
+    "hf_model_config",
     "receiver_params",
     "publisher_tensors",
     "transports",
@@ -208,10 +209,25 @@ def _bits(array: Any) -> Any:
     return array
 
 
-def _architecture(architecture: Model, name: str) -> str:
-    """JSON of ``architecture`` (a preset name or a configuration dict) named ``name``: the
-    name publishers announce under is ``model=``, whatever name the architecture carries."""
+def _is_hf_config(architecture: Any) -> bool:
+    """Whether ``architecture`` is a Hugging Face ``config.json``: its dict (it has a
+    ``model_type``, which a reshard configuration never has), or a path to the file or to the
+    folder holding it."""
+    if isinstance(architecture, os.PathLike):
+        return True
     if isinstance(architecture, str):
+        return os.sep in architecture or architecture.endswith(".json") or \
+            os.path.exists(architecture)
+    return isinstance(architecture, Mapping) and "model_type" in architecture
+
+
+def _architecture(architecture: Model, name: str) -> str:
+    """JSON of ``architecture`` (a preset name, a configuration dict, or a Hugging Face
+    ``config.json``: :func:`hf_model_config`) named ``name``: the name publishers announce
+    under is ``model=``, whatever name the architecture carries."""
+    if _is_hf_config(architecture):
+        cfg = hf_model_config(architecture)
+    elif isinstance(architecture, str):
         try:
             cfg = json.loads(_reshard.model_config(architecture, None, None, None))
         except Config as e:
@@ -244,6 +260,8 @@ def _deprecated_model(cls: str, model: Any, architecture: Optional[Model]) -> tu
 
 
 def _model_json(model: Model) -> str:
+    if _is_hf_config(model):
+        return json.dumps(hf_model_config(model))
     if isinstance(model, str):
         return model
     return json.dumps(dict(model))
@@ -348,6 +366,32 @@ def model_config(
     return cfg
 
 
+def hf_model_config(config: Union[str, "os.PathLike[str]", Mapping[str, Any]], *,
+                    name: Optional[str] = None) -> dict:
+    """The configuration (as :func:`model_config` gives) of the model a Hugging Face
+    ``config.json`` describes: ``config`` is its dict (``model.config.to_dict()``), the file, or
+    the folder holding it. The families and keys are those ``reshard checkpoint`` reads
+    (docs/models.md); the dtype is the config's ``dtype``/``torch_dtype``. Raises
+    :class:`Config` naming the key that is missing or wrong. Any ``architecture=`` argument
+    takes such a config directly."""
+    if isinstance(config, Mapping):
+        text, label = json.dumps(dict(config)), "config.json (a dict)"
+    else:
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise _error(Config, "config", f"cannot read {path}: {e}") from None
+        label = path
+    cfg = json.loads(_reshard.hf_model_config(text, label))
+    if name is not None:
+        cfg["name"] = name
+    return cfg
+
+
 def receiver_params(model: Model, layout: Union[str, Mapping[str, int]], rank: int) -> dict:
     """``{name: (shape, dtype)}`` of receiver rank ``rank``'s parameters (engine naming:
     ``qkv_proj``, ``gate_up_proj``, experts ``w13``/``w2``), in engine order: the arrays to
@@ -379,9 +423,10 @@ class Publisher:
     """One trainer rank publishing the tensors it holds, in place.
 
     ``model`` is the name the publisher announces under (what receivers ask for);
-    ``architecture`` the model's shapes: a preset name or a configuration dict
-    (:func:`model_config`; its own ``name`` is replaced by ``model``), by default the preset
-    named ``model``. The earlier spelling ``model=<configuration dict>`` still works (its
+    ``architecture`` the model's shapes: a preset name, a configuration dict
+    (:func:`model_config`; its own ``name`` is replaced by ``model``), or a Hugging Face
+    ``config.json`` (its dict, the file or its folder: :func:`hf_model_config`), for a trainer
+    that holds an HF model; by default the preset named ``model``. The earlier spelling ``model=<configuration dict>`` still works (its
     ``name`` is the name) with a DeprecationWarning.
     ``topology`` the trainer's parallelism (``{"ep": 8, "dp": 8}``, keys tp/ep/dp/pp);
     ``rendezvous`` an :class:`InProcessHub` or ``"etcd://HOST:PORT"``; ``transport`` a scheme

@@ -1,5 +1,6 @@
 """Type stubs of `reshard` (the implementation and its docstrings are in __init__.py)."""
 
+import os
 from dataclasses import dataclass
 from typing import Any, ContextManager, Mapping, Optional, Union, overload
 
@@ -42,6 +43,9 @@ Model = Union[str, Mapping[str, Any]]
 Topology = Union[str, Mapping[str, int]]
 
 def numpy_dtype(dtype: str, raw: bool = False) -> np.dtype: ...
+def hf_model_config(
+    config: Union[str, os.PathLike[str], Mapping[str, Any]], *, name: Optional[str] = None
+) -> dict[str, Any]: ...
 def model_config(
     preset: str, *, layers: Optional[int] = None, experts: Optional[int] = None,
     vocab: Optional[int] = None, dtype: Optional[str] = None, name: Optional[str] = None,

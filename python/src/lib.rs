@@ -265,6 +265,21 @@ fn model_from(text: &str) -> Result<ModelConfig> {
     }
 }
 
+/// JSON of the model a Hugging Face `config.json` describes (`text`, its contents; `label`
+/// names it in errors): the families and keys `reshard checkpoint` reads (docs/models.md).
+#[pyfunction]
+fn hf_model_config(text: &str, label: &str) -> PyResult<String> {
+    boundary("hf_model_config", || {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| Error::new(ErrorKind::Config, format!("{label} is not valid JSON: {e}")))
+            .py_err()?;
+        let m = reshard_checkpoint::config::from_hf_config(&v, label).py_err()?;
+        m.validate().py_err()?;
+        serde_json::to_string(&m)
+            .map_err(|e| errors::invalid(ErrorKind::Internal, e.to_string(), None))
+    })
+}
+
 /// JSON of preset `name`, scaled down by `layers`, `experts`, `vocab`.
 #[pyfunction]
 #[pyo3(signature = (name, layers=None, experts=None, vocab=None))]
@@ -412,6 +427,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_class::<receiver::Staged>()?;
         m.add_class::<bank::BankView>()?;
         m.add_function(wrap_pyfunction!(model_config, m)?)?;
+        m.add_function(wrap_pyfunction!(hf_model_config, m)?)?;
         m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
         m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;
         m.add_function(wrap_pyfunction!(receiver_copies, m)?)?;
