@@ -11,7 +11,8 @@ CPU settings, and why (each read from vLLM 0.32's CPU platform, vllm/platforms/c
 - VLLM_CPU_KVCACHE_SPACE=1: the KV cache in GiB (the default sizes it from free memory);
 - max_model_len=128, max_num_seqs=8: small batches, a small cache, a short warm-up;
 - enforce_eager=True: no torch.compile / graph capture, which on 2 cores costs minutes;
-- VLLM_CPU_OMP_THREADS_BIND: left to vLLM ("auto") unless set by the caller;
+- VLLM_CPU_OMP_THREADS_BIND: vLLM's "auto" for TP1; for TP>1 the cores split by rank
+  (bind_cpus), since "auto" refuses more ranks than NUMA nodes;
 - VLLM_ALLOW_INSECURE_SERIALIZATION=1 for --shapes (apply_model pickles a function).
 Prints one line of JSON with --json: start_s, generate_s, rss_mib (this process and every child:
 the engine core and its workers), tokens, and the parameter shapes of one layer.
@@ -35,6 +36,23 @@ import torch  # noqa: E402
 torch.cpu._init_amx()
 
 PROMPTS = [[1, 2, 3, 4], [100, 200, 300], [7] * 6, [511, 0, 42, 17, 256]]
+
+
+def bind_cpus(tp):
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks when the caller set none: the cores this process
+    may use, split into `tp` ranges ("0|1" on 2 cores). vLLM's "auto" binds by NUMA node and
+    refuses more local workers than nodes ("Not enough allowed NUMA nodes to bind threads of 2
+    local CPUWorkers"), so a TP2 engine on a one-node machine needs the binding spelled out."""
+    if tp <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise SystemExit(f"TP{tp} needs {tp} cores; this process may use {len(cores)}")
+    per = len(cores) // tp
+    groups = [cores[i * per : (i + 1) * per] for i in range(tp)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups
+    )
 
 
 def tree_rss_mib():
@@ -80,6 +98,7 @@ def main():
     ap.add_argument("--shapes", action="store_true", help="print layer 0's parameters")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    bind_cpus(args.tp)
     # LLM.apply_model sends a function to the workers: pickled, which vLLM's serializer allows
     # only with this set.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
