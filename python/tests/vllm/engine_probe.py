@@ -58,6 +58,14 @@ class ProbeError(RuntimeError):
 @dataclasses.dataclass
 class ProbeInitInfo(WeightTransferInitInfo):
     tag: str = ""
+    # "hf": the update hands checkpoint (HF) tensors to model.load_weights, as vLLM's own
+    # backends do. "shards": it hands each parameter this rank's engine-format tensor
+    # (qkv_proj, gate_up_proj, experts w13/w2, TP-sliced; what a reshard receiver holds),
+    # computed by python/tests/vllm_reference.py, copied in whole through the same layerwise
+    # reload so that vLLM's post-load processing still runs.
+    mode: str = "hf"
+    # Re-run the CPU MoE prepack after a reload (prepack_moe_in_place), which vLLM skips.
+    fix_moe: bool = False
 
 
 @dataclasses.dataclass
@@ -74,6 +82,8 @@ class ProbeEngine(WeightTransferEngine[ProbeInitInfo, ProbeUpdateInfo]):
         from vllm.distributed import parallel_state as ps
 
         self.tag = init_info.tag
+        self.mode = init_info.mode
+        self.fix_moe = init_info.fix_moe
         self.ranks = dict(
             tp=(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
             pp=(ps.get_pp_group().rank_in_group, ps.get_pp_group().world_size),
@@ -90,6 +100,42 @@ class ProbeEngine(WeightTransferEngine[ProbeInitInfo, ProbeUpdateInfo]):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        if self.mode == "shards":
+            self._direct_loaders()
+
+    def _direct_loaders(self):
+        """Make every parameter's weight loader a whole-tensor copy, under vLLM's layerwise
+        wrapper. After initialize_layerwise_reload each layer holds meta parameters in model
+        format (the shapes before post-load processing, which are the engine's rank-local
+        shapes), each with its loader wrapped to buffer loads until the layer is complete.
+        Rewrapping with a direct copy keeps that machinery (materialize, load, process, copy
+        into the kernel tensors) and replaces only the checkpoint-name slicing."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _get_original_loader,
+            get_layerwise_info,
+            initialize_online_processing,
+        )
+
+        def direct_copy(param, loaded_weight):
+            param.data.copy_(loaded_weight)
+
+        self._saved_loaders = []
+        for layer in self.model.modules():
+            info = get_layerwise_info(layer)
+            if not info.can_load():
+                continue
+            for name, t in list(layer.named_parameters(recurse=False)):
+                # The loader under vLLM's wrapper: the wrapper belongs to this reload only.
+                self._saved_loaders.append((t, _get_original_loader(t)))
+                t.weight_loader = direct_copy
+            initialize_online_processing(layer)
+
+    def _restore_loaders(self):
+        # The meta parameters are vLLM's recorded model-format metadata itself (reused on
+        # every reload), so the original loaders go back on them.
+        for t, loader in getattr(self, "_saved_loaders", []):
+            t.weight_loader = loader
+        self._saved_loaders = []
 
     def receive_weights(self, update_info):
         if update_info.fail:
@@ -102,12 +148,57 @@ class ProbeEngine(WeightTransferEngine[ProbeInitInfo, ProbeUpdateInfo]):
         from safetensors.torch import load_file
 
         tensors = load_file(update_info.path)
-        self.model.load_weights(iter(tensors.items()))
+        if self.mode == "hf":
+            self.model.load_weights(iter(tensors.items()))
+            return
+        self.shard_report = self._load_shards(tensors, os.path.dirname(update_info.path))
+
+    def _load_shards(self, tensors, folder):
+        from hf_models import Checkpoint
+        from vllm_reference import engine_tensors
+
+        from vllm.distributed import parallel_state as ps
+
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        # transformers 5 writes a Qwen3-MoE config's expert count as "num_local_experts" (its
+        # attribute_map's name for num_experts); the reference, like Qwen's published configs,
+        # reads "num_experts".
+        if "num_local_experts" in config and "num_experts" not in config:
+            config["num_experts"] = config["num_local_experts"]
+        ckpt = Checkpoint(
+            config, {n: ("bfloat16", t.view(torch.uint16).numpy()) for n, t in tensors.items()}
+        )
+        tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        reference = engine_tensors(ckpt, {"tp": tp}, r)
+        params = dict(self.model.named_parameters())
+        renamed, missing = {}, []
+        for name, (_, array) in reference.items():
+            target = name
+            if target not in params:
+                # vLLM 0.32 keeps FusedMoE weights one module deeper than the reference says.
+                alt = name.replace(".experts.", ".experts.routed_experts.")
+                if alt in params:
+                    renamed[name] = target = alt
+                else:
+                    missing.append(name)
+                    continue
+            p = params[target]
+            value = torch.from_numpy(array).view(torch.bfloat16)
+            if tuple(p.shape) != tuple(value.shape):
+                missing.append(f"{name}: engine {list(p.shape)} reference {list(value.shape)}")
+                continue
+            p.weight_loader(p, value)
+        not_given = sorted(set(params) - {renamed.get(n, n) for n in reference})
+        return dict(renamed=renamed, missing=missing, not_given=not_given, count=len(reference))
 
     def finish_weight_update(self):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._restore_loaders()
+        if self.fix_moe:
+            prepack_moe_in_place(self.model)
 
     def shutdown(self):
         pass
@@ -115,6 +206,35 @@ class ProbeEngine(WeightTransferEngine[ProbeInitInfo, ProbeUpdateInfo]):
 
 if "probe" not in WeightTransferEngineFactory._registry:
     WeightTransferEngineFactory.register_engine("probe", ProbeEngine)
+
+
+def prepack_moe_in_place(model):
+    """vLLM 0.32's CPU MoE keeps w13/w2 prepacked for its grouped GEMM
+    (fused_moe/experts/cpu_moe.py, process_weights_after_loading). On a reload,
+    UnquantizedFusedMoEMethod._setup_kernel sees the kernel already built and skips the
+    experts' process_weights_after_loading, so the reloaded (model-format) weights land in the
+    kernel tensors unpacked and the layer computes garbage. This prepacks them again into the
+    same storage (addresses kept). Returns the number of layers repacked."""
+    n = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
+                          "fused_experts", None)
+        isa = getattr(experts, "isa", None)
+        if isa is None or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(module, name)
+            torch.ops._C.prepack_moe_weight(w.detach().clone(), w.data, isa)
+        n += 1
+    return n
+
+
+def worker_prepack_moe(worker):
+    return prepack_moe_in_place(worker.get_model())
+
+
+def worker_shard_report(worker):
+    return getattr(worker.weight_transfer_engine, "shard_report", None)
 
 
 def worker_ranks(worker):
@@ -131,16 +251,24 @@ def main():
     ap.add_argument("step1")
     ap.add_argument("step2")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--fix-moe", action="store_true", help="see prepack_moe_in_place")
     args = ap.parse_args()
+    fix = {"fix_moe": args.fix_moe}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from engine_smoke import bind_cpus
 
     bind_cpus(args.tp)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    # This folder (engine_probe, engine_smoke) and python/tests (hf_models, vllm_reference),
+    # for every engine process: spawned processes take the parent's sys.path (multiprocessing
+    # passes it along), not PYTHONPATH, so both are set.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [here, os.path.dirname(here), os.environ.get("PYTHONPATH")])
+    )
+    sys.path[:0] = [p for p in (here, os.path.dirname(here)) if p not in sys.path]
     # By reference (module engine_probe, importable in every process), not as __main__.
-    from engine_probe import model_tensors, worker_ranks
+    from engine_probe import model_tensors, worker_prepack_moe, worker_ranks, worker_shard_report
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
@@ -171,7 +299,7 @@ def main():
     before = llm.apply_model(model_tensors)
     say("shapes_rank0", {n: s for n, (s, _) in before[0].items() if ".layers.0." in n or "embed" in n})
 
-    llm.init_weight_transfer_engine({"init_info": {"tag": "x"}})
+    llm.init_weight_transfer_engine({"init_info": {"tag": "x", **fix}})
     say("ranks", llm.collective_rpc(worker_ranks))
 
     t = time.monotonic()
@@ -193,8 +321,28 @@ def main():
     t = time.monotonic()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": args.step1, "is_checkpoint_format": True})
     say("reload_from_disk_s", round(time.monotonic() - t, 3))
+    if args.fix_moe:
+        say("moe_layers_repacked", llm.collective_rpc(worker_prepack_moe))
     say("tokens_after_reload_step1", tokens())
     say("reload_equals_step1", tokens() == tok1)
+
+    # Step 2 again, as rank-local engine-format tensors (see ProbeInitInfo.mode).
+    llm.init_weight_transfer_engine({"init_info": {"tag": "x", "mode": "shards", **fix}})
+    t = time.monotonic()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"path": os.path.join(args.step2, "model.safetensors")}})
+    llm.finish_weight_update(weight_version="2-shards")
+    say("shards_update_s", round(time.monotonic() - t, 3))
+    say("shards_report", llm.collective_rpc(worker_shard_report))
+    tok_shards = tokens()
+    say("tokens_after_shards_update", tok_shards)
+    say("shards_equal_hf_update", tok_shards == tok2)
+    # And the HF path still works after the loaders went back.
+    llm.init_weight_transfer_engine({"init_info": {"tag": "x", "mode": "hf", **fix}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"path": os.path.join(args.step1, "model.safetensors")}})
+    llm.finish_weight_update(weight_version="1")
+    say("hf_after_shards_equals_step1", tokens() == tok1)
 
     llm.start_weight_update()
     try:
