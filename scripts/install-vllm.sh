@@ -17,7 +17,8 @@
 #   libcudart.so.13 and libcupti.so.13, and libtorch.so links libtorch_cuda.so, which links
 #   cuBLAS, cuDNN, NCCL, cuFFT, cuRAND, cuSPARSE(Lt), cuFile, NVRTC and NVSHMEM; `import torch`
 #   fails without any of them. What it does not need to import and run on CPU is left out:
-#   triton (only torch.compile's GPU code generation; vLLM's CPU path does not import it),
+#   triton (vLLM runs without it: it warns that x86 expects triton-cpu and uses its V1 model
+#   runner instead of V2; the engine tests pass),
 #   cuSOLVER (loaded on first CUDA linear-algebra call), NVTX, cuda-bindings / cuda-pathfinder /
 #   the cuda-toolkit meta package (Python-level CUDA helpers). That saves 0.41 GB of the
 #   2.74 GB torch brings with its dependencies. Measured here: the lock downloads 2.75 GB (torch
