@@ -51,7 +51,8 @@ use reshard_core::{Error, ErrorKind, Result};
 use keys::ROOT;
 pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_HOST_LEN, MAX_TRANSPORT_LEN};
 
-/// Requests in flight at once when a receiver fetches many publishers' blobs.
+/// Requests in flight at once when a publisher writes a blob's chunks, or a receiver reads
+/// chunks one by one (`blobs`: a transaction refused as too large).
 const FETCH_CONCURRENCY: usize = 32;
 
 /// Settings of the etcd rendezvous.
