@@ -534,3 +534,50 @@ async fn blobs_of_many_chunks_are_read_whole_and_an_oversized_answer_names_the_r
         h.withdraw().await.unwrap();
     }
 }
+
+/// Listings are read in pages at one revision (issue 42 item 7): claims whose listing is larger
+/// than the client decodes in one answer (a publisher's fence under 128 receivers of 2,048
+/// ranks lists 7 MB) are all listed, and so are more member keys than one page holds.
+#[tokio::test]
+async fn listings_larger_than_one_answer_are_read_in_pages() {
+    use etcd_client::Client;
+
+    let Some(url) = endpoint() else { return };
+    let model = "listed_in_pages";
+    let long = EtcdOptions {
+        lease_ttl: Duration::from_secs(30),
+        ..options()
+    };
+    let receivers = Etcd::connect(&url, long.clone()).await.unwrap();
+    let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    // Four claims of about 1.4 MB each, 5.6 MB together: above the client's 4 MiB.
+    let ranks: Vec<(u32, u64)> = (0..50_000).map(|r| (r, 1 << 60 | r as u64)).collect();
+    for i in 0..4 {
+        let claim = serde_json::json!({"step": 1, "reader": format!("big {i}"), "ranks": ranks});
+        let value = serde_json::to_vec(&claim).unwrap();
+        assert!(value.len() > 1_300_000, "{}", value.len());
+        let key = format!("/reshard/v1/{model}/readers/{i:x}-0");
+        raw.put(key, value, None).await.unwrap();
+    }
+    let (claims, _) = receivers.readers(model).await.expect("listed in pages");
+    let mut readers: Vec<&str> = claims.iter().map(|c| c.reader.as_str()).collect();
+    readers.sort_unstable();
+    assert_eq!(readers, ["big 0", "big 1", "big 2", "big 3"]);
+    assert!(claims.iter().all(|c| c.names(49_999, 1 << 60 | 49_999)));
+    // 1,500 keys under members/ that name no rank, around one announced rank: more than a page.
+    let publishers = Etcd::connect(&url, long).await.unwrap();
+    let mut a = suite::announcement(0, 1, 1);
+    a.model = model.into();
+    let held = publishers.announce(a).await.unwrap();
+    for i in 0..1_500 {
+        let key = format!("/reshard/v1/{model}/members/x{i:05}");
+        raw.put(key, "not a record", None).await.unwrap();
+    }
+    let (members, _) = receivers.members(model).await.unwrap();
+    assert_eq!(members.iter().map(|m| m.rank).collect::<Vec<_>>(), [0]);
+    let f = receivers.fetch(model, &[0]).await.unwrap();
+    assert_eq!(f[0].announcement.rank, 0);
+    held.withdraw().await.unwrap();
+}

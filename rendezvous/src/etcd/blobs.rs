@@ -9,7 +9,7 @@ use futures::{StreamExt, TryStreamExt};
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 use super::record::{BlobRef, CHUNK_BYTES, MAX_BLOB_BYTES};
-use super::{Etcd, FETCH_CONCURRENCY};
+use super::{too_big, Etcd, FETCH_CONCURRENCY};
 
 /// Most chunk reads one read-only transaction carries: etcd's default `--max-txn-ops`.
 const READS_PER_TXN: usize = 128;
@@ -20,16 +20,6 @@ const BYTES_PER_TXN: u64 = 2 * 1024 * 1024;
 
 /// Transactions of one receiver in flight at once: each answer is up to [`BYTES_PER_TXN`].
 const TXNS_IN_FLIGHT: usize = 8;
-
-/// Whether a failed transaction was refused for its size: an answer above the client's limit
-/// on a decoded message, too many operations for the cluster's `--max-txn-ops`, or an answer
-/// above the server's limit on a message it sends (tonic and etcd say so only in the text).
-fn too_big(e: &etcd_client::Error) -> bool {
-    let text = e.to_string();
-    ["too large", "too many operations", "larger than max"]
-        .iter()
-        .any(|t| text.contains(t))
-}
 
 /// One chunk to read: which blob of the list, which chunk of it, and the bytes it should hold.
 struct ChunkRead {

@@ -45,7 +45,7 @@ mod rendezvous;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use etcd_client::{Client, ConnectOptions, GetOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue};
 use reshard_core::{Error, ErrorKind, Result};
 
 use keys::ROOT;
@@ -54,6 +54,11 @@ pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_HOST_LEN, MAX_TRANSPORT_LEN};
 /// Requests in flight at once when a publisher writes a blob's chunks, or a receiver reads
 /// chunks one by one (`blobs`: a transaction refused as too large).
 const FETCH_CONCURRENCY: usize = 32;
+
+/// Keys asked for in the first page of a listing ([`Etcd::list`]): about 0.6 MB of member
+/// records; a page etcd's answer to which is too large for the client is asked again at half
+/// the keys.
+const PAGE_KEYS: i64 = 1024;
 
 /// Settings of the etcd rendezvous.
 #[derive(Clone, Debug)]
@@ -185,6 +190,83 @@ impl Etcd {
     }
 }
 
+impl Etcd {
+    /// Every key below `prefix` (with values unless `keys_only`) and the revision they were
+    /// read at: pages of at most [`PAGE_KEYS`] keys, the first at the current revision, the
+    /// rest at that one, so the listing is one snapshot. One answer of a listing of thousands
+    /// of records or claims would pass the client's 4 MiB limit on a decoded message (issue 42
+    /// item 7: a publisher's fence could not list the claims of 128 receivers of 2,048 ranks,
+    /// 7 MB); a page refused as too large is asked again at half the keys. `what` names the
+    /// listing in errors, as in [`Etcd::err`].
+    pub(super) async fn list(
+        &self,
+        prefix: &str,
+        keys_only: bool,
+        what: &str,
+    ) -> Result<(Vec<KeyValue>, i64)> {
+        let end = prefix_end(prefix.as_bytes());
+        let mut from = prefix.as_bytes().to_vec();
+        let mut kvs = Vec::new();
+        let mut revision = 0;
+        let mut limit = PAGE_KEYS;
+        loop {
+            let mut options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(limit)
+                .with_revision(revision);
+            if keys_only {
+                options = options.with_keys_only();
+            }
+            let mut r = match self.client.clone().get(from.clone(), Some(options)).await {
+                Ok(r) => r,
+                Err(e) if too_big(&e) && limit > 1 => {
+                    limit /= 2;
+                    continue;
+                }
+                Err(e) => return Err(self.err(what, e)),
+            };
+            if revision == 0 {
+                revision = r.header().map_or(0, |h| h.revision());
+            }
+            let more = r.more();
+            let page = r.take_kvs();
+            let last = page.last().map(|kv| kv.key().to_vec());
+            kvs.extend(page);
+            match last {
+                // The next page starts right after the last key of this one.
+                Some(mut key) if more => {
+                    key.push(0);
+                    from = key;
+                }
+                _ => return Ok((kvs, revision)),
+            }
+        }
+    }
+}
+
+/// The first key after every key that starts with `prefix` (etcd's range end of a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Only 0xff bytes: to the end of the keyspace.
+    vec![0]
+}
+
+/// Whether a failed request was refused for its size: an answer above the client's limit on a
+/// decoded message, too many operations for the cluster's `--max-txn-ops`, or an answer above
+/// the server's limit on a message it sends (tonic and etcd say so only in the text).
+pub(super) fn too_big(e: &etcd_client::Error) -> bool {
+    let text = e.to_string();
+    ["too large", "too many operations", "larger than max"]
+        .iter()
+        .any(|t| text.contains(t))
+}
+
 /// A request's failure as an error: `Timeout` when etcd or the client says it timed out,
 /// else `Transport`.
 fn service_error(endpoint: &str, what: &str, e: etcd_client::Error) -> Error {
@@ -196,4 +278,19 @@ fn service_error(endpoint: &str, what: &str, e: etcd_client::Error) -> Error {
             ErrorKind::Transport
         };
     Error::new(kind, format!("could not {what} etcd at {endpoint}: {text}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn a_prefix_ends_at_its_last_byte_plus_one_past_trailing_0xff() {
+        assert_eq!(
+            prefix_end(b"/reshard/v1/m/readers/"),
+            b"/reshard/v1/m/readers0"
+        );
+        assert_eq!(prefix_end(b"a\xff\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), b"\0");
+    }
 }

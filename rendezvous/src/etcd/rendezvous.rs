@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{GetOptions, WatchOptions};
+use etcd_client::WatchOptions;
 
 use reshard_core::rendezvous::{
     Announced, Announcement, Fetched, Holder, Member, ReadClaim, Reading, Rendezvous,
@@ -29,16 +29,13 @@ impl Rendezvous for Etcd {
     }
 
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
-        let r = self
-            .client
-            .clone()
-            .get(members_prefix(model), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| self.err("list members at", e))?;
-        let revision = r.header().map_or(0, |h| h.revision()) as u64;
+        let (kvs, revision) = self
+            .list(&members_prefix(model), false, "list members at")
+            .await?;
+        let revision = revision as u64;
         let now = unix_ms();
-        let mut members = Vec::with_capacity(r.kvs().len());
-        for kv in r.kvs() {
+        let mut members = Vec::with_capacity(kvs.len());
+        for kv in &kvs {
             // One bad record (garbage, or a count out of bounds) must not blind every receiver
             // to the other members: it is left out, as a member not yet announced, and logged
             // naming its key and field (docs/bad-input.md, "Rendezvous records").
@@ -75,18 +72,14 @@ impl Rendezvous for Etcd {
         // receiver for 1,024 publishers, which held 64 receivers' discovery to 35-47 s
         // (BENCHMARKS.md, "Load held, measured"). One revision for all also makes the set one
         // snapshot: no record is read at another moment than the others.
-        let r = self
-            .client
-            .clone()
-            .get(members_prefix(model), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| self.err("read member records from", e))?;
-        let revision = r.header().map_or(0, |h| h.revision());
+        let (kvs, revision) = self
+            .list(&members_prefix(model), false, "read member records from")
+            .await?;
         let mut wanted: Vec<OwnerId> = ranks.to_vec();
         wanted.sort_unstable();
         wanted.dedup();
         let mut records = BTreeMap::new();
-        for kv in r.kvs() {
+        for kv in &kvs {
             // Only the canonical key of a wanted rank: another spelling is no record (`keys`).
             let Some(rank) = member_rank(model, kv.key()) else {
                 continue;
@@ -149,14 +142,8 @@ impl Rendezvous for Etcd {
     }
 
     async fn models(&self) -> Result<Vec<String>> {
-        let r = self
-            .client
-            .clone()
-            .get(ROOT, Some(GetOptions::new().with_prefix().with_keys_only()))
-            .await
-            .map_err(|e| self.err("list models at", e))?;
-        let mut models: Vec<String> = r
-            .kvs()
+        let (kvs, _) = self.list(ROOT, true, "list models at").await?;
+        let mut models: Vec<String> = kvs
             .iter()
             .filter_map(|kv| {
                 let key = std::str::from_utf8(kv.key()).ok()?;
