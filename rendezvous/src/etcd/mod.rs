@@ -55,10 +55,20 @@ pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_HOST_LEN, MAX_TRANSPORT_LEN};
 /// chunks one by one (`blobs`: a transaction refused as too large).
 const FETCH_CONCURRENCY: usize = 32;
 
-/// Keys asked for in the first page of a listing ([`Etcd::list`]): about 0.6 MB of member
-/// records; a page etcd's answer to which is too large for the client is asked again at half
-/// the keys.
-const PAGE_KEYS: i64 = 1024;
+/// Keys a listing's first page asks for when its values are small (member records of about
+/// 0.7 KB, or keys alone); see [`Etcd::list`].
+const FIRST_PAGE_KEYS: i64 = 1024;
+
+/// Keys the first page of reading claims asks for: a claim names every rank its receiver reads,
+/// 27 KB for 1,024 ranks.
+const FIRST_PAGE_CLAIMS: i64 = 32;
+
+/// Bytes a page after the first aims at (its key count from the first pages' bytes per key),
+/// well under the client's 4 MiB limit on a decoded message.
+const PAGE_BYTES: usize = 2 * 1024 * 1024;
+
+/// Most keys one page asks for.
+const MAX_PAGE_KEYS: i64 = 4096;
 
 /// Settings of the etcd rendezvous.
 #[derive(Clone, Debug)]
@@ -192,23 +202,27 @@ impl Etcd {
 
 impl Etcd {
     /// Every key below `prefix` (with values unless `keys_only`) and the revision they were
-    /// read at: pages of at most [`PAGE_KEYS`] keys, the first at the current revision, the
-    /// rest at that one, so the listing is one snapshot. One answer of a listing of thousands
-    /// of records or claims would pass the client's 4 MiB limit on a decoded message (issue 42
-    /// item 7: a publisher's fence could not list the claims of 128 receivers of 2,048 ranks,
-    /// 7 MB); a page refused as too large is asked again at half the keys. `what` names the
-    /// listing in errors, as in [`Etcd::err`].
+    /// read at, in pages: the first of `first_page` keys at the current revision, the rest at
+    /// that one, so the listing is one snapshot, each sized to about [`PAGE_BYTES`] from the
+    /// bytes per key seen so far. One answer of a listing of thousands of records or claims
+    /// would pass the client's 4 MiB limit on a decoded message (issue 42 item 7: a publisher's
+    /// fence could not list the claims of 128 receivers of 2,048 ranks, 7 MB); a page refused
+    /// as too large is asked again at half the keys (etcd sent it whole first: the first page
+    /// is kept small where values can be large). `what` names the listing in errors, as in
+    /// [`Etcd::err`].
     pub(super) async fn list(
         &self,
         prefix: &str,
         keys_only: bool,
+        first_page: i64,
         what: &str,
     ) -> Result<(Vec<KeyValue>, i64)> {
         let end = prefix_end(prefix.as_bytes());
         let mut from = prefix.as_bytes().to_vec();
         let mut kvs = Vec::new();
         let mut revision = 0;
-        let mut limit = PAGE_KEYS;
+        let mut limit = first_page.clamp(1, MAX_PAGE_KEYS);
+        let mut bytes = 0usize;
         loop {
             let mut options = GetOptions::new()
                 .with_range(end.clone())
@@ -231,7 +245,14 @@ impl Etcd {
             let more = r.more();
             let page = r.take_kvs();
             let last = page.last().map(|kv| kv.key().to_vec());
+            bytes += page
+                .iter()
+                .map(|kv| kv.key().len() + kv.value().len())
+                .sum::<usize>();
             kvs.extend(page);
+            if let Some(per_key) = bytes.checked_div(kvs.len()) {
+                limit = (PAGE_BYTES / per_key.max(1)).clamp(1, MAX_PAGE_KEYS as usize) as i64;
+            }
             match last {
                 // The next page starts right after the last key of this one.
                 Some(mut key) if more => {

@@ -27,7 +27,7 @@ use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 use super::keys::{reader_key, readers_prefix};
 use super::lease::lease_not_found;
-use super::Etcd;
+use super::{Etcd, FIRST_PAGE_CLAIMS};
 
 /// How long [`Reading::release`] waits for etcd to revoke a claim's lease before it hands the
 /// revoke to the claim's keeper (an election can hold a request for etcd's whole request
@@ -297,7 +297,12 @@ impl Etcd {
     /// See [`reshard_core::rendezvous::Rendezvous::readers`].
     pub(super) async fn list_claims(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
         let (kvs, revision) = self
-            .list(&readers_prefix(model), false, "list reading claims at")
+            .list(
+                &readers_prefix(model),
+                false,
+                FIRST_PAGE_CLAIMS,
+                "list reading claims at",
+            )
             .await?;
         let revision = revision as u64;
         let mut claims = Vec::with_capacity(kvs.len());

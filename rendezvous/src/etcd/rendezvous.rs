@@ -16,7 +16,7 @@ use reshard_core::{Error, ErrorKind, OwnerId, Result};
 use super::keys::{member_rank, members_prefix, readers_prefix, unescape, ROOT};
 use super::lease::Held;
 use super::record::parse_record;
-use super::{unix_ms, Etcd};
+use super::{unix_ms, Etcd, FIRST_PAGE_KEYS};
 
 #[async_trait]
 impl Rendezvous for Etcd {
@@ -30,7 +30,12 @@ impl Rendezvous for Etcd {
 
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
         let (kvs, revision) = self
-            .list(&members_prefix(model), false, "list members at")
+            .list(
+                &members_prefix(model),
+                false,
+                FIRST_PAGE_KEYS,
+                "list members at",
+            )
             .await?;
         let revision = revision as u64;
         let now = unix_ms();
@@ -73,7 +78,12 @@ impl Rendezvous for Etcd {
         // (BENCHMARKS.md, "Load held, measured"). One revision for all also makes the set one
         // snapshot: no record is read at another moment than the others.
         let (kvs, revision) = self
-            .list(&members_prefix(model), false, "read member records from")
+            .list(
+                &members_prefix(model),
+                false,
+                FIRST_PAGE_KEYS,
+                "read member records from",
+            )
             .await?;
         let mut wanted: Vec<OwnerId> = ranks.to_vec();
         wanted.sort_unstable();
@@ -142,7 +152,9 @@ impl Rendezvous for Etcd {
     }
 
     async fn models(&self) -> Result<Vec<String>> {
-        let (kvs, _) = self.list(ROOT, true, "list models at").await?;
+        let (kvs, _) = self
+            .list(ROOT, true, FIRST_PAGE_KEYS, "list models at")
+            .await?;
         let mut models: Vec<String> = kvs
             .iter()
             .filter_map(|kv| {
