@@ -8,7 +8,8 @@
 //! standing in for many trainer ranks). Receivers: each on its own connection, all started at
 //! once, does what a refit does on the rendezvous side (`runtime`'s `Subscriber`): discovery,
 //! the reading claim of the reader fence naming every rank, the members read again to check
-//! they still stand ready, then the release.
+//! they still stand ready, then the release; in between, every claim may be held until a
+//! publisher has listed them, as its fence does when it advances while receivers read.
 //!
 //! etcd's own Prometheus counters (`/metrics` of every member, summed) count the requests and
 //! bytes, so the figures are the server's, not an estimate.
