@@ -111,6 +111,7 @@ __all__ = [
     "InProcessHub",
     "model_config",
     "hf_model_config",
+    "published_step",
     "receiver_params",
     "publisher_tensors",
     "transports",
@@ -390,6 +391,16 @@ def hf_model_config(config: Union[str, "os.PathLike[str]", Mapping[str, Any]], *
     if name is not None:
         cfg["name"] = name
     return cfg
+
+
+def published_step(rendezvous: Union[str, "InProcessHub"], model: str, *,
+                   timeout: float = 30.0, after: Optional[int] = None) -> int:
+    """The newest step (above ``after``) at which every publisher rank of ``model`` is ready,
+    waiting up to ``timeout`` seconds for one (:class:`Timeout` says who was seen). An
+    orchestrator pins it so that every engine rank installs the same step
+    (``stage(step=...)``, the vLLM backend's ``update_weights``)."""
+    step, _ = _reshard.published_step(rendezvous, model, timeout, after)
+    return step
 
 
 def receiver_params(model: Model, layout: Union[str, Mapping[str, int]], rank: int) -> dict:

@@ -43,6 +43,10 @@ Model = Union[str, Mapping[str, Any]]
 Topology = Union[str, Mapping[str, int]]
 
 def numpy_dtype(dtype: str, raw: bool = False) -> np.dtype: ...
+def published_step(
+    rendezvous: Union[str, InProcessHub], model: str, *, timeout: float = 30.0,
+    after: Optional[int] = None,
+) -> int: ...
 def hf_model_config(
     config: Union[str, os.PathLike[str], Mapping[str, Any]], *, name: Optional[str] = None
 ) -> dict[str, Any]: ...

@@ -265,6 +265,34 @@ fn model_from(text: &str) -> Result<ModelConfig> {
     }
 }
 
+/// `(step, world)` of the newest step above `after` at which every publisher rank of `model` is
+/// ready on `rendezvous_arg` (an `InProcessHub` or `etcd://...`), waiting up to `timeout_s` for
+/// one: what a caller pins so that every engine rank installs the same step.
+#[pyfunction]
+#[pyo3(signature = (rendezvous_arg, model, timeout_s, after=None))]
+fn published_step(
+    py: Python<'_>,
+    rendezvous_arg: &Bound<'_, PyAny>,
+    model: &str,
+    timeout_s: f64,
+    after: Option<u64>,
+) -> PyResult<(u64, u32)> {
+    boundary("published_step", || {
+        let timeout = timeout_arg("timeout", timeout_s)?;
+        let spec = rendezvous_spec(rendezvous_arg, DEFAULT_LEASE_TTL)?;
+        let want = reshard_core::rendezvous::Want {
+            model: model.to_string(),
+            after_step: after,
+            timeout,
+        };
+        let found = wait(py, None, async move {
+            let r = spec.connect().await?;
+            reshard_core::rendezvous::discover(r.as_ref(), &want).await
+        })?;
+        Ok((found.step, found.announcements.len() as u32))
+    })
+}
+
 /// JSON of the model a Hugging Face `config.json` describes (`text`, its contents; `label`
 /// names it in errors): the families and keys `reshard checkpoint` reads (docs/models.md).
 #[pyfunction]
@@ -428,6 +456,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_class::<bank::BankView>()?;
         m.add_function(wrap_pyfunction!(model_config, m)?)?;
         m.add_function(wrap_pyfunction!(hf_model_config, m)?)?;
+        m.add_function(wrap_pyfunction!(published_step, m)?)?;
         m.add_function(wrap_pyfunction!(receiver_params, m)?)?;
         m.add_function(wrap_pyfunction!(publisher_tensors, m)?)?;
         m.add_function(wrap_pyfunction!(receiver_copies, m)?)?;

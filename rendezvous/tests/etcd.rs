@@ -451,3 +451,133 @@ async fn a_rank_spelled_twice_under_members_counts_once() {
     .await
     .unwrap();
 }
+
+/// Blobs are read many chunks to a transaction (issue 42 item 7): tables of several chunks from
+/// several ranks come back whole and in rank order; a transaction whose answer is too large to
+/// decode (chunks rewritten larger than their record declares) is read again a chunk per
+/// request, so the fetch fails as a bad blob naming its rank (`Decode`), never as etcd
+/// unreachable.
+#[tokio::test]
+async fn blobs_of_many_chunks_are_read_whole_and_an_oversized_answer_names_the_rank() {
+    use bytes::Bytes;
+    use etcd_client::Client;
+    use reshard_rendezvous::CHUNK_BYTES;
+
+    let Some(url) = endpoint() else { return };
+    let model = "many_chunks";
+    let long = EtcdOptions {
+        lease_ttl: Duration::from_secs(30),
+        ..options()
+    };
+    let publishers = Etcd::connect(&url, long.clone()).await.unwrap();
+    let receivers = Etcd::connect(&url, long).await.unwrap();
+    // Rank r's table: 2 full chunks and a part of a third, every byte telling rank and place.
+    let table = |rank: u32| {
+        let n = 2 * CHUNK_BYTES + 1000 + rank as usize;
+        Bytes::from(
+            (0..n)
+                .map(|i| (i * 7 + rank as usize) as u8)
+                .collect::<Vec<u8>>(),
+        )
+    };
+    let mut held = Vec::new();
+    for rank in 0..3 {
+        let mut a = suite::announcement(rank, 3, 1);
+        a.model = model.into();
+        a.table = table(rank);
+        held.push(publishers.announce(a).await.unwrap());
+    }
+    let f = receivers.fetch(model, &[2, 0, 1]).await.unwrap();
+    for (rank, f) in f.iter().enumerate() {
+        assert_eq!(f.announcement.rank, rank as u32);
+        assert!(
+            f.announcement.table == table(rank as u32),
+            "rank {rank}'s table"
+        );
+        assert_eq!(f.announcement.metadata, format!("meta {rank}").as_bytes());
+    }
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+    // Small tables of 4 ranks, all in one transaction; ranks 1 to 3's rewritten at 1.4 MiB
+    // each: that transaction's answer would be above the client's 4 MiB.
+    let model = "many_chunks_oversized";
+    let mut held = Vec::new();
+    for rank in 0..4 {
+        let mut a = suite::announcement(rank, 4, 1);
+        a.model = model.into();
+        held.push(publishers.announce(a).await.unwrap());
+    }
+    assert_eq!(
+        receivers.fetch(model, &[0, 1, 2, 3]).await.unwrap().len(),
+        4
+    );
+    let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    for rank in 1..4 {
+        let r = raw
+            .get(format!("/reshard/v1/{model}/members/{rank:08}"), None)
+            .await
+            .unwrap();
+        let record: serde_json::Value = serde_json::from_slice(r.kvs()[0].value()).unwrap();
+        let key = format!("{}000000", record["table"]["prefix"].as_str().unwrap());
+        raw.put(key, vec![0u8; 1400 * 1024], None).await.unwrap();
+    }
+    let e = receivers.fetch(model, &[0, 1, 2, 3]).await.unwrap_err();
+    assert_eq!(
+        (e.kind(), e.context().owner),
+        (ErrorKind::Decode, Some(1)),
+        "{e}"
+    );
+    for h in held {
+        h.withdraw().await.unwrap();
+    }
+}
+
+/// Listings are read in pages at one revision (issue 42 item 7): claims whose listing is larger
+/// than the client decodes in one answer (a publisher's fence under 128 receivers of 2,048
+/// ranks lists 7 MB) are all listed, and so are more member keys than one page holds.
+#[tokio::test]
+async fn listings_larger_than_one_answer_are_read_in_pages() {
+    use etcd_client::Client;
+
+    let Some(url) = endpoint() else { return };
+    let model = "listed_in_pages";
+    let long = EtcdOptions {
+        lease_ttl: Duration::from_secs(30),
+        ..options()
+    };
+    let receivers = Etcd::connect(&url, long.clone()).await.unwrap();
+    let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
+        .await
+        .unwrap();
+    // Four claims of about 1.4 MB each, 5.6 MB together: above the client's 4 MiB.
+    let ranks: Vec<(u32, u64)> = (0..50_000).map(|r| (r, 1 << 60 | r as u64)).collect();
+    for i in 0..4 {
+        let claim = serde_json::json!({"step": 1, "reader": format!("big {i}"), "ranks": ranks});
+        let value = serde_json::to_vec(&claim).unwrap();
+        assert!(value.len() > 1_300_000, "{}", value.len());
+        let key = format!("/reshard/v1/{model}/readers/{i:x}-0");
+        raw.put(key, value, None).await.unwrap();
+    }
+    let (claims, _) = receivers.readers(model).await.expect("listed in pages");
+    let mut readers: Vec<&str> = claims.iter().map(|c| c.reader.as_str()).collect();
+    readers.sort_unstable();
+    assert_eq!(readers, ["big 0", "big 1", "big 2", "big 3"]);
+    assert!(claims.iter().all(|c| c.names(49_999, 1 << 60 | 49_999)));
+    // 1,500 keys under members/ that name no rank, around one announced rank: more than a page.
+    let publishers = Etcd::connect(&url, long).await.unwrap();
+    let mut a = suite::announcement(0, 1, 1);
+    a.model = model.into();
+    let held = publishers.announce(a).await.unwrap();
+    for i in 0..1_500 {
+        let key = format!("/reshard/v1/{model}/members/x{i:05}");
+        raw.put(key, "not a record", None).await.unwrap();
+    }
+    let (members, _) = receivers.members(model).await.unwrap();
+    assert_eq!(members.iter().map(|m| m.rank).collect::<Vec<_>>(), [0]);
+    let f = receivers.fetch(model, &[0]).await.unwrap();
+    assert_eq!(f[0].announcement.rank, 0);
+    held.withdraw().await.unwrap();
+}

@@ -45,14 +45,30 @@ mod rendezvous;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use etcd_client::{Client, ConnectOptions, GetOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue};
 use reshard_core::{Error, ErrorKind, Result};
 
 use keys::ROOT;
 pub use record::{CHUNK_BYTES, MAX_BLOB_BYTES, MAX_HOST_LEN, MAX_TRANSPORT_LEN};
 
-/// Requests in flight at once when a receiver fetches many publishers' blobs.
+/// Requests in flight at once when a publisher writes a blob's chunks, or a receiver reads
+/// chunks one by one (`blobs`: a transaction refused as too large).
 const FETCH_CONCURRENCY: usize = 32;
+
+/// Keys a listing's first page asks for when its values are small (member records of about
+/// 0.7 KB, or keys alone); see [`Etcd::list`].
+const FIRST_PAGE_KEYS: i64 = 1024;
+
+/// Keys the first page of reading claims asks for: a claim names every rank its receiver reads,
+/// 27 KB for 1,024 ranks.
+const FIRST_PAGE_CLAIMS: i64 = 32;
+
+/// Bytes a page after the first aims at (its key count from the first pages' bytes per key),
+/// well under the client's 4 MiB limit on a decoded message.
+const PAGE_BYTES: usize = 2 * 1024 * 1024;
+
+/// Most keys one page asks for.
+const MAX_PAGE_KEYS: i64 = 4096;
 
 /// Settings of the etcd rendezvous.
 #[derive(Clone, Debug)]
@@ -184,6 +200,94 @@ impl Etcd {
     }
 }
 
+impl Etcd {
+    /// Every key below `prefix` (with values unless `keys_only`) and the revision they were
+    /// read at, in pages: the first of `first_page` keys at the current revision, the rest at
+    /// that one, so the listing is one snapshot, each sized to about [`PAGE_BYTES`] from the
+    /// bytes per key seen so far. One answer of a listing of thousands of records or claims
+    /// would pass the client's 4 MiB limit on a decoded message (issue 42 item 7: a publisher's
+    /// fence could not list the claims of 128 receivers of 2,048 ranks, 7 MB); a page refused
+    /// as too large is asked again at half the keys (etcd sent it whole first: the first page
+    /// is kept small where values can be large). `what` names the listing in errors, as in
+    /// [`Etcd::err`].
+    pub(super) async fn list(
+        &self,
+        prefix: &str,
+        keys_only: bool,
+        first_page: i64,
+        what: &str,
+    ) -> Result<(Vec<KeyValue>, i64)> {
+        let end = prefix_end(prefix.as_bytes());
+        let mut from = prefix.as_bytes().to_vec();
+        let mut kvs = Vec::new();
+        let mut revision = 0;
+        let mut limit = first_page.clamp(1, MAX_PAGE_KEYS);
+        let mut bytes = 0usize;
+        loop {
+            let mut options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(limit)
+                .with_revision(revision);
+            if keys_only {
+                options = options.with_keys_only();
+            }
+            let mut r = match self.client.clone().get(from.clone(), Some(options)).await {
+                Ok(r) => r,
+                Err(e) if too_big(&e) && limit > 1 => {
+                    limit /= 2;
+                    continue;
+                }
+                Err(e) => return Err(self.err(what, e)),
+            };
+            if revision == 0 {
+                revision = r.header().map_or(0, |h| h.revision());
+            }
+            let more = r.more();
+            let page = r.take_kvs();
+            let last = page.last().map(|kv| kv.key().to_vec());
+            bytes += page
+                .iter()
+                .map(|kv| kv.key().len() + kv.value().len())
+                .sum::<usize>();
+            kvs.extend(page);
+            if let Some(per_key) = bytes.checked_div(kvs.len()) {
+                limit = (PAGE_BYTES / per_key.max(1)).clamp(1, MAX_PAGE_KEYS as usize) as i64;
+            }
+            match last {
+                // The next page starts right after the last key of this one.
+                Some(mut key) if more => {
+                    key.push(0);
+                    from = key;
+                }
+                _ => return Ok((kvs, revision)),
+            }
+        }
+    }
+}
+
+/// The first key after every key that starts with `prefix` (etcd's range end of a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Only 0xff bytes: to the end of the keyspace.
+    vec![0]
+}
+
+/// Whether a failed request was refused for its size: an answer above the client's limit on a
+/// decoded message, too many operations for the cluster's `--max-txn-ops`, or an answer above
+/// the server's limit on a message it sends (tonic and etcd say so only in the text).
+pub(super) fn too_big(e: &etcd_client::Error) -> bool {
+    let text = e.to_string();
+    ["too large", "too many operations", "larger than max"]
+        .iter()
+        .any(|t| text.contains(t))
+}
+
 /// A request's failure as an error: `Timeout` when etcd or the client says it timed out,
 /// else `Transport`.
 fn service_error(endpoint: &str, what: &str, e: etcd_client::Error) -> Error {
@@ -195,4 +299,19 @@ fn service_error(endpoint: &str, what: &str, e: etcd_client::Error) -> Error {
             ErrorKind::Transport
         };
     Error::new(kind, format!("could not {what} etcd at {endpoint}: {text}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn a_prefix_ends_at_its_last_byte_plus_one_past_trailing_0xff() {
+        assert_eq!(
+            prefix_end(b"/reshard/v1/m/readers/"),
+            b"/reshard/v1/m/readers0"
+        );
+        assert_eq!(prefix_end(b"a\xff\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), b"\0");
+    }
 }

@@ -18,7 +18,7 @@
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use etcd_client::{Client, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -27,7 +27,7 @@ use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
 use super::keys::{reader_key, readers_prefix};
 use super::lease::lease_not_found;
-use super::Etcd;
+use super::{Etcd, FIRST_PAGE_CLAIMS};
 
 /// How long [`Reading::release`] waits for etcd to revoke a claim's lease before it hands the
 /// revoke to the claim's keeper (an election can hold a request for etcd's whole request
@@ -296,15 +296,17 @@ impl Etcd {
 
     /// See [`reshard_core::rendezvous::Rendezvous::readers`].
     pub(super) async fn list_claims(&self, model: &str) -> Result<(Vec<ReadClaim>, u64)> {
-        let r = self
-            .client
-            .clone()
-            .get(readers_prefix(model), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| self.err("list reading claims at", e))?;
-        let revision = r.header().map_or(0, |h| h.revision()) as u64;
-        let mut claims = Vec::with_capacity(r.kvs().len());
-        for kv in r.kvs() {
+        let (kvs, revision) = self
+            .list(
+                &readers_prefix(model),
+                false,
+                FIRST_PAGE_CLAIMS,
+                "list reading claims at",
+            )
+            .await?;
+        let revision = revision as u64;
+        let mut claims = Vec::with_capacity(kvs.len());
+        for kv in &kvs {
             match parse_claim(model, kv.key(), kv.value()) {
                 Ok(c) => claims.push(c),
                 // Garbage under readers/ must not stop a publisher: left out and logged.

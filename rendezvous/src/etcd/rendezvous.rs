@@ -2,21 +2,21 @@
 //! the rank's record (`lease` owns all of that); receivers list records, fetch blobs at a
 //! record's revision and watch for changes.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{GetOptions, WatchOptions};
-use futures::{StreamExt, TryStreamExt};
+use etcd_client::WatchOptions;
 
 use reshard_core::rendezvous::{
     Announced, Announcement, Fetched, Holder, Member, ReadClaim, Reading, Rendezvous,
 };
 use reshard_core::{Error, ErrorKind, OwnerId, Result};
 
-use super::keys::{member_key, member_rank, members_prefix, readers_prefix, unescape, ROOT};
+use super::keys::{member_rank, members_prefix, readers_prefix, unescape, ROOT};
 use super::lease::Held;
 use super::record::parse_record;
-use super::{unix_ms, Etcd, FETCH_CONCURRENCY};
+use super::{unix_ms, Etcd, FIRST_PAGE_KEYS};
 
 #[async_trait]
 impl Rendezvous for Etcd {
@@ -29,16 +29,18 @@ impl Rendezvous for Etcd {
     }
 
     async fn members(&self, model: &str) -> Result<(Vec<Member>, u64)> {
-        let r = self
-            .client
-            .clone()
-            .get(members_prefix(model), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| self.err("list members at", e))?;
-        let revision = r.header().map_or(0, |h| h.revision()) as u64;
+        let (kvs, revision) = self
+            .list(
+                &members_prefix(model),
+                false,
+                FIRST_PAGE_KEYS,
+                "list members at",
+            )
+            .await?;
+        let revision = revision as u64;
         let now = unix_ms();
-        let mut members = Vec::with_capacity(r.kvs().len());
-        for kv in r.kvs() {
+        let mut members = Vec::with_capacity(kvs.len());
+        for kv in &kvs {
             // One bad record (garbage, or a count out of bounds) must not blind every receiver
             // to the other members: it is left out, as a member not yet announced, and logged
             // naming its key and field (docs/bad-input.md, "Rendezvous records").
@@ -70,51 +72,77 @@ impl Rendezvous for Etcd {
     }
 
     async fn fetch(&self, model: &str, ranks: &[OwnerId]) -> Result<Vec<Fetched>> {
-        let mut out: Vec<Fetched> = futures::stream::iter(ranks.iter().copied())
-            .map(|rank| async move {
-                let r = self
-                    .client
-                    .clone()
-                    .get(member_key(model, rank), None)
-                    .await
-                    .map_err(|e| self.err("read a member record from", e))?;
-                let revision = r.header().map_or(0, |h| h.revision());
-                let kv = r.kvs().first().ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::PeerUnknown,
-                        format!(
-                            "publisher rank {rank} of model {model:?} is not announced at {}",
-                            self.endpoint
-                        ),
-                    )
-                    .with_owner(rank)
-                })?;
-                let rec = parse_record(model, kv.key(), kv.value())?;
-                let (table, metadata, config) = futures::try_join!(
-                    self.get_blob(&rec.table, revision, rank),
-                    self.get_blob(&rec.metadata, revision, rank),
-                    self.get_blob(&rec.config, revision, rank)
-                )?;
-                Ok::<_, Error>(Fetched {
-                    announcement: Announcement {
-                        model: model.to_string(),
-                        rank,
-                        world: rec.world,
-                        step: rec.step,
-                        transport: rec.transport,
-                        incarnation: rec.incarnation,
-                        table,
-                        metadata,
-                        config,
-                    },
-                    // The blobs are this record's (read at its revision): its readiness is theirs.
-                    ready: rec.ready,
-                })
-            })
-            .buffer_unordered(FETCH_CONCURRENCY)
-            .try_collect()
+        // Every record in one range, then every blob at that range's revision, many chunks per
+        // request (`get_blobs`): a request per record and per blob cost etcd 4,100 requests per
+        // receiver for 1,024 publishers, which held 64 receivers' discovery to 35-47 s
+        // (BENCHMARKS.md, "Load held, measured"). One revision for all also makes the set one
+        // snapshot: no record is read at another moment than the others.
+        let (kvs, revision) = self
+            .list(
+                &members_prefix(model),
+                false,
+                FIRST_PAGE_KEYS,
+                "read member records from",
+            )
             .await?;
-        out.sort_by_key(|f| f.announcement.rank);
+        let mut wanted: Vec<OwnerId> = ranks.to_vec();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mut records = BTreeMap::new();
+        for kv in &kvs {
+            // Only the canonical key of a wanted rank: another spelling is no record (`keys`).
+            let Some(rank) = member_rank(model, kv.key()) else {
+                continue;
+            };
+            if wanted.binary_search(&rank).is_ok() {
+                records.insert(rank, kv);
+            }
+        }
+        let mut recs = Vec::with_capacity(wanted.len());
+        for &rank in &wanted {
+            let kv = records.get(&rank).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::PeerUnknown,
+                    format!(
+                        "publisher rank {rank} of model {model:?} is not announced at {}",
+                        self.endpoint
+                    ),
+                )
+                .with_owner(rank)
+            })?;
+            recs.push(parse_record(model, kv.key(), kv.value())?);
+        }
+        let blobs: Vec<_> = recs
+            .iter()
+            .flat_map(|rec| [&rec.table, &rec.metadata, &rec.config].map(|b| (rec.rank, b)))
+            .collect();
+        let mut blobs = self.get_blobs(&blobs, revision).await?.into_iter();
+        let mut out = Vec::with_capacity(recs.len());
+        for rec in recs {
+            let (Some(table), Some(metadata), Some(config)) =
+                (blobs.next(), blobs.next(), blobs.next())
+            else {
+                return Err(Error::new(
+                    ErrorKind::Internal,
+                    "fewer blobs read than asked for".to_string(),
+                ));
+            };
+            out.push(Fetched {
+                announcement: Announcement {
+                    model: model.to_string(),
+                    rank: rec.rank,
+                    world: rec.world,
+                    step: rec.step,
+                    transport: rec.transport,
+                    incarnation: rec.incarnation,
+                    table,
+                    metadata,
+                    config,
+                },
+                // The blobs are this record's (read at its revision): its readiness is theirs.
+                ready: rec.ready,
+            });
+        }
         Ok(out)
     }
 
@@ -124,14 +152,10 @@ impl Rendezvous for Etcd {
     }
 
     async fn models(&self) -> Result<Vec<String>> {
-        let r = self
-            .client
-            .clone()
-            .get(ROOT, Some(GetOptions::new().with_prefix().with_keys_only()))
-            .await
-            .map_err(|e| self.err("list models at", e))?;
-        let mut models: Vec<String> = r
-            .kvs()
+        let (kvs, _) = self
+            .list(ROOT, true, FIRST_PAGE_KEYS, "list models at")
+            .await?;
+        let mut models: Vec<String> = kvs
             .iter()
             .filter_map(|kv| {
                 let key = std::str::from_utf8(kv.key()).ok()?;
