@@ -274,12 +274,24 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
             Some(s) => Ok(s),
         }
     };
+    // transformers 5 writes a Qwen MoE config's expert count as "num_local_experts" (its config
+    // classes map the attribute `num_experts` onto that key), earlier versions and published
+    // checkpoints as "num_experts": either is the count, and without both the model is dense.
+    let qwen_experts = |opt: &dyn Fn(&str) -> Result<Option<u64>>| -> Result<Option<u64>> {
+        match (opt("num_experts")?, opt("num_local_experts")?) {
+            (Some(a), Some(b)) if a != b => Err(err(format!(
+                "key \"num_experts\" is {a} but key \"num_local_experts\" is {b}; \
+                 they name the same expert count"
+            ))),
+            (a, b) => Ok(a.or(b)),
+        }
+    };
     let mut intermediate = opt_u64("intermediate_size")?.unwrap_or(0);
     let mut shared_intermediate = 0;
     // Which layers are MoE follows vLLM's model code for each family (docs/models.md).
     let (moe, dense_layers) = match fam.moe_keys {
         MoeKeys::None => (None, Vec::new()),
-        MoeKeys::Qwen { shared } => match opt_u64("num_experts")? {
+        MoeKeys::Qwen { shared } => match qwen_experts(&opt_u64)? {
             Some(e) if e > 0 => {
                 let step = step_of("decoder_sparse_step")?;
                 let only = layer_list("mlp_only_layers")?;
@@ -388,12 +400,21 @@ pub fn from_hf_config(v: &Value, label: &str) -> Result<ModelConfig> {
             fp8_block,
         }),
     };
+    // The key this file gave the expert count under, for the messages below.
+    let experts_key = match fam.moe_keys {
+        MoeKeys::Mixtral => "num_local_experts",
+        MoeKeys::DeepSeek => "n_routed_experts",
+        MoeKeys::Qwen { .. } if !obj.contains_key("num_experts") => "num_local_experts",
+        _ => "num_experts",
+    };
     // The bounds first, named by the keys of this file (validate names the model's fields).
     if let Some(b) = model.out_of_bounds() {
         let what = match b.field {
             "layers" => "key \"num_hidden_layers\"",
-            "experts" => "key \"num_experts\"",
-            "tensors" => "the tensor count (from \"num_hidden_layers\" and \"num_experts\")",
+            "experts" => &format!("key {experts_key:?}"),
+            "tensors" => {
+                &format!("the tensor count (from \"num_hidden_layers\" and {experts_key:?})")
+            }
             _ => "the total size in bytes (from the dimensions and \"torch_dtype\")",
         };
         let is = if b.value == u64::MAX {
@@ -616,6 +637,100 @@ mod tests {
         v["vocab_size"] = json!(u64::MAX / 4);
         let e = from_hf_config(&v, "t").unwrap_err();
         assert!(e.message().contains("total size in bytes"), "{e}");
+    }
+
+    /// config.json of the tiny Qwen3-MoE model transformers 5.19's `save_pretrained` writes
+    /// (python/tests/vllm/tiny_models.py), keys that carry no shape left out.
+    fn transformers5_qwen3_moe() -> Value {
+        json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1, "dtype": "bfloat16", "head_dim": 64, "hidden_size": 256,
+            "intermediate_size": 512, "mlp_only_layers": [], "moe_intermediate_size": 128,
+            "norm_topk_prob": true, "num_attention_heads": 4, "num_experts_per_tok": 2,
+            "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "tie_word_embeddings": false, "transformers_version": "5.19.0", "vocab_size": 512
+        })
+    }
+
+    #[test]
+    fn qwen_moe_expert_count_under_either_key() {
+        // transformers 5 says "num_local_experts": the model is MoE, every layer sparse.
+        let v = transformers5_qwen3_moe();
+        let m = from_hf_config(&v, "t").unwrap();
+        let moe = m
+            .moe
+            .as_ref()
+            .expect("a num_local_experts config parsed as dense");
+        assert_eq!((moe.experts, moe.expert_intermediate), (4, 128));
+        assert!(m.arch.dense_layers.is_empty(), "{:?}", m.arch.dense_layers);
+        assert!(m.qk_norm);
+        // The same count under the older key, or under both, is the same model.
+        let mut old = v.clone();
+        let n = old
+            .as_object_mut()
+            .unwrap()
+            .remove("num_local_experts")
+            .unwrap();
+        old["num_experts"] = n;
+        assert_eq!(from_hf_config(&old, "t").unwrap(), m);
+        let mut both = old.clone();
+        both["num_local_experts"] = json!(4);
+        assert_eq!(from_hf_config(&both, "t").unwrap(), m);
+        // Two different counts: which one is meant cannot be told, so neither is taken.
+        both["num_local_experts"] = json!(8);
+        let e = from_hf_config(&both, "t").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(
+            e.message().contains("\"num_experts\" is 4")
+                && e.message().contains("\"num_local_experts\" is 8"),
+            "{e}"
+        );
+        // qwen2_moe's classes map the key the same way.
+        let mut q2 = v.clone();
+        q2["model_type"] = json!("qwen2_moe");
+        q2["shared_expert_intermediate_size"] = json!(256);
+        let m2 = from_hf_config(&q2, "t").unwrap();
+        assert_eq!(m2.moe.as_ref().map(|m| m.experts), Some(4));
+        assert_eq!(m2.arch.shared_intermediate, 256);
+        // A bound exceeded names the key the file used.
+        let mut big = v.clone();
+        big["num_local_experts"] = json!(1u64 << 40);
+        let e = from_hf_config(&big, "t").unwrap_err();
+        assert!(e.message().contains("key \"num_local_experts\""), "{e}");
+    }
+
+    #[test]
+    fn transformers5_dense_configs_parse() {
+        // What transformers 5.19 writes for llama and qwen2 (tiny_models.py): "dtype" instead of
+        // "torch_dtype", "rope_parameters" instead of "rope_theta" (not a shape: ignored),
+        // qwen2 without "head_dim".
+        let llama = json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "attention_bias": false, "dtype": "bfloat16", "head_dim": 64, "hidden_size": 256,
+            "intermediate_size": 512, "mlp_bias": false, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "num_key_value_heads": 2,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "tie_word_embeddings": false, "vocab_size": 512
+        });
+        let mut qwen2 = llama.clone();
+        let o = qwen2.as_object_mut().unwrap();
+        for k in ["attention_bias", "mlp_bias", "head_dim"] {
+            o.remove(k);
+        }
+        o.insert("model_type".into(), json!("qwen2"));
+        o.insert(
+            "layer_types".into(),
+            json!(["full_attention", "full_attention"]),
+        );
+        for (v, t) in [(llama, "llama"), (qwen2, "qwen2")] {
+            let m = from_hf_config(&v, "t").unwrap();
+            assert_eq!(m.model_type(), t);
+            assert_eq!((m.layers, m.hidden, m.heads, m.kv_heads), (2, 256, 4, 2));
+            assert_eq!((m.head_dim, m.intermediate, m.vocab), (64, 512, 512));
+            assert_eq!(m.dtype, DType::Bf16);
+            assert!(m.moe.is_none() && !m.tied_embeddings && !m.qk_norm, "{t}");
+        }
     }
 
     #[test]
