@@ -173,6 +173,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
     config: Optional[dict] = None
     #: Seconds to connect (and the default bound of every update).
     timeout: float = 300.0
+    #: The model's shapes (an HF ``config.json`` dict, a preset name or a reshard configuration
+    #: dict): when given, the layout is checked against it at once and the receivers connect
+    #: at their first update, so the engines can be set up before anything is published (the
+    #: trainer engine does); the publishers' model must then be this one.
+    architecture: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rendezvous, str) or not self.rendezvous.startswith("etcd://"):
@@ -243,11 +248,17 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         rank, layout = self._rank_and_layout()
         rx = reshard.Receiver(model=info.model, layout=layout, rank=rank,
                               rendezvous=info.rendezvous, transport=info.transport,
-                              config=info.config, timeout=info.timeout, install="swap")
+                              config=info.config, timeout=info.timeout, install="swap",
+                              architecture=info.architecture)
         try:
-            rx.connect(timeout=info.timeout)
+            if info.architecture is None:
+                rx.connect(timeout=info.timeout)
+                architecture = rx.architecture
+            else:
+                architecture = reshard.hf_model_config(info.architecture) \
+                    if reshard._is_hf_config(info.architecture) else info.architecture
             self._targets = _match(self.model, reshard.receiver_params(
-                rx.architecture, layout, rank), rank, layout)
+                architecture, layout, rank), rank, layout)
         except BaseException:
             rx.close()
             raise
@@ -564,9 +575,11 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def init(llm: Any, *, rendezvous: str, model: str, transport: Optional[str] = None,
-         config: Optional[dict] = None, timeout: float = 300.0) -> None:
+         config: Optional[dict] = None, timeout: float = 300.0, architecture: Any = None) -> None:
     """``llm.init_weight_transfer_engine`` with reshard's init info; typed errors."""
     info = {"rendezvous": rendezvous, "model": model, "timeout": timeout}
+    if architecture is not None:
+        info["architecture"] = architecture
     if transport is not None:
         info["transport"] = transport
     if config is not None:
@@ -622,6 +635,30 @@ def rollback(llm: Any) -> Optional[int]:
     llm.finish_weight_update(weight_version=None if back is None else str(back))
     st["steps"] = st["steps"][:1]
     return back
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` over an offline ``LLM`` in this process, for a trainer
+    engine that drives an engine it holds (vLLM ships HTTP and Ray clients for the others)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """``llm.init_weight_transfer_engine`` with ``init_info``."""
+        init(self.llm, **init_info)
+
+    def start_weight_update(self) -> None:
+        """``llm.start_weight_update()``."""
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        """``llm.update_weights`` with ``update_info``; typed errors."""
+        _call(self.llm.update_weights, {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        """``llm.finish_weight_update(weight_version)``."""
+        self.llm.finish_weight_update(weight_version=weight_version)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,8 +724,13 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                              f"{name!r}; its source does not", tensor=name)
             self.publisher.register(name, held[name].detach())
         if self.is_sender:
+            # With the architecture, the engines check their layout now and connect at their
+            # first update: nothing is published before send_weights.
+            architecture = init_info.architecture
+            if reshard._is_hf_config(architecture):
+                architecture = reshard.hf_model_config(architecture)
             info = {"rendezvous": init_info.rendezvous, "model": init_info.model,
-                    "timeout": init_info.timeout}
+                    "timeout": init_info.timeout, "architecture": architecture}
             if init_info.transport is not None:
                 info["transport"] = init_info.transport
             if init_info.config is not None:
