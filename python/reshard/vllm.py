@@ -173,6 +173,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
     config: Optional[dict] = None
     #: Seconds to connect (and the default bound of every update).
     timeout: float = 300.0
+    #: The model's shapes (an HF ``config.json`` dict, a preset name or a reshard configuration
+    #: dict): when given, the layout is checked against it at once and the receivers connect
+    #: at their first update, so the engines can be set up before anything is published (the
+    #: trainer engine does); the publishers' model must then be this one.
+    architecture: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rendezvous, str) or not self.rendezvous.startswith("etcd://"):
@@ -243,11 +248,17 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         rank, layout = self._rank_and_layout()
         rx = reshard.Receiver(model=info.model, layout=layout, rank=rank,
                               rendezvous=info.rendezvous, transport=info.transport,
-                              config=info.config, timeout=info.timeout, install="swap")
+                              config=info.config, timeout=info.timeout, install="swap",
+                              architecture=info.architecture)
         try:
-            rx.connect(timeout=info.timeout)
+            if info.architecture is None:
+                rx.connect(timeout=info.timeout)
+                architecture = rx.architecture
+            else:
+                architecture = reshard.hf_model_config(info.architecture) \
+                    if reshard._is_hf_config(info.architecture) else info.architecture
             self._targets = _match(self.model, reshard.receiver_params(
-                rx.architecture, layout, rank), rank, layout)
+                architecture, layout, rank), rank, layout)
         except BaseException:
             rx.close()
             raise
@@ -398,26 +409,40 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
 
 def _vllm_params(model: torch.nn.Module) -> dict:
-    """``{name: (module, attribute, meta tensor)}`` of every parameter vLLM loads, in model
-    format (the shapes and dtypes before post-load processing, which vLLM recorded when it built
-    the model: its reload reloads into those)."""
+    """``{name: (meta-or-live tensor, how)}`` of every parameter a reload must fill, in model
+    format where vLLM recorded it (the shapes and dtypes before post-load processing, recorded
+    when it built the model: its reload reloads into those; ``how`` is ``"reload"``). vLLM
+    records no ``bias`` (built after the weights, it is never moved to meta): a reload fills the
+    live one, in whatever dtype post-load processing left (the CPU GEMM keeps biases in f32;
+    ``"reload"`` too). Tensors vLLM's reload never loads (``e_score_correction_bias``, ...) are
+    copied into the live tensor after it (``"direct"``)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
     out = {}
     for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
         params, _ = get_layerwise_info(module).restore_metadata
         for pname, t in params.items():
-            if pname in SKIP_LOAD_TENSORS:
-                continue
-            out[f"{mname}.{pname}" if mname else pname] = (module, pname, t)
+            if pname not in SKIP_LOAD_TENSORS:
+                out[prefix + pname] = (t, "reload")
+        for pname, t in module.named_parameters(recurse=False):
+            if pname == "bias" and pname not in params:
+                out[prefix + pname] = (t, "reload")
+            elif pname in SKIP_LOAD_TENSORS:
+                out[prefix + pname] = (t, "direct")
     return out
 
 
+# Lossless widenings a copy into vLLM's tensor may make (a bias kept in f32 by the CPU GEMM).
+_WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
 def _match(model: torch.nn.Module, specs: dict, rank: int, layout: dict) -> list:
-    """``[(reshard name, vLLM name)]``: every parameter of reshard's layout for this rank paired
-    with the vLLM parameter of the same name, shape and dtype, and every vLLM parameter paired;
-    anything else is a ``reshard.Layout`` error naming the first parameter that differs."""
+    """``[(reshard name, vLLM name, how)]``: every parameter of reshard's layout for this rank
+    paired with the vLLM parameter of the same name, shape and dtype (or a dtype it widens to
+    losslessly), and every vLLM parameter paired; anything else is a ``reshard.Layout`` error
+    naming the first parameter that differs."""
     ours = _vllm_params(model)
     if not ours:
         raise _error(reshard.Layout, "layout",
@@ -435,15 +460,16 @@ def _match(model: torch.nn.Module, specs: dict, rank: int, layout: dict) -> list
             raise _error(reshard.Layout, "layout",
                          f"{where}: reshard's parameter {name!r} is not one vLLM loads "
                          f"(vLLM has {len(ours)} parameters)", tensor=name)
-        _, _, meta = ours[target]
+        meta, how = ours[target]
         want = _TORCH_DTYPES.get(dtype)
-        if tuple(meta.shape) != tuple(shape) or meta.dtype != want:
+        dtype_ok = meta.dtype == want or (want, meta.dtype) in _WIDENS
+        if tuple(meta.shape) != tuple(shape) or not dtype_ok:
             raise _error(reshard.Layout, "layout",
                          f"{where}: parameter {target!r} is {meta.dtype} {list(meta.shape)} in "
                          f"vLLM but {dtype} {list(shape)} in reshard's layout", tensor=name)
-        pairs.append((name, target))
+        pairs.append((name, target, how))
         used.add(target)
-    missing = [n for n in ours if n not in used]
+    missing = [n for n, (_, how) in ours.items() if n not in used and how == "reload"]
     if missing:
         raise _error(reshard.Layout, "layout",
                      f"{where}: vLLM loads {missing[0]!r}, which reshard's layout does not "
@@ -475,7 +501,7 @@ def _reload(model: torch.nn.Module, model_config: Any, rx: reshard.Receiver,
 
     initialize_layerwise_reload(model)
     try:
-        wanted = {v: n for n, v in targets}
+        wanted = {v: n for n, v, how in targets if how == "reload"}
         # Loaders go back on the recorded meta parameters after (vLLM reuses them).
         for mname, module in model.named_modules():
             if not get_layerwise_info(module).can_load():
@@ -494,7 +520,15 @@ def _reload(model: torch.nn.Module, model_config: Any, rx: reshard.Receiver,
         for p, loader in saved:
             p.weight_loader = loader
         # The views of reshard's bank go now: a later refit lands in it.
+        direct = {v: weights[n] for n, v, how in targets if how == "direct"}
         del weights
+        gc.collect()
+    if direct:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for vname, tensor in direct.items():
+                params[vname].data.copy_(tensor)
+        del direct
         gc.collect()
     _prepack_cpu_moe(model)
 
@@ -541,9 +575,11 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def init(llm: Any, *, rendezvous: str, model: str, transport: Optional[str] = None,
-         config: Optional[dict] = None, timeout: float = 300.0) -> None:
+         config: Optional[dict] = None, timeout: float = 300.0, architecture: Any = None) -> None:
     """``llm.init_weight_transfer_engine`` with reshard's init info; typed errors."""
     info = {"rendezvous": rendezvous, "model": model, "timeout": timeout}
+    if architecture is not None:
+        info["architecture"] = architecture
     if transport is not None:
         info["transport"] = transport
     if config is not None:
@@ -599,6 +635,30 @@ def rollback(llm: Any) -> Optional[int]:
     llm.finish_weight_update(weight_version=None if back is None else str(back))
     st["steps"] = st["steps"][:1]
     return back
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` over an offline ``LLM`` in this process, for a trainer
+    engine that drives an engine it holds (vLLM ships HTTP and Ray clients for the others)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """``llm.init_weight_transfer_engine`` with ``init_info``."""
+        init(self.llm, **init_info)
+
+    def start_weight_update(self) -> None:
+        """``llm.start_weight_update()``."""
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        """``llm.update_weights`` with ``update_info``; typed errors."""
+        _call(self.llm.update_weights, {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        """``llm.finish_weight_update(weight_version)``."""
+        self.llm.finish_weight_update(weight_version=weight_version)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,8 +724,13 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                              f"{name!r}; its source does not", tensor=name)
             self.publisher.register(name, held[name].detach())
         if self.is_sender:
+            # With the architecture, the engines check their layout now and connect at their
+            # first update: nothing is published before send_weights.
+            architecture = init_info.architecture
+            if reshard._is_hf_config(architecture):
+                architecture = reshard.hf_model_config(architecture)
             info = {"rendezvous": init_info.rendezvous, "model": init_info.model,
-                    "timeout": init_info.timeout}
+                    "timeout": init_info.timeout, "architecture": architecture}
             if init_info.transport is not None:
                 info["transport"] = init_info.transport
             if init_info.config is not None:
