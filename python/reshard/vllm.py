@@ -322,15 +322,24 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # A step staged in the background moved its bytes then, not in this update.
         self._install(t0, stage_s=stage_s, wire_bytes=report.wire_bytes if now else 0)
 
+    def _stage(self, info: ReshardUpdateInfo) -> Any:
+        """``rx.stage`` for ``info``. A stage refused because views of the bank it lands in
+        are still alive (``reshard.Busy``: an install's views held by a reference cycle) is
+        tried again once after a garbage collection."""
+        kwargs = dict(step=info.step, timeout=self._timeout(info), allow_older=info.allow_older)
+        try:
+            return self._rx.stage(**kwargs)
+        except reshard.Busy:
+            gc.collect()
+            return self._rx.stage(**kwargs)
+
     def _stage_in_background(self, info: ReshardUpdateInfo) -> None:
         self._finish_background()
-        timeout = self._timeout(info)
 
         def run() -> None:
             t = time.perf_counter()
             try:
-                staged = self._rx.stage(step=info.step, timeout=timeout,
-                                        allow_older=info.allow_older)
+                staged = self._stage(info)
                 self._background_result = ("ok", staged, time.perf_counter() - t)
             except BaseException as e:  # kept for the update that installs it
                 self._background_result = ("error", e, time.perf_counter() - t)
@@ -338,6 +347,20 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._background_result = None
         self._background = threading.Thread(target=run, name="reshard-stage", daemon=True)
         self._background.start()
+
+    def stage_state(self) -> dict:
+        """The background stage: ``running``, and once it ended ``result`` (``"ok"`` or
+        ``"error"``), ``step`` (the step staged, when ok), ``stage_s`` and ``error`` (the
+        message, when it failed); ``{"running": False, "result": None}`` when there is none.
+        What a caller polls (through ``collective_rpc``) to know a stage is done before the
+        pause."""
+        bg, done = self._background, self._background_result
+        out: dict = {"running": bool(bg is not None and bg.is_alive()), "result": None}
+        if done is not None and not out["running"]:
+            out.update(result=done[0], stage_s=done[2],
+                       step=done[1].step if done[0] == "ok" else None,
+                       error=str(done[1]) if done[0] == "error" else None)
+        return out
 
     def _finish_background(self) -> Optional[tuple]:
         """Waits for a background stage; its result (or None when there was none)."""
@@ -352,13 +375,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         """A verified step for this update: the one staged in the background when it is the
         step asked for (no byte moves now), else a stage now. ``(staged, stage_s, staged now)``."""
         done = self._finish_background()
+        self._background_s = None if done is None else done[2]
         if done is not None and done[0] == "ok":
             staged = done[1]
             if info.step is None or staged.step == info.step:
                 return staged, 0.0, False
         t = time.perf_counter()
-        staged = self._rx.stage(step=info.step, timeout=self._timeout(info),
-                                allow_older=info.allow_older)
+        staged = self._stage(info)
         return staged, time.perf_counter() - t, True
 
     def _agree(self, step: int) -> None:
@@ -394,7 +417,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         now = time.perf_counter()
         self.last_update = {"step": self.installed_step, "stage_s": stage_s,
                             "install_s": now - t, "apply_s": now - t0 - stage_s,
-                            "wire_bytes": wire_bytes}
+                            "wire_bytes": wire_bytes,
+                            "background_stage_s": getattr(self, "_background_s", None)}
+        self._background_s = None
         logger.info("reshard: step %s installed: stage %.3f s, install %.3f s, %d wire bytes",
                     self.installed_step, stage_s, now - t, wire_bytes)
 
@@ -519,17 +544,18 @@ def _reload(model: torch.nn.Module, model_config: Any, rx: reshard.Receiver,
         finalize_layerwise_reload(model, model_config)
         for p, loader in saved:
             p.weight_loader = loader
-        # The views of reshard's bank go now: a later refit lands in it.
+        # The views of reshard's bank go now (a later refit lands in it), by reference
+        # counting: a full gc.collect() here cost 0.45 s per install in a worker process.
+        # A view kept alive by a cycle is collected when a stage finds the bank still lent
+        # (_stage).
         direct = {v: weights[n] for n, v, how in targets if how == "direct"}
         del weights
-        gc.collect()
     if direct:
         params = dict(model.named_parameters())
         with torch.no_grad():
             for vname, tensor in direct.items():
                 params[vname].data.copy_(tensor)
         del direct
-        gc.collect()
     _prepack_cpu_moe(model)
 
 
@@ -690,6 +716,33 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     first_step: int = 1
 
 
+def checkpoint_tensors(named: dict, wanted: dict) -> dict:
+    """``named`` (a model's ``named_parameters()``) in checkpoint names: what reshard's layouts
+    and an HF checkpoint call them. transformers 5 holds a MoE layer's experts fused, as
+    ``mlp.experts.gate_up_proj`` [experts, 2 x intermediate, hidden] (each expert's gate rows,
+    then its up rows) and ``mlp.experts.down_proj`` [experts, hidden, intermediate], and writes
+    them per expert (``mlp.experts.{E}.gate_proj.weight``, ...) when it saves; each becomes
+    those per-expert tensors here, as views of the same memory (nothing is copied, so they are
+    published in place). ``wanted`` (the publisher's tensors) decides what is fused: a name it
+    has is kept as it is."""
+    out = {}
+    for name, t in named.items():
+        prefix, _, leaf = name.rpartition(".")
+        fused = leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".mlp.experts") \
+            and name not in wanted and getattr(t, "dim", lambda: 0)() == 3
+        if not fused:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if leaf == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+            else:
+                rows = t.shape[1] // 2
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :rows]
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, rows:]
+    return out
+
+
 class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     """vLLM's trainer-side engine for reshard: each trainer rank publishes the tensors of its
     ``WeightSource`` (HF names) in place, and the sender drives the engines' update of each
@@ -710,8 +763,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             topology=init_info.topology, rank=init_info.rank,
             rendezvous=init_info.rendezvous, transport=init_info.transport,
             config=init_info.config)
-        held = dict(source)
         wanted = self.publisher.tensors
+        held = checkpoint_tensors(dict(source), wanted)
         extra = sorted(set(held) - set(wanted))
         if extra:
             raise _error(reshard.InvalidInput, "invalid_input",

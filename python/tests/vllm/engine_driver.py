@@ -93,13 +93,13 @@ def backend_state(worker):
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is None:
         return None
-    bg = getattr(engine, "_background", None)
-    result = getattr(engine, "_background_result", None)
+    stage = engine.stage_state()
     return {
         "last_update": dict(getattr(engine, "last_update", {}) or {}),
         "installed_step": getattr(engine, "installed_step", None),
-        "stage_running": bool(bg is not None and bg.is_alive()),
-        "stage_result": None if result is None else [result[0], round(result[2], 4)],
+        "stage_running": stage["running"],
+        "stage_result": None if stage["result"] is None
+        else [stage["result"], round(stage["stage_s"], 4)],
     }
 
 
