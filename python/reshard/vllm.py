@@ -316,8 +316,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self._rx.rollback()
             self._install(t0, stage_s=0.0, wire_bytes=0)
             return
-        staged, stage_s, now = self._staged(info)
-        self._agree(staged.step)
+        try:
+            staged, stage_s, now = self._staged(info)
+        except BaseException as e:
+            # The other ranks wait in _agree for this one: it goes there with its failure.
+            self._agree(None, e)
+            raise
+        self._agree(staged.step, None)
         report = self._rx.apply(staged)
         # A step staged in the background moved its bytes then, not in this update.
         self._install(t0, stage_s=stage_s, wire_bytes=report.wire_bytes if now else 0)
@@ -384,19 +389,29 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         staged = self._stage(info)
         return staged, time.perf_counter() - t, True
 
-    def _agree(self, step: int) -> None:
-        """Every rank of the engine installs the same step or none does: the ranks exchange the
-        step each staged (a collective over vLLM's world group; every rank reaches it, having
-        staged or not, since a rank that raised before it would leave the others waiting)."""
+    def _agree(self, step: Optional[int], failure: Optional[BaseException]) -> None:
+        """Every rank of the engine installs the same step or none does: the ranks exchange
+        the step each staged, or that it failed (a collective over vLLM's world group, which
+        every rank reaches whether its stage succeeded or not, so none waits for ever). A rank
+        whose stage failed raises its own error after it; the others raise naming it."""
         from vllm.distributed import parallel_state as ps
 
         group = ps.get_world_group()
         if group.world_size <= 1:
             return
-        mine = torch.tensor([step, -step], dtype=torch.int64)
+        mine = torch.tensor([1 if failure is not None else 0,
+                             step or 0, -(step or 0)], dtype=torch.int64)
+        if failure is not None:
+            mine[1], mine[2] = -(1 << 62), -(1 << 62)
         torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX,
                                      group=group.cpu_group)
-        high, low = int(mine[0]), -int(mine[1])
+        failed, high, low = int(mine[0]), int(mine[1]), -int(mine[2])
+        if failure is not None:
+            return
+        if failed:
+            raise _error(reshard.Aborted, "aborted",
+                         f"another rank of the engine failed to stage (this rank staged step "
+                         f"{step}); nothing installed on any rank")
         if high != low:
             raise _error(reshard.InvalidInput, "invalid_input",
                          f"the engine's ranks staged different steps ({low} to {high}): give "
