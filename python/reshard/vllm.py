@@ -118,10 +118,11 @@ def _tagged(e: BaseException) -> BaseException:
     return out
 
 
-def error_from(exc: BaseException) -> Optional[BaseException]:
+def error_from(exc: Any) -> Optional[BaseException]:
     """The typed reshard error (``reshard.Timeout``, ``reshard.Verification``, ... with ``kind``,
     ``tensor``, ``owner``, ``byte_range``, ``backend``, ``retryable``) a failed weight-transfer
-    call carried, whatever vLLM wrapped it in; None when it carried none."""
+    call carried, whatever vLLM wrapped it in: the exception, or its text (the ``message`` of
+    the server's error response); None when it carried none."""
     if isinstance(exc, reshard.ReshardError) and _TAG not in str(exc):
         return exc
     text = str(exc)
