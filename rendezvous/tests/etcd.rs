@@ -32,6 +32,22 @@ fn options() -> EtcdOptions {
     common::options(1)
 }
 
+/// Options with a lease far longer than any test here: a test runs for seconds, and a
+/// keep-alive starved on a busy machine must not remove a publisher its checks rely on.
+fn long_lease() -> EtcdOptions {
+    EtcdOptions {
+        lease_ttl: Duration::from_secs(30),
+        ..options()
+    }
+}
+
+/// Suite announcement `rank` of `world` at step 1, of `model`.
+fn announcement_of(model: &str, rank: u32, world: u32) -> reshard_core::rendezvous::Announcement {
+    let mut a = suite::announcement(rank, world, 1);
+    a.model = model.into();
+    a
+}
+
 /// The suite's two sides on this binary's etcd.
 async fn sides(model: &str) -> Option<Sides> {
     let (publishers, receivers) = common::two_connections(&endpoint()?).await;
@@ -119,19 +135,9 @@ async fn bad_member_records_are_skipped_and_refused_naming_the_field() {
 
     let Some(url) = endpoint() else { return };
     let model = "bad_member_records";
-    // A lease far longer than the test: it runs for seconds, and a keep-alive starved on a busy
-    // machine must not remove a publisher these checks rely on.
-    let long = EtcdOptions {
-        lease_ttl: Duration::from_secs(30),
-        ..options()
-    };
-    let publishers = Etcd::connect(&url, long.clone()).await.unwrap();
-    let receivers = Etcd::connect(&url, long).await.unwrap();
-    let announce = |rank| {
-        let mut a = suite::announcement(rank, 2, 1);
-        a.model = model.into();
-        a
-    };
+    let publishers = Etcd::connect(&url, long_lease()).await.unwrap();
+    let receivers = Etcd::connect(&url, long_lease()).await.unwrap();
+    let announce = |rank| announcement_of(model, rank, 2);
     let held = [
         publishers.announce(announce(0)).await.unwrap(),
         publishers.announce(announce(1)).await.unwrap(),
@@ -356,19 +362,9 @@ async fn a_rank_spelled_twice_under_members_counts_once() {
 
     let Some(url) = endpoint() else { return };
     let model = "rank_spelled_twice";
-    // A lease far longer than the test: a keep-alive starved on a busy machine must not remove
-    // a publisher the checks rely on.
-    let long = EtcdOptions {
-        lease_ttl: Duration::from_secs(30),
-        ..options()
-    };
-    let publishers = Etcd::connect(&url, long.clone()).await.unwrap();
-    let receivers = Etcd::connect(&url, long).await.unwrap();
-    let announce = |rank| {
-        let mut a = suite::announcement(rank, 4, 1);
-        a.model = model.into();
-        a
-    };
+    let publishers = Etcd::connect(&url, long_lease()).await.unwrap();
+    let receivers = Etcd::connect(&url, long_lease()).await.unwrap();
+    let announce = |rank| announcement_of(model, rank, 4);
     let mut held = Vec::new();
     for rank in 0..3 {
         held.push(publishers.announce(announce(rank)).await.unwrap());
@@ -465,12 +461,8 @@ async fn blobs_of_many_chunks_are_read_whole_and_an_oversized_answer_names_the_r
 
     let Some(url) = endpoint() else { return };
     let model = "many_chunks";
-    let long = EtcdOptions {
-        lease_ttl: Duration::from_secs(30),
-        ..options()
-    };
-    let publishers = Etcd::connect(&url, long.clone()).await.unwrap();
-    let receivers = Etcd::connect(&url, long).await.unwrap();
+    let publishers = Etcd::connect(&url, long_lease()).await.unwrap();
+    let receivers = Etcd::connect(&url, long_lease()).await.unwrap();
     // Rank r's table: 2 full chunks and a part of a third, every byte telling rank and place.
     let table = |rank: u32| {
         let n = 2 * CHUNK_BYTES + 1000 + rank as usize;
@@ -544,11 +536,7 @@ async fn listings_larger_than_one_answer_are_read_in_pages() {
 
     let Some(url) = endpoint() else { return };
     let model = "listed_in_pages";
-    let long = EtcdOptions {
-        lease_ttl: Duration::from_secs(30),
-        ..options()
-    };
-    let receivers = Etcd::connect(&url, long.clone()).await.unwrap();
+    let receivers = Etcd::connect(&url, long_lease()).await.unwrap();
     let mut raw = Client::connect([url.replace("etcd://", "http://")], None)
         .await
         .unwrap();
@@ -567,9 +555,8 @@ async fn listings_larger_than_one_answer_are_read_in_pages() {
     assert_eq!(readers, ["big 0", "big 1", "big 2", "big 3"]);
     assert!(claims.iter().all(|c| c.names(49_999, 1 << 60 | 49_999)));
     // 1,500 keys under members/ that name no rank, around one announced rank: more than a page.
-    let publishers = Etcd::connect(&url, long).await.unwrap();
-    let mut a = suite::announcement(0, 1, 1);
-    a.model = model.into();
+    let publishers = Etcd::connect(&url, long_lease()).await.unwrap();
+    let a = announcement_of(model, 0, 1);
     let held = publishers.announce(a).await.unwrap();
     for i in 0..1_500 {
         let key = format!("/reshard/v1/{model}/members/x{i:05}");
